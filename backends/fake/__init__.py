@@ -1,0 +1,14 @@
+"""In-tree plugin: the CPU simulator backend ``fake``. Registered like any third-party plugin."""
+
+from offload_core.hookspecs import hookimpl
+
+from .backend import FakeBackend
+from .memory import FakeOutOfMemoryError
+from .streams import StreamError
+
+__all__ = ["FakeBackend", "FakeOutOfMemoryError", "StreamError"]
+
+
+@hookimpl
+def offload_core_register_backends(register):
+    register(FakeBackend)

@@ -1,0 +1,242 @@
+"""The fake backend: a CPU simulator of an accelerator, for testing strategies without one."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from offload_core import dist as _dist
+from offload_core.backend import Capability, DeviceBackend
+
+from .memory import Pool
+from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos
+from .trace import Timeline, now_ns
+
+logger = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _env_int(var: str) -> int | None:
+    value = os.environ.get(var)
+    return int(float(value)) if value else None
+
+
+def _env_float(var: str) -> float | None:
+    value = os.environ.get(var)
+    return float(value) if value else None
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Fill a copy destination with a value no correct computation produces."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+class FakeBackend(DeviceBackend):
+    """Streams as threads, real overlap, events, memory accounting, chaos mode, bandwidth model.
+
+    Options (keyword arguments, else environment variables):
+
+    * ``chaos`` (``OFFLOAD_CORE_FAKE_CHAOS=1``): every queued task starts after a random delay of
+      ``chaos_delay`` / 2 .. ``chaos_delay`` seconds (default 2 ms), and every copy destination
+      holds NaN (integers: their maximum) from the moment the copy is enqueued until it has run,
+      so reading it without waiting gives wrong numbers every time.
+    * ``device_memory`` (``OFFLOAD_CORE_FAKE_DEVICE_MEMORY``, bytes): capacity; exceeding it raises
+      :class:`FakeOutOfMemoryError`, a ``torch.OutOfMemoryError``.
+    * ``pinned_memory`` (``OFFLOAD_CORE_FAKE_PINNED_MEMORY``, bytes): cap on pinned host memory.
+    * ``h2d_bandwidth`` (``OFFLOAD_CORE_FAKE_H2D_BANDWIDTH``, bytes/s): a host-to-device copy of
+      n bytes takes at least n / bandwidth seconds, like a PCIe link.
+    * ``seed``: the chaos delays' random seed.
+
+    Compute (torch operations issued by the caller) always runs on the calling thread, which is
+    the default stream; side streams run only the backend's own work (copies, waits, collectives).
+    """
+
+    name = "fake"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 0
+    is_accelerator = False
+    capabilities = frozenset(
+        {Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES}
+    )
+
+    def __init__(
+        self,
+        *,
+        chaos: bool | None = None,
+        chaos_delay: float = 0.002,
+        device_memory: int | None = None,
+        pinned_memory: int | None = None,
+        h2d_bandwidth: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        if chaos is None:
+            chaos = os.environ.get("OFFLOAD_CORE_FAKE_CHAOS", "").lower() in _TRUE
+        device_memory = device_memory if device_memory is not None else _env_int("OFFLOAD_CORE_FAKE_DEVICE_MEMORY")
+        pinned_memory = pinned_memory if pinned_memory is not None else _env_int("OFFLOAD_CORE_FAKE_PINNED_MEMORY")
+        if h2d_bandwidth is None:
+            h2d_bandwidth = _env_float("OFFLOAD_CORE_FAKE_H2D_BANDWIDTH")
+        for label, value in (("device_memory", device_memory), ("pinned_memory", pinned_memory)):
+            if value is not None and value < 0:
+                raise ValueError(f"{label} must be >= 0 bytes, got {value}")
+        if h2d_bandwidth is not None and h2d_bandwidth <= 0:
+            raise ValueError(f"h2d_bandwidth must be > 0 bytes/s, got {h2d_bandwidth}")
+        if chaos_delay < 0:
+            raise ValueError(f"chaos_delay must be >= 0 seconds, got {chaos_delay}")
+        self.chaos = bool(chaos)
+        self.h2d_bandwidth = h2d_bandwidth
+        self.timeline = Timeline()
+        self._chaos = _Chaos(chaos_delay, seed) if self.chaos else None
+        self._device = Pool("device", device_memory)
+        self._pinned = Pool("pinned host memory", pinned_memory)
+        self._default = DefaultStream(self.timeline)
+        self._streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
+        self._ids = itertools.count(1)
+        self._local = threading.local()
+
+    # -- identity -------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> bool:
+        return True
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        return os.cpu_count() or 1
+
+    # -- streams --------------------------------------------------------------------------
+    def new_stream(self) -> FakeStream:
+        stream = FakeStream(f"stream-{next(self._ids)}", self.timeline, self._chaos)
+        self._streams.add(stream)
+        return stream
+
+    def _stack(self) -> list:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current_stream(self) -> FakeStream | DefaultStream:
+        stack = self._stack()
+        return stack[-1] if stack else self._default
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream | DefaultStream) -> Iterator[FakeStream | DefaultStream]:
+        stack = self._stack()
+        stack.append(stream)
+        try:
+            yield stream
+        finally:
+            stack.pop()
+
+    def wait_stream(self, waiter: FakeStream | DefaultStream, waitee: FakeStream | DefaultStream) -> None:
+        event = self.new_event()
+        event.record(waitee)
+        event.wait(waiter)
+
+    def synchronize(self) -> None:
+        for stream in list(self._streams):
+            stream.synchronize()
+
+    # -- events ---------------------------------------------------------------------------
+    def new_event(self) -> FakeEvent:
+        return FakeEvent(self.current_stream, self.timeline)
+
+    # -- memory ---------------------------------------------------------------------------
+    def empty_pinned(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return self._pinned.allocate(size, dtype)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return self._pinned.owns(tensor)
+
+    def pinned_memory_allocated(self) -> int:
+        return self._pinned.current
+
+    def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return self._device.allocate(size, dtype)
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` views memory this fake device allocated."""
+        return self._device.owns(tensor)
+
+    def memory_allocated(self) -> int:
+        return self._device.current
+
+    def max_memory_allocated(self) -> int:
+        return self._device.peak
+
+    def reset_peak_memory_stats(self) -> None:
+        self._device.reset_peak()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        total = self._device.capacity
+        if total is None:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(total - self._device.current, 0), total
+
+    # -- transfers ------------------------------------------------------------------------
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream | DefaultStream | None = None) -> None:
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(
+                f"copy_async needs equal shapes and dtypes, got dst {tuple(dst.shape)} {dst.dtype} "
+                f"and src {tuple(src.shape)} {src.dtype}"
+            )
+        stream = stream if stream is not None else self.current_stream()
+        nbytes = src.numel() * src.element_size()
+        h2d = not self._device.owns(src)
+        if self.chaos:
+            _poison(dst)
+        bandwidth = self.h2d_bandwidth if h2d else None
+
+        def copy() -> None:
+            start = now_ns()
+            dst.copy_(src)
+            if bandwidth:
+                remaining = nbytes / bandwidth - (now_ns() - start) / 1e9
+                if remaining > 0:
+                    time.sleep(remaining)
+
+        stream.submit(copy, "H2D" if h2d else "D2H", nbytes)
+
+    # -- collectives ----------------------------------------------------------------------
+    def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
+        _dist.init_process_group(self.dist_backend, rank, world_size, init_method, **kwargs)
+
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Any = None,
+        stream: FakeStream | DefaultStream | None = None,
+    ) -> FakeEvent:
+        stream = stream if stream is not None else self.current_stream()
+        if self.chaos:
+            _poison(output)
+        stream.submit(lambda: _dist.all_gather(output, input, group=group), "all_gather", output.numel() * output.element_size())
+        done = self.new_event()
+        done.record(stream)
+        return done
+
+    # -- fake-only tools ------------------------------------------------------------------
+    def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the per-stream timeline (copies, waits, collectives) as Chrome trace JSON."""
+        self.timeline.export_chrome_trace(path)
+
+    def close(self) -> None:
+        for stream in list(self._streams):
+            stream.close()

@@ -1,0 +1,206 @@
+"""Streams and events of the fake device.
+
+A side stream is a worker thread that runs its queue in order, so copies enqueued on it really
+overlap with the host thread. The default stream is the calling thread itself: work "enqueued" on
+it runs at once, which is exactly the ordering a GPU's default stream gives to host-issued
+compute. Events capture a stream position; waiting for one on a side stream enqueues a task that
+blocks that worker, and on the default stream blocks the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import weakref
+from typing import Callable
+
+from .trace import Timeline, now_ns
+
+
+class StreamError(RuntimeError):
+    """Work on a fake stream raised; re-raised at the next synchronisation, as a GPU reports
+    asynchronous errors."""
+
+
+class _Chaos:
+    """Random delay before each queued task, so that a missing wait shows every time."""
+
+    def __init__(self, max_delay: float, seed: int) -> None:
+        self.max_delay = max_delay
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def delay(self) -> None:
+        with self._lock:
+            d = self._rng.uniform(self.max_delay / 2, self.max_delay)
+        time.sleep(d)
+
+
+class _Queue:
+    """State shared by a side stream's handle and its worker thread.
+
+    The worker holds only this object, never the handle, so dropping the last handle stops the
+    thread (a finalizer enqueues the stop sentinel).
+    """
+
+    def __init__(self, name: str, timeline: Timeline, chaos: _Chaos | None) -> None:
+        self.name = name
+        self.timeline = timeline
+        self.chaos = chaos
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.enqueued = 0
+        self.done = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.run, name=f"offload-core-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], None], label: str, nbytes: int) -> int:
+        with self.cond:
+            self.enqueued += 1
+            seq = self.enqueued
+        self.tasks.put((seq, fn, label, nbytes))
+        return seq
+
+    def run(self) -> None:
+        while True:
+            item = self.tasks.get()
+            if item is None:
+                return
+            seq, fn, label, nbytes = item
+            if self.chaos is not None:
+                self.chaos.delay()
+            start = now_ns()
+            try:
+                if self.error is None:  # after a failure the stream only drains, as a faulted GPU would
+                    fn()
+            except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
+                self.error = exc
+            self.timeline.add(self.name, label, start, now_ns(), nbytes)
+            del item, fn  # the task's tensors must not outlive it (device memory accounting)
+            with self.cond:
+                self.done = seq
+                self.cond.notify_all()
+
+    def wait_for(self, seq: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.done >= seq)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise StreamError(f"work on fake stream {self.name!r} failed: {self.error!r}") from self.error
+
+    def stop(self) -> None:
+        self.tasks.put(None)
+
+
+class FakeStream:
+    """A side stream: its work runs in order on its own worker thread."""
+
+    def __init__(self, name: str, timeline: Timeline, chaos: _Chaos | None) -> None:
+        self._q = _Queue(name, timeline, chaos)
+        self._finalizer = weakref.finalize(self, self._q.stop)
+
+    @property
+    def name(self) -> str:
+        return self._q.name
+
+    def submit(self, fn: Callable[[], None], label: str, nbytes: int = 0) -> int:
+        """Enqueue ``fn``; returns its position, usable with ``reached``/``wait_for``."""
+        return self._q.submit(fn, label, nbytes)
+
+    def position(self) -> int:
+        return self._q.enqueued
+
+    def reached(self, seq: int) -> bool:
+        return self._q.done >= seq
+
+    def wait_for(self, seq: int) -> None:
+        self._q.wait_for(seq)
+
+    def synchronize(self) -> None:
+        self._q.wait_for(self._q.enqueued)
+
+    def query(self) -> bool:
+        return self._q.done >= self._q.enqueued
+
+    def close(self) -> None:
+        """Finish queued work, then stop the worker thread."""
+        self._finalizer()
+        self._q.thread.join()
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name}>"
+
+
+class DefaultStream:
+    """The default stream: the calling thread. Its work runs on submission."""
+
+    name = "default"
+
+    def __init__(self, timeline: Timeline) -> None:
+        self._timeline = timeline
+
+    def submit(self, fn: Callable[[], None], label: str, nbytes: int = 0) -> int:
+        start = now_ns()
+        fn()
+        self._timeline.add(self.name, label, start, now_ns(), nbytes)
+        return 0
+
+    def position(self) -> int:
+        return 0
+
+    def reached(self, seq: int) -> bool:
+        return True
+
+    def wait_for(self, seq: int) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "<FakeStream default>"
+
+
+class FakeEvent:
+    """A captured stream position. ``wait`` on a side stream enqueues a blocking task there;
+    ``wait`` on the default stream blocks the calling thread (its later work is the caller's)."""
+
+    def __init__(self, current: Callable[[], FakeStream | DefaultStream], timeline: Timeline) -> None:
+        self._current = current
+        self._timeline = timeline
+        self._stream: FakeStream | DefaultStream | None = None
+        self._seq = 0
+
+    def record(self, stream: FakeStream | DefaultStream | None = None) -> None:
+        stream = stream if stream is not None else self._current()
+        self._stream, self._seq = stream, stream.position()
+
+    def query(self) -> bool:
+        return self._stream is None or self._stream.reached(self._seq)
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.wait_for(self._seq)
+
+    def wait(self, stream: FakeStream | DefaultStream | None = None) -> None:
+        target = stream if stream is not None else self._current()
+        source, seq = self._stream, self._seq
+        if source is None or source is target:
+            return  # unrecorded, or same-stream order already holds
+        if isinstance(target, DefaultStream):
+            if not source.reached(seq):
+                start = now_ns()
+                source.wait_for(seq)
+                self._timeline.add(target.name, f"wait {source.name}", start, now_ns())
+            else:
+                source.wait_for(seq)  # re-raises a failure of the awaited work
+            return
+        target.submit(lambda: source.wait_for(seq), f"wait {source.name}")

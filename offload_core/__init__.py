@@ -1,0 +1,23 @@
+"""offload-core: run diffusion pipelines on accelerators too small for them.
+
+Weights live in pinned host memory and stream to the device when needed, through a pluggable
+:class:`DeviceBackend`. See ``docs/index.md`` for which strategy to choose.
+"""
+
+from .backend import Capability, DeviceBackend, Event, Stream, Waitable
+from .hookspecs import hookimpl
+from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
+
+__all__ = [
+    "BackendInfo",
+    "BackendNotFoundError",
+    "Capability",
+    "DeviceBackend",
+    "Event",
+    "Stream",
+    "Waitable",
+    "get_backend",
+    "hookimpl",
+    "list_backends",
+]
+__version__ = "0.1.0"

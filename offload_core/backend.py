@@ -1,0 +1,205 @@
+"""The device abstraction every strategy is written against.
+
+Strategies never touch a vendor module: they allocate, copy, order and gather through a
+:class:`DeviceBackend`. The interface mirrors the CUDA stream model (streams are FIFO queues of
+device work, events mark a point in a stream, ``wait`` makes another stream's later work start
+after that point), because every accelerator we target exposes that model, and because a CPU
+simulator of it (the fake backend) can then test the strategies faithfully.
+
+Vocabulary used in the method docs below:
+
+* *enqueue* — the call returns once the work is queued on a stream; it has not necessarily run.
+* *host-blocking* — the calling thread waits.
+* the *current stream* is the stream selected by :meth:`DeviceBackend.use_stream`, else the
+  device's default stream. On every backend, plain torch operations issued by the caller
+  (a module's forward) run on the current stream.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = ["DeviceBackend", "Event", "Stream", "Waitable", "Capability"]
+
+
+class Capability:
+    """Names a backend may list in ``capabilities`` so that tests and tools adapt to it."""
+
+    CHAOS = "chaos"  #: delays queued work and poisons copy destinations (fake backend)
+    CAPACITY = "capacity"  #: an optional device-memory cap that raises OutOfMemoryError
+    BANDWIDTH = "bandwidth"  #: a configurable host-to-device bandwidth model
+    TRACE = "trace"  #: a per-stream timeline exportable as Chrome trace JSON
+    COLLECTIVES = "collectives"  #: all_gather_into_tensor and init_process_group work
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """A FIFO queue of device work. Work on one stream runs in the order it was enqueued."""
+
+    def synchronize(self) -> None:
+        """Host-blocking: return once all work enqueued so far on this stream has run."""
+
+    def query(self) -> bool:
+        """True when all work enqueued so far on this stream has run; never blocks."""
+
+
+@runtime_checkable
+class Waitable(Protocol):
+    """Something a stream or the host can wait for: an event, or an asynchronous collective."""
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Enqueue on ``stream`` (default: the current stream) a wait for this point: work
+        enqueued on that stream afterwards starts only once this point has been reached.
+        Never host-blocking on an accelerator."""
+
+    def synchronize(self) -> None:
+        """Host-blocking: return once this point has been reached."""
+
+    def query(self) -> bool:
+        """True once this point has been reached; never blocks."""
+
+
+@runtime_checkable
+class Event(Waitable, Protocol):
+    """A marker in a stream. Recording it again moves the marker; waits enqueued before the
+    new record keep waiting for the old point."""
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Enqueue the marker on ``stream`` (default: the current stream). The event is
+        reached when all work enqueued on that stream before the record has run."""
+
+
+class DeviceBackend(abc.ABC):
+    """One kind of device, as seen by the offloading strategies.
+
+    Subclasses set the class attributes and implement every abstract method. A backend is
+    registered through the ``offload_core_register_backends`` hook (see :mod:`offload_core.hookspecs`)
+    and instantiated by :func:`offload_core.get_backend`, with keyword options the subclass
+    documents. ``probe()`` must be cheap and initialise nothing, because it is called on every
+    registered backend during auto-detection, possibly before a process forks.
+    """
+
+    #: the name users pass to ``get_backend`` and ``--backend``
+    name: ClassVar[str]
+    #: torch device type of the tensors this backend allocates ("cuda", "npu", "cpu", ...)
+    device_type: ClassVar[str]
+    #: torch.distributed backend used for collectives ("nccl", "hccl", "gloo", ...)
+    dist_backend: ClassVar[str] = "gloo"
+    #: larger wins during auto-detection, within the same tier (see ``plugins.select``)
+    priority: ClassVar[int] = 0
+    #: True for real hardware; False for simulators, which auto-detection picks last
+    is_accelerator: ClassVar[bool] = True
+    #: optional features, names from :class:`Capability`
+    capabilities: ClassVar[frozenset[str]] = frozenset({Capability.COLLECTIVES})
+
+    # -- identity ---------------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls) -> bool:
+        """True when this backend can run in this process. Cheap; initialises no device context."""
+
+    @abc.abstractmethod
+    def device(self, index: int | None = None) -> torch.device:
+        """The torch device tensors are allocated on (``index`` None: the current device)."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """How many devices of this kind this process can use."""
+
+    # -- streams ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A new stream, independent of the default stream."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream that plain torch operations of the caller are issued to right now."""
+
+    @abc.abstractmethod
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Stream]:
+        """Context manager making ``stream`` the current stream inside the block."""
+
+    @abc.abstractmethod
+    def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
+        """Enqueue on ``waiter`` a wait for all work enqueued on ``waitee`` so far."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Host-blocking: return once all work on all of this backend's streams has run."""
+
+    # -- events -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def new_event(self) -> Event:
+        """A new, unrecorded event. Waiting on an unrecorded event does not wait."""
+
+    # -- host memory ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def empty_pinned(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Uninitialised page-locked host memory that ``copy_async`` can read and write
+        asynchronously. ``size`` is a number of elements or a shape."""
+
+    @abc.abstractmethod
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` lives in page-locked host memory usable for async copies."""
+
+    @abc.abstractmethod
+    def pinned_memory_allocated(self) -> int:
+        """Bytes of pinned host memory this backend has handed out and that are still alive."""
+
+    # -- device memory ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Uninitialised device memory. Raises ``torch.OutOfMemoryError`` when it does not fit."""
+
+    @abc.abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes of device memory held by live tensors right now."""
+
+    @abc.abstractmethod
+    def max_memory_allocated(self) -> int:
+        """Peak of ``memory_allocated`` since start or the last ``reset_peak_memory_stats``."""
+
+    @abc.abstractmethod
+    def reset_peak_memory_stats(self) -> None:
+        """Restart peak tracking from the current ``memory_allocated``."""
+
+    @abc.abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
+
+    # -- transfers --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) -> None:
+        """Enqueue on ``stream`` (default: current) a copy of ``src`` into ``dst`` (same shape
+        and dtype; host to device or device to host, the host side pinned). Neither tensor may
+        be touched until an event recorded after the copy has been reached: the caller keeps
+        both alive until then."""
+
+    # -- collectives ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
+        """Join the default process group with this backend's ``dist_backend`` and bind this
+        rank to its device."""
+
+    @abc.abstractmethod
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Any = None,
+        stream: Stream | None = None,
+    ) -> Waitable:
+        """Enqueue on ``stream`` (default: current) an all-gather of every rank's ``input``
+        into ``output`` (world_size * input.numel(), rank order). Returns a waitable that is
+        reached when ``output`` is complete."""
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release threads or handles the backend owns. Idempotent; the default does nothing."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

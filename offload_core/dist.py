@@ -1,0 +1,30 @@
+"""torch.distributed calls shared by every backend, across the torch versions we support."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.12 renamed all_gather_into_tensor to all_gather_single and deprecated the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Gather every rank's ``input`` into ``output`` in rank order (``world_size * input.numel()``)."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def init_process_group(dist_backend: str, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
+    """Join the default group unless this process already has one of the same backend and size."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already exists; "
+                f"cannot join as rank {rank} of {world_size}"
+            )
+        return
+    kwargs.setdefault("timeout", datetime.timedelta(seconds=120))
+    dist.init_process_group(dist_backend, rank=rank, world_size=world_size, init_method=init_method, **kwargs)
