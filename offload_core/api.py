@@ -1,0 +1,76 @@
+"""``enable_offload``: the one entry point that turns offloading on."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from .config import OffloadConfig, OffloadConfigError
+from .discovery import find_blocks
+from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
+from .plugins import get_backend
+from .strategies.common import Transaction
+from .strategies.layerwise import LayerwiseOffload
+
+logger = logging.getLogger(__name__)
+
+
+def enable_offload(target: Any, config: OffloadConfig | None = None, **options: Any) -> OffloadHandle:
+    """Turn on offloading for a diffusers pipeline or any ``torch.nn.Module``.
+
+    Options are the fields of :class:`OffloadConfig`, given as keywords or as ``config=``
+    (not both). ``enable`` is a transaction: on any error the target is left as it was.
+    """
+    if config is not None and options:
+        raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
+    if config is None:
+        try:
+            config = OffloadConfig(**options)
+        except TypeError as exc:
+            valid = ", ".join(f.name for f in OffloadConfig.__dataclass_fields__.values())
+            raise OffloadConfigError(f"{exc}; valid options: {valid}") from None
+    strategy = config.strategy
+    if strategy is None:
+        raise OffloadConfigError(
+            "no strategy selected: set enable_cpu_offload, enable_layerwise_offload or "
+            "enable_distributed_layerwise_offload"
+        )
+    config.warn_ignored()
+    if getattr(target, HANDLE_ATTRIBUTE, None) is not None:
+        raise AlreadyEnabledError(
+            f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
+        )
+    if strategy == "distributed":
+        raise NotImplementedError("distributed layerwise offloading is not implemented yet")
+    backend = get_backend(config.backend)
+    from .pipelines import is_pipeline
+
+    if is_pipeline(target):
+        from .pipelines import enable_on_pipeline
+
+        handle = enable_on_pipeline(target, config, backend)
+    elif isinstance(target, nn.Module):
+        handle = _enable_on_module(target, config, backend)
+    else:
+        raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
+    setattr(target, HANDLE_ATTRIBUTE, handle)
+    handle._undo.append(lambda: delattr(target, HANDLE_ATTRIBUTE))
+    return handle
+
+
+def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:
+    baseline = backend.memory_allocated()
+    backend.reset_peak_memory_stats()
+    if config.strategy == "layerwise":
+        part = LayerwiseOffload(
+            module, find_blocks(module, config.blocks), backend, config.prefetch_depth, config.pin_memory
+        )
+    else:
+        from .strategies.model_level import ModelLevelOffload
+
+        part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
+    with Transaction() as txn:
+        part.enable(txn)
+    return OffloadHandle(module, config.strategy, backend, [part], baseline)

@@ -1,0 +1,176 @@
+"""Layerwise offloading: blocks stream through a fixed ring of device slots.
+
+Each block is bound once, at enable, to views of slot ``i % slots``, so the steady-state forward
+does no per-parameter work: before block ``i`` runs, the hook makes sure ``i`` is the occupant of
+its slot (else loads it synchronously and counts a miss), queues the prefetch of the next
+``prefetch_depth`` blocks, and makes the compute stream wait for ``i``'s ready event. After the
+block, an event on the compute stream marks its slot free; a copy into a slot always waits for
+that event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of
+one forward prefetches the start of the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..backend import DeviceBackend
+from ..weights import WeightUnit, nbytes_of, slot_numel, split_units
+from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units
+
+logger = logging.getLogger(__name__)
+
+
+class LayerwiseOffload:
+    """Streams the blocks of one model; everything outside the blocks stays resident."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[tuple[str, nn.Module]],
+        backend: DeviceBackend,
+        prefetch_depth: int = 1,
+        pin_memory: bool = True,
+        move_inputs: bool = True,
+    ) -> None:
+        if len(blocks) < 2:
+            raise ValueError(
+                f"layerwise offload of {type(model).__name__} needs at least two blocks, found {len(blocks)}"
+            )
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self.model = model
+        self.block_names = [name for name, _ in blocks]
+        self.blocks = [block for _, block in blocks]
+        self.backend = backend
+        self.depth = min(prefetch_depth, len(blocks) - 1)
+        self.pin_memory = pin_memory
+        self.move_inputs = move_inputs
+        self.counters = Counters()
+        self.resident, self.units = split_units(model, blocks)
+        self.num_slots = self.depth + 1
+        self.slot_shape = slot_numel(self.units)
+        self._hooks: list = []
+        self._occupant: list[int] = []
+
+    # -- sizes ----------------------------------------------------------------------------
+    @property
+    def resident_bytes(self) -> int:
+        return self.resident.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return nbytes_of(self.slot_shape)
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """Device bytes this strategy holds: resident + slots x largest block (per dtype)."""
+        return self.resident_bytes + self.num_slots * self.slot_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.resident.nbytes + sum(u.nbytes for u in self.units)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def enable(self, txn: Transaction) -> None:
+        backend = self.backend
+        self.slots = [allocate_device(backend, self.slot_shape) for _ in range(self.num_slots)]
+        resident_device = allocate_device(backend, self.resident.numel)
+        txn.on_rollback(self._release)
+        pack_units([self.resident, *self.units], backend, self.pin_memory, txn, f"packing {type(self.model).__name__}")
+        self.copy_stream = backend.new_stream()
+        self.ready = [backend.new_event() for _ in self.units]
+        self.freed = [backend.new_event() for _ in range(self.num_slots)]
+        self._occupant = [-1] * self.num_slots
+        self._copy(self.resident, resident_device)
+        done = backend.new_event()
+        done.record(self.copy_stream)
+        done.synchronize()
+        self.resident.bind(resident_device)
+        txn.on_rollback(lambda: self.resident.bind(self.resident.host))
+        for i, unit in enumerate(self.units):
+            unit.bind(self.slots[i % self.num_slots])
+            txn.on_rollback(functools.partial(unit.bind, unit.host))
+        for i, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before_block, i)))
+            self._hooks.append(block.register_forward_hook(functools.partial(self._after_block, i)))
+        if self.move_inputs:
+            self._hooks.append(
+                self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True)
+            )
+        txn.on_rollback(self._remove_hooks)
+        for i in range(self.num_slots):
+            self._load(i)
+        logger.info(
+            "layerwise offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
+            self.resident_bytes / 2**20,
+        )
+
+    def disable(self) -> None:
+        """Wait for queued copies, give every tensor back an ordinary host copy, free the device."""
+        self._remove_hooks()
+        if self._occupant:
+            self.copy_stream.synchronize()
+        for unit in (self.resident, *self.units):
+            if unit.host:
+                unit.unpack()
+        self._release()
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _release(self) -> None:
+        self.slots = []
+        self._occupant = []
+
+    # -- streaming ------------------------------------------------------------------------
+    def _copy(self, unit: WeightUnit, dst: dict[torch.dtype, torch.Tensor]) -> None:
+        def one(d: torch.Tensor, s: torch.Tensor) -> None:
+            self.backend.copy_async(d, s, self.copy_stream)
+            self.counters.h2d_copies += 1
+
+        self.counters.h2d_bytes += unit.copy_to(dst, one)
+
+    def _load(self, i: int) -> None:
+        """Queue block ``i``'s copy into its slot once the slot's last reader is done."""
+        slot = i % self.num_slots
+        self.freed[slot].wait(self.copy_stream)
+        self._copy(self.units[i], self.slots[slot])
+        self.ready[i].record(self.copy_stream)
+        self._occupant[slot] = i
+        self.counters.loads += 1
+
+    def _prefetch(self, i: int, running: bool) -> None:
+        """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first."""
+        n = len(self.units)
+        for k in range(1, self.depth + 1):
+            j = (i + k) % n
+            occupant = self._occupant[j % self.num_slots]
+            if occupant == j:
+                continue
+            ahead = (occupant - i) % n if occupant >= 0 else n
+            if (ahead == 0 and running) or 0 < ahead < k:
+                continue  # the occupant runs before j: this prefetch waits for a later hook
+            self._load(j)
+
+    def _wait_ready(self, i: int) -> None:
+        self.ready[i].wait(self.backend.current_stream())
+
+    def _before_block(self, i: int, module: nn.Module, args) -> None:
+        if self._occupant[i % self.num_slots] != i:
+            self.counters.prefetch_misses += 1
+            logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            self._load(i)
+        self._prefetch(i, running=True)
+        self._wait_ready(i)
+
+    def _after_block(self, i: int, module: nn.Module, args, output) -> None:
+        self.freed[i % self.num_slots].record(self.backend.current_stream())
+        self._prefetch(i, running=False)

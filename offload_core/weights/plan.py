@@ -1,0 +1,55 @@
+"""Splitting a model into weight units: one per block, plus the resident rest.
+
+A tensor belongs to a block's unit only if every module owning it, and every tensor sharing its
+memory, lies in that one block. Anything shared across blocks, or between a block and the rest
+of the model (a tied embedding, a shared rotary table), is resident: keeping one device copy is
+both correct and cheaper than streaming duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from torch import nn
+
+from .unit import WeightUnit, collect_tensors, storage_key
+
+logger = logging.getLogger(__name__)
+
+RESIDENT = -1
+
+
+def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tuple[WeightUnit, list[WeightUnit]]:
+    """(resident unit, one unit per block in order) for ``root`` streamed over ``blocks``."""
+    home: dict[int, int] = {}  # module id -> block index, RESIDENT where it lies in several blocks
+    for index, (_, block) in enumerate(blocks):
+        for module in block.modules():
+            home[id(module)] = index if home.get(id(module), index) == index else RESIDENT
+    tensors = collect_tensors([root])
+    unit_of: dict[int, int] = {}
+    for tid, (_, owners) in tensors.items():
+        places = {home.get(id(o.module), RESIDENT) for o in owners}
+        unit_of[tid] = places.pop() if len(places) == 1 else RESIDENT
+    # tensors aliasing one storage must land in one unit
+    by_storage: dict[tuple, set[int]] = {}
+    for tid, (t, _) in tensors.items():
+        by_storage.setdefault(storage_key(t), set()).add(tid)
+    for tids in by_storage.values():
+        if len({unit_of[t] for t in tids}) > 1:
+            for t in tids:
+                unit_of[t] = RESIDENT
+    shared = [
+        f"{owners[0].name}" for tid, (_, owners) in tensors.items()
+        if unit_of[tid] == RESIDENT and any(id(o.module) in home for o in owners)
+    ]
+    if shared:
+        logger.info("%d tensors shared across blocks or with the rest of the model stay resident: %s",
+                    len(shared), ", ".join(shared[:8]) + (" ..." if len(shared) > 8 else ""))
+    groups: dict[int, dict] = {RESIDENT: {}}
+    for index in range(len(blocks)):
+        groups[index] = {}
+    for tid, item in tensors.items():
+        groups[unit_of[tid]][tid] = item
+    resident = WeightUnit("resident", groups[RESIDENT])
+    return resident, [WeightUnit(name, groups[i]) for i, (name, _) in enumerate(blocks)]

@@ -1,0 +1,198 @@
+"""Weight units: groups of tensors that move between host and device together.
+
+A unit's home is one flat host buffer per dtype. Every tensor of the unit is a strided view into
+its buffer, placed so that tensors sharing a storage (tied weights, views of one another) stay
+views of one region: packing works on storage regions, not on tensors. Binding a unit to another
+set of per-dtype buffers (a device slot) re-points every owner — parameters through ``.data`` so
+their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
+without copying anything, and moving a unit is then one copy per dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
+
+
+class UnsupportedTensorError(TypeError):
+    """A tensor the packer cannot move faithfully (a subclass, a meta tensor, mixed-dtype aliasing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """One place a tensor is reachable from: ``module.<name>`` as a parameter or a buffer."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+
+    def get(self) -> torch.Tensor:
+        return (self.module._parameters if self.is_param else self.module._buffers)[self.name]
+
+    def rebind(self, tensor: torch.Tensor) -> None:
+        if self.is_param:
+            self.module._parameters[self.name].data = tensor
+        else:
+            self.module._buffers[self.name] = tensor
+
+
+@dataclasses.dataclass
+class Entry:
+    """One distinct tensor (by identity) of a unit, with every owner and its place in the buffer."""
+
+    owners: list[Owner]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int = 0  # element offset of this view in the unit's buffer for ``dtype``
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
+    if t.numel() == 0:
+        return ("empty", id(t))
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def extent(t: torch.Tensor) -> int:
+    """Elements of storage a strided tensor spans from its first element."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+def collect_tensors(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tensor, list[Owner]]]:
+    """Every parameter and buffer reachable from ``modules``, by tensor identity, with owners."""
+    found: dict[int, tuple[torch.Tensor, list[Owner]]] = {}
+    seen_modules: set[int] = set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen_modules:
+                continue
+            seen_modules.add(id(module))
+            for is_param, table in ((True, module._parameters), (False, module._buffers)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    found.setdefault(id(t), (t, []))[1].append(Owner(module, name, is_param))
+    return found
+
+
+def check_supported(t: torch.Tensor, where: str) -> None:
+    base = t.data if isinstance(t, nn.Parameter) else t
+    if type(base) is not torch.Tensor:
+        raise UnsupportedTensorError(f"{where} is a {type(base).__name__}; only plain tensors can be offloaded")
+    if t.is_meta:
+        raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedTensorError(f"{where} has layout {t.layout}; only strided tensors can be offloaded")
+
+
+@dataclasses.dataclass
+class Region:
+    """A span of one source storage that the unit's tensors view, and where it goes in the buffer."""
+
+    source: torch.Tensor | None  # any tensor viewing the storage; dropped once packed
+    first: int  # first element of the span in the source storage
+    numel: int
+    dtype: torch.dtype
+    start: int  # element offset in the unit's buffer for ``dtype``
+
+
+class WeightUnit:
+    """A named group of tensors with a per-dtype layout, packed into host buffers on demand."""
+
+    def __init__(self, name: str, tensors: Mapping[int, tuple[torch.Tensor, list[Owner]]]) -> None:
+        self.name = name
+        self.entries: list[Entry] = []
+        self.regions: list[Region] = []
+        self.numel: dict[torch.dtype, int] = {}
+        self.host: dict[torch.dtype, torch.Tensor] = {}
+        by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
+        for t, owners in tensors.values():
+            check_supported(t, f"{name}: {owners[0].name}")
+            entry = Entry(owners, tuple(t.shape), tuple(t.stride()), t.dtype)
+            self.entries.append(entry)
+            by_storage.setdefault(storage_key(t), []).append((t, entry))
+        for members in by_storage.values():
+            self._place(members)
+
+    def _place(self, members: list[tuple[torch.Tensor, Entry]]) -> None:
+        dtype = members[0][0].dtype
+        if any(t.dtype != dtype for t, _ in members):
+            names = ", ".join(e.owners[0].name for _, e in members)
+            raise UnsupportedTensorError(f"{self.name}: tensors {names} share memory with different dtypes")
+        first = min(t.storage_offset() for t, _ in members)
+        last = max(t.storage_offset() + extent(t) for t, _ in members)
+        align = max(1, ALIGN_BYTES // dtype.itemsize)
+        start = -(-self.numel.get(dtype, 0) // align) * align
+        self.numel[dtype] = start + (last - first)
+        for t, entry in members:
+            entry.offset = start + t.storage_offset() - first
+        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start))
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.numel)
+
+    def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
+        return [buffers[e.dtype].as_strided(e.size, e.stride, e.offset) for e in self.entries]
+
+    def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
+        """Point every owner at its view of ``buffers``. No data moves."""
+        for entry, view in zip(self.entries, self.views(buffers)):
+            for owner in entry.owners:
+                owner.rebind(view)
+
+    def pack(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
+        the unit to them.
+
+        Afterwards the unit holds no reference to the original tensors, so their memory is freed
+        as soon as nobody else holds them: packing unit by unit keeps host memory near one copy.
+        Whole storage spans are copied, so gaps, overlaps and zero strides survive.
+        """
+        host = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
+        for r in self.regions:
+            if r.numel:
+                host[r.dtype][r.start : r.start + r.numel].copy_(r.source.as_strided((r.numel,), (1,), r.first))
+        self.host = host
+        self.bind(host)
+        for r in self.regions:
+            r.source = None
+
+    def unpack(self) -> None:
+        """Give every owner an ordinary host tensor (same values, dtype, strides, sharing)."""
+        plain = {dtype: buf.to("cpu", copy=True) for dtype, buf in self.host.items()}
+        self.bind(plain)
+        self.host = {}
+
+    def copy_to(self, slot: Mapping[torch.dtype, torch.Tensor], copy: Callable[[torch.Tensor, torch.Tensor], None]) -> int:
+        """Issue one copy per dtype from the host buffers into ``slot``; returns the bytes moved."""
+        moved = 0
+        for dtype, src in self.host.items():
+            copy(slot[dtype][: src.numel()], src)
+            moved += src.numel() * dtype.itemsize
+        return moved
+
+    def __repr__(self) -> str:
+        return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
+
+
+def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:
+    """Per-dtype size of a slot that can hold any of ``units``."""
+    need: dict[torch.dtype, int] = {}
+    for unit in units:
+        for dtype, n in unit.numel.items():
+            need[dtype] = max(need.get(dtype, 0), n)
+    return need
+
+
+def nbytes_of(numel: Mapping[torch.dtype, int]) -> int:
+    return sum(n * dtype.itemsize for dtype, n in numel.items())
