@@ -10,9 +10,11 @@ from torch import nn
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
+from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
 from .strategies.common import Transaction
 from .strategies.layerwise import LayerwiseOffload
+from .strategies.model_level import ModelLevelOffload
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +47,7 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     if strategy == "distributed":
         raise NotImplementedError("distributed layerwise offloading is not implemented yet")
     backend = get_backend(config.backend)
-    from .pipelines import is_pipeline
-
     if is_pipeline(target):
-        from .pipelines import enable_on_pipeline
-
         handle = enable_on_pipeline(target, config, backend)
     elif isinstance(target, nn.Module):
         handle = _enable_on_module(target, config, backend)
@@ -68,8 +66,6 @@ def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> Offl
             module, find_blocks(module, config.blocks), backend, config.prefetch_depth, config.pin_memory
         )
     else:
-        from .strategies.model_level import ModelLevelOffload
-
         part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
     with Transaction() as txn:
         part.enable(txn)

@@ -1,0 +1,237 @@
+"""Model-level offloading: whole component groups swap between host and device.
+
+Each component's weights live in flat host buffers (the same packing as layerwise). At most one
+group is *active* on the device; a group becomes active when any of its modules runs. Swapping a
+group out only re-binds its tensors to their host buffers and drops the device buffers: weights
+are frozen, so no device-to-host copy is needed. Swapping in is one copy per dtype per component.
+
+Unlike a synchronous swap, the next group (learned from the order groups ran in before, else the
+pipeline's declared order) is copied early, on a side stream, whenever the device reports room for
+it beside the active group, so the swap overlaps compute.
+
+In-place changes to weights on the device are detected at swap-out through tensor version
+counters; they are copied back to the host (and logged) rather than silently lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..backend import DeviceBackend, Event
+from ..weights import WeightUnit
+from ..weights.unit import collect_tensors
+from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units
+
+logger = logging.getLogger(__name__)
+
+#: share of the device's total memory kept free of prefetched weights, for activations
+RESERVE_FRACTION = 0.1
+
+
+@dataclasses.dataclass
+class Component:
+    name: str
+    module: nn.Module
+    unit: WeightUnit
+    device: dict[torch.dtype, torch.Tensor] | None = None
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Group:
+    name: str
+    components: list[Component]
+    ready: Event | None = None
+    state: str = "host"  # "host" | "loading" | "active"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.unit.nbytes for c in self.components)
+
+
+class ModelLevelOffload:
+    """Swaps named groups of modules; the order hint is the groups' usual order of use."""
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[str, Sequence[tuple[str, nn.Module]]]],
+        backend: DeviceBackend,
+        pin_memory: bool = True,
+        prefetch: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.pin_memory = pin_memory
+        self.prefetch = prefetch
+        self.counters = Counters()
+        self.groups: list[Group] = []
+        seen: set[int] = set()
+        for group_name, members in groups:
+            components = []
+            for name, module in members:
+                if id(module) in seen:
+                    continue  # one module registered under two names
+                seen.add(id(module))
+                components.append(Component(name, module, WeightUnit(name, collect_tensors([module]))))
+            if components:
+                self.groups.append(Group(group_name, components))
+        if not self.groups:
+            raise ValueError("model-level offload found no module with weights to offload")
+        self._next: dict[int, int] = {i: (i + 1) % len(self.groups) for i in range(len(self.groups))}
+        self._active: int | None = None
+        self._hooks: list = []
+        self.peak_weight_bytes = 0
+
+    @classmethod
+    def for_module(cls, module: nn.Module, backend: DeviceBackend, pin_memory: bool = True) -> "ModelLevelOffload":
+        """Each direct child of ``module`` is its own group (a model built of components)."""
+        children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+        if len(children) < 1:
+            raise ValueError(f"model-level offload of {type(module).__name__} found no child module with weights")
+        if any(module._parameters.values()) or any(b is not None for b in module._buffers.values()):
+            raise ValueError(
+                f"{type(module).__name__} has its own parameters or buffers; model-level offload swaps whole "
+                f"child modules, so use layerwise offload or wrap them in a child module"
+            )
+        return cls([(name, [(name, child)]) for name, child in children], backend, pin_memory)
+
+    # -- sizes ----------------------------------------------------------------------------
+    @property
+    def device_weight_bytes(self) -> int:
+        """The most device bytes held by this strategy's weights so far (prefetch included)."""
+        return self.peak_weight_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def largest_group_bytes(self) -> int:
+        return max(g.nbytes for g in self.groups)
+
+    def _device_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups if g.state != "host")
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def enable(self, txn: Transaction) -> None:
+        units = [c.unit for g in self.groups for c in g.components]
+        pack_units(units, self.backend, self.pin_memory, txn, "packing components")
+        self.copy_stream = self.backend.new_stream()
+        device = self.backend.device()
+        for index, group in enumerate(self.groups):
+            group.ready = self.backend.new_event()
+            for c in group.components:
+                hook = functools.partial(self._before_use, index)
+                self._hooks.append(c.module.register_forward_pre_hook(hook))
+                for child in c.module.children():  # encode()/decode() bypass the root's forward
+                    self._hooks.append(child.register_forward_pre_hook(hook))
+                self._hooks.append(c.module.register_forward_pre_hook(inputs_to_device(device), with_kwargs=True))
+        txn.on_rollback(self._remove_hooks)
+        logger.info(
+            "model-level offload: %s",
+            ", ".join(f"{g.name} ({g.nbytes / 2**20:.1f} MB)" for g in self.groups),
+        )
+
+    def disable(self) -> None:
+        self._remove_hooks()
+        self.copy_stream.synchronize()
+        for group in self.groups:
+            self._swap_out(group)
+        for c in (c for g in self.groups for c in g.components):
+            c.unit.unpack()
+
+    def release_all(self) -> None:
+        """Swap every group out (end of a pipeline call), keeping the learned order."""
+        for group in self.groups:
+            self._swap_out(group)
+        self._active = None
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- swapping -------------------------------------------------------------------------
+    def _before_use(self, index: int, module: nn.Module, args) -> None:
+        if self._active == index:
+            return
+        previous = self._active
+        for i, group in enumerate(self.groups):
+            if i != index and group.state != "host":
+                self._swap_out(group)
+        group = self.groups[index]
+        if group.state == "host":
+            self._load(group)
+        compute = self.backend.current_stream()
+        group.ready.wait(compute)
+        for c in group.components:
+            c.unit.bind(c.device)
+            c.versions = [p._version for p in c.module.parameters()]
+        group.state = "active"
+        self._active = index
+        if previous is not None:
+            self._next[previous] = index
+        if self.prefetch:
+            self._maybe_prefetch(self._next[index])
+
+    def _load(self, group: Group) -> None:
+        """Allocate the group's device buffers and queue its copies (one per dtype per component)."""
+        group.state = "loading"
+        self._freed().wait(self.copy_stream)
+        for c in group.components:
+            c.device = allocate_device(self.backend, c.unit.numel)
+
+            def one(d: torch.Tensor, s: torch.Tensor) -> None:
+                self.backend.copy_async(d, s, self.copy_stream)
+                self.counters.h2d_copies += 1
+
+            self.counters.h2d_bytes += c.unit.copy_to(c.device, one)
+        group.ready.record(self.copy_stream)
+        self.counters.loads += 1
+        self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
+
+    def _freed(self) -> Event:
+        """An event after all compute issued so far: buffers freed before it may be reused."""
+        event = self.backend.new_event()
+        event.record(self.backend.current_stream())
+        return event
+
+    def _maybe_prefetch(self, index: int) -> None:
+        group = self.groups[index]
+        if index == self._active or group.state != "host":
+            return
+        free, total = self.backend.mem_get_info()
+        if group.nbytes <= free - RESERVE_FRACTION * total:
+            logger.debug("prefetching %s while %s computes", group.name, self.groups[self._active].name)
+            self._load(group)
+
+    def _swap_out(self, group: Group) -> None:
+        if group.state == "host":
+            return
+        if group.state == "loading":
+            group.ready.synchronize()  # its copies still read the host buffers; cheap, rare
+        for c in group.components:
+            if group.state == "active":
+                self._keep_inplace_changes(c)
+            c.unit.bind(c.unit.host)
+            c.device = None
+        group.state = "host"
+
+    def _keep_inplace_changes(self, c: Component) -> None:
+        params = list(c.module.parameters())
+        changed = [i for i, (p, v) in enumerate(zip(params, c.versions)) if p._version != v]
+        if not changed:
+            return
+        logger.warning(
+            "%d weights of %s were modified in place while on the device; copying them back to the host "
+            "(offloaded weights are meant to be frozen)", len(changed), c.name,
+        )
+        self.backend.wait_stream(self.copy_stream, self.backend.current_stream())
+        for dtype, buf in c.device.items():
+            self.backend.copy_async(c.unit.host[dtype], buf, self.copy_stream)
+        self.copy_stream.synchronize()

@@ -1,0 +1,59 @@
+"""Modules kept on the device for the whole run, with a host copy so ``disable`` restores them."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from ..backend import DeviceBackend
+from ..weights import WeightUnit
+from ..weights.unit import collect_tensors
+from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units
+
+
+class ResidentModules:
+    """Copies modules to the device once; their inputs are moved to the device on the way in."""
+
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend, pin_memory: bool = True) -> None:
+        self.backend = backend
+        self.pin_memory = pin_memory
+        self.counters = Counters()
+        self.modules = list(modules)
+        self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.modules]
+        self._hooks: list = []
+
+    @property
+    def device_weight_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    host_bytes = device_weight_bytes
+
+    def enable(self, txn: Transaction) -> None:
+        buffers = [allocate_device(self.backend, u.numel) for u in self.units]
+        pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
+        stream = self.backend.new_stream()
+
+        def one(d, s):
+            self.backend.copy_async(d, s, stream)
+            self.counters.h2d_copies += 1
+
+        for unit, buf in zip(self.units, buffers):
+            self.counters.h2d_bytes += unit.copy_to(buf, one)
+        stream.synchronize()
+        for unit, buf in zip(self.units, buffers):
+            unit.bind(buf)
+            txn.on_rollback(lambda unit=unit: unit.bind(unit.host))
+        hook = inputs_to_device(self.backend.device())
+        self._hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in self.modules]
+        txn.on_rollback(self._remove_hooks)
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def disable(self) -> None:
+        self._remove_hooks()
+        for unit in self.units:
+            unit.unpack()
