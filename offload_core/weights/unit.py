@@ -50,6 +50,7 @@ class Entry:
     stride: tuple[int, ...]
     dtype: torch.dtype
     offset: int = 0  # element offset of this view in the unit's buffer for ``dtype``
+    region: int = 0  # index of the storage region it views
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -134,6 +135,7 @@ class WeightUnit:
         self.numel[dtype] = start + (last - first)
         for t, entry in members:
             entry.offset = start + t.storage_offset() - first
+            entry.region = len(self.regions)
         self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start))
 
     @property
@@ -168,9 +170,18 @@ class WeightUnit:
             r.source = None
 
     def unpack(self) -> None:
-        """Give every owner an ordinary host tensor (same values, dtype, strides, sharing)."""
-        plain = {dtype: buf.to("cpu", copy=True) for dtype, buf in self.host.items()}
-        self.bind(plain)
+        """Give every owner an ordinary host tensor (same values, dtype, strides, sharing).
+
+        Each storage region gets its own storage again, so tensors that did not share memory
+        before packing do not share it afterwards (safetensors refuses shared storage).
+        """
+        plain = [
+            self.host[r.dtype][r.start : r.start + r.numel].to("cpu", copy=True) for r in self.regions
+        ]
+        for entry in self.entries:
+            view = plain[entry.region].as_strided(entry.size, entry.stride, entry.offset - self.regions[entry.region].start)
+            for owner in entry.owners:
+                owner.rebind(view)
         self.host = {}
 
     def copy_to(self, slot: Mapping[torch.dtype, torch.Tensor], copy: Callable[[torch.Tensor, torch.Tensor], None]) -> int:

@@ -1,0 +1,165 @@
+"""enable is a transaction, disable restores, misses are counted, and races are visible."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import offload_core
+from offload_core.discovery import find_blocks
+
+from helpers import assert_same_state, chaos_backend, snapshot
+from stacks import StackSpec, build_stack
+
+MIXED = [[torch.float32, torch.bfloat16], [torch.float16], [torch.float32, torch.float32], [torch.bfloat16], [torch.float32]]
+
+
+def mixed_stack() -> nn.Module:
+    return build_stack(StackSpec(d=8, layer_dtypes=MIXED, transposed=True, tie_within=True, tie_head=True))
+
+
+def no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def run(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_disable_restores_values_dtypes_strides_sharing_and_identity():
+    model = mixed_stack()
+    model.blocks[1].layers[0].weight.requires_grad_(False)
+    before = snapshot(model)
+    expected = run(model, X)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    run(model, X)
+    handle.disable()
+    assert_same_state(before, snapshot(model))
+    assert no_hooks(model)
+    assert torch.equal(run(model, X), expected)
+    assert not any(handle.backend.is_pinned(t) for t in model.parameters())
+    handle.disable()  # idempotent
+
+
+def test_enabling_twice_is_a_clear_error_and_reenabling_after_disable_works():
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    with pytest.raises(offload_core.AlreadyEnabledError, match="already enabled"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    handle.disable()
+    again = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    assert again.strategy == "layerwise"
+    again.disable()
+
+
+def _assert_untouched(model, before, backend):
+    assert_same_state(before, snapshot(model))
+    assert no_hooks(model)
+    assert not hasattr(model, "_offload_core_handle")
+    gc.collect()
+    assert backend.memory_allocated() == 0, "a slot or resident buffer leaked"
+    assert backend.pinned_memory_allocated() == 0, "a pinned buffer leaked"
+
+
+def test_device_oom_leaves_the_model_untouched():
+    model = mixed_stack()
+    before = snapshot(model)
+    backend = chaos_backend(device_memory=256)
+    with pytest.raises(torch.OutOfMemoryError):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    _assert_untouched(model, before, backend)
+
+
+def test_pinned_oom_midway_through_packing_rolls_back():
+    model = mixed_stack()
+    before = snapshot(model)
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    backend = chaos_backend(pinned_memory=total // 2)
+    with pytest.raises(torch.OutOfMemoryError):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    _assert_untouched(model, before, backend)
+
+
+def test_unknown_block_attribute_is_a_clear_error():
+    model = mixed_stack()
+    before = snapshot(model)
+    backend = chaos_backend()
+    with pytest.raises(offload_core.BlockDiscoveryError, match="nope.*children are: embed, blocks, head"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend, blocks=["nope"])
+    _assert_untouched(model, before, backend)
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass, as quantisation libraries use; the packer cannot move it faithfully."""
+
+
+def test_unsupported_tensor_subclass_is_rejected():
+    model = mixed_stack()
+    model.blocks[2].layers[0].weight = nn.Parameter(model.blocks[2].layers[0].weight.detach().as_subclass(Marked))
+    before = snapshot(model)
+    backend = chaos_backend()
+    with pytest.raises(offload_core.UnsupportedTensorError, match=r"blocks\.2|Marked"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    _assert_untouched(model, before, backend)
+
+
+def test_single_block_model_is_rejected():
+    model = build_stack(StackSpec(layer_dtypes=[[torch.float32]]))
+    with pytest.raises(ValueError, match="at least two blocks"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(), blocks=["blocks"])
+    assert no_hooks(model)
+
+
+def test_out_of_order_calls_load_synchronously_and_count_misses():
+    model = mixed_stack()
+    blocks = [b for _, b in find_blocks(model)]
+    order = [4, 0, 2, 2, 1, 3]  # skips, repeats and runs backwards
+
+    def run_in(order):
+        with torch.no_grad():
+            x = model.embed(X)
+            for i in order:
+                x = blocks[i](x)
+            return model.head(x)
+
+    expected = run_in(order)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    assert torch.equal(run_in(order), expected)
+    assert handle.stats()["prefetch_misses"] >= 3
+    handle.disable()
+
+
+def test_removing_the_ready_wait_gives_wrong_output_under_chaos():
+    """Proves the suite can see a race: the same run without the compute-waits-copy step fails."""
+    model = mixed_stack()
+    expected = run(model, X)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    part = handle.parts[0]
+    assert torch.equal(run(model, X), expected)
+    part._wait_ready = lambda i: None
+    broken = run(model, X)
+    assert not torch.equal(broken, expected)
+    assert broken.isnan().any()
+    handle.disable()
+
+
+def test_device_tensors_are_views_of_the_slots_between_forwards():
+    """Steady state does no per-parameter work: block parameters stay bound to slot views."""
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    part = handle.parts[0]
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    run(model, X)
+    run(model, X)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    slot_ptrs = {buf.untyped_storage().data_ptr() for slot in part.slots for buf in slot.values()}
+    block_params = [p for b in part.blocks for p in b.parameters() if p is not model.head.weight]
+    assert all(p.untyped_storage().data_ptr() in slot_ptrs for p in block_params)
+    handle.disable()
