@@ -1,0 +1,57 @@
+"""In-tree plugin: the CUDA backend ``cuda`` (NCCL collectives). Registered like any third-party plugin.
+
+Everything but the probe is the generic :class:`offload_core.accelerator.AcceleratorBackend`;
+ROCm builds of torch expose HIP devices as ``cuda`` and are served by this backend as well.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from offload_core.accelerator import AcceleratorBackend
+from offload_core.hookspecs import hookimpl
+
+__all__ = ["CudaBackend"]
+
+
+class CudaBackend(AcceleratorBackend):
+    """NVIDIA (or ROCm) GPUs through torch's CUDA device module, NCCL for collectives."""
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    priority = 10
+
+    @classmethod
+    def probe(cls) -> bool:
+        """True when torch was built with CUDA and at least one device is visible.
+
+        Uses ``torch.cuda.device_count()``, not ``is_available()``: ``device_count()`` (read in
+        torch 2.13's source) asks NVML first and never calls ``torch.cuda._lazy_init``, so no CUDA
+        context is created and ``torch.cuda.is_initialized()`` stays false, while
+        ``is_available()`` goes through ``cudaGetDeviceCount`` (hence ``cuInit``) unless
+        ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. Only where NVML itself fails (no
+        ``libnvidia-ml.so.1``, MIG UUIDs in ``CUDA_VISIBLE_DEVICES``) does ``device_count()``
+        fall back to ``cudaGetDeviceCount``: still no torch CUDA state, but the driver is then
+        initialised, which makes a later ``fork`` unsafe for CUDA in the child.
+
+        NVML counts devices, it does not prove they work (a driver too old for this torch still
+        counts): such a machine probes true and fails at the first device call. The count is 0
+        on a torch built without CUDA, so no separate build check is needed.
+        """
+        return torch.cuda.device_count() > 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        if torch.version.cuda is None and torch.version.hip is None:
+            return f"this torch build ({torch.__version__}) has no CUDA support"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f"no CUDA device is visible{where}"
+
+
+@hookimpl
+def offload_core_register_backends(register):
+    register(CudaBackend)

@@ -1,0 +1,97 @@
+"""In-tree plugin: the Ascend NPU backend ``npu`` (HCCL collectives). Registered like any third-party plugin.
+
+``torch_npu`` is imported by ``NpuBackend.probe()`` (which construction calls), never when this
+module is imported: importing it loads the CANN runtime, which takes seconds and fails outright
+on machines without one, and listing backends must stay cheap everywhere.
+
+Deviations from the CUDA backend, all inherited from ``torch_npu`` (checked against its
+documentation and source; not yet run on Ascend hardware):
+
+* ``pin_memory=True`` allocates page-locked memory only once ``torch_npu`` is imported, because
+  importing it registers the NPU host allocator; construction imports it before any allocation.
+  Copies from unpinned host memory are synchronous on NPU (the Ascend docs say a non-blocking copy
+  has no asynchronous effect without pinned memory).
+* HCCL binds its communicator to the *current* device, and the Ascend examples set it before
+  ``init_process_group("hccl")`` without ``device_id``; so ``bind_device_id`` is off and
+  ``init_process_group`` only calls ``set_device``.
+* With ``TASK_QUEUE_ENABLE`` (the default) kernel launches go through a host-side task queue:
+  ``Event.query()`` is false until the record has left that queue, never falsely true.
+* Events go through ``torch.Event``, which needs a ``torch_npu`` whose device guard implements
+  event synchronisation (recent releases do; old ones raise "Backend doesn't support
+  synchronizing events").
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from offload_core.accelerator import AcceleratorBackend
+from offload_core.hookspecs import hookimpl
+
+__all__ = ["NpuBackend"]
+
+_RUNTIME = "torch_npu"
+_runtime_error: str | None = None  # why the runtime could not be loaded, once it is known
+
+
+def _npu_module() -> Any:
+    """torch's ``npu`` device module, importing the runtime on first use; None if unavailable.
+
+    A failed import is remembered, not retried: a broken CANN install fails slowly, and the
+    probe runs on every listing.
+    """
+    global _runtime_error
+    if _runtime_error is not None:
+        return None
+    if importlib.util.find_spec(_RUNTIME) is None:  # looks on sys.path, imports nothing
+        return None
+    try:
+        importlib.import_module(_RUNTIME)
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
+        _runtime_error = f"importing {_RUNTIME} failed: {type(exc).__name__}: {exc}"
+        return None
+    module = getattr(torch, "npu", None)
+    if module is None:
+        _runtime_error = f"{_RUNTIME} was imported but registered no torch 'npu' device module"
+    return module
+
+
+class NpuBackend(AcceleratorBackend):
+    """Huawei Ascend NPUs through the device module ``torch_npu`` registers, HCCL for collectives."""
+
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+    priority = 10
+    bind_device_id = False
+
+    @classmethod
+    def probe(cls) -> bool:
+        """True when ``torch_npu`` imports and reports at least one NPU.
+
+        Recent ``torch_npu`` counts devices through the Ascend driver (``drvGetDevNum``) before
+        falling back to the ACL runtime, and its ``is_available()`` never calls ``_lazy_init``,
+        so probing leaves ``torch_npu.npu.is_initialized()`` false.
+        """
+        module = _npu_module()
+        return module is not None and bool(module.is_available())
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        if _runtime_error is not None:
+            return _runtime_error
+        if importlib.util.find_spec(_RUNTIME) is None:
+            return f"{_RUNTIME} is not installed"
+        visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+        where = f" (ASCEND_RT_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f"{_RUNTIME} found no NPU device{where}"
+
+
+@hookimpl
+def offload_core_register_backends(register):
+    register(NpuBackend)

@@ -1,0 +1,244 @@
+"""A :class:`DeviceBackend` for any accelerator torch drives through its device-generic API.
+
+CUDA and Ascend NPU expose the same stream model, and torch now names it once: ``torch.Stream``,
+``torch.Event`` and the per-device module returned by ``torch.get_device_module(device_type)``
+(``current_device``, ``set_device``, ``device_count``, ``current_stream``, ``stream``,
+``synchronize``, ``memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``,
+``mem_get_info``). Writing the backend against those names keeps the vendor backends to a probe
+and three class attributes, and keeps the core free of any vendor module (a test enforces it).
+
+Lifetime rule inherited from the ABC: ``copy_async`` and ``all_gather_into_tensor`` do not call
+``record_stream``; the caller keeps every tensor alive until an event recorded after the work has
+been reached, which is also what makes freeing it safe with a caching allocator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, ClassVar, Iterator, Sequence
+
+import torch
+
+from . import dist as _dist
+from .backend import Capability, DeviceBackend, Stream
+from .memory_accounting import AllocationTracker, as_shape
+
+__all__ = ["AcceleratorBackend", "BackendUnavailableError", "CollectiveWork"]
+
+
+class BackendUnavailableError(RuntimeError):
+    """An accelerator backend was instantiated in a process where its ``probe()`` is false.
+
+    Raised at construction rather than at first use, so ``get_backend("cuda")`` on a machine
+    without a GPU fails with the reason instead of a vendor error deep inside a strategy.
+    """
+
+
+class CollectiveWork:
+    """The :class:`~offload_core.Waitable` of a collective issued with ``async_op=True``.
+
+    NCCL and HCCL run a collective on an internal stream that first waits for the issuing
+    stream; ``Work.wait()`` makes the *current* stream wait for the collective without blocking
+    the host. So ``wait(stream)`` calls it with ``stream`` made current, and ``synchronize()``
+    polls completion instead of waiting on a stream, which would add an ordering edge to a
+    stream the caller did not name.
+    """
+
+    def __init__(self, backend: AcceleratorBackend, work: Any, *tensors: torch.Tensor) -> None:
+        self._backend = backend
+        self._work = work
+        self._tensors = tensors  # the collective reads and writes them until it completes
+
+    def wait(self, stream: Stream | None = None) -> None:
+        stream = stream if stream is not None else self._backend.current_stream()
+        with self._backend.use_stream(stream):
+            self._work.wait()
+
+    def query(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def synchronize(self) -> None:
+        delay = 0.0
+        while not self._work.is_completed():
+            time.sleep(delay)
+            delay = min(delay * 2 or 1e-5, 1e-3)
+        # Completed, so this orders nothing; it re-raises an error the collective ended with.
+        self.wait()
+
+
+class AcceleratorBackend(DeviceBackend):
+    """Streams, events, memory, copies and collectives through torch's device-generic API.
+
+    A subclass sets ``name``, ``device_type`` and ``dist_backend`` and implements ``probe()``
+    (cheap, initialising nothing) and, ideally, ``unavailable_reason()``. Constructing a backend
+    whose probe is false raises :class:`BackendUnavailableError`.
+
+    The *current device* (``device()`` with no index) is the device module's current device,
+    read at each call, so work follows ``set_device`` as it does in plain torch code;
+    :meth:`init_process_group` sets it to ``rank % device_count()``.
+    """
+
+    capabilities = frozenset({Capability.COLLECTIVES})
+    #: Pass ``device_id`` to ``init_process_group``: NCCL then binds its communicator to that
+    #: device eagerly. Backends whose collective library binds to the current device instead
+    #: (HCCL) turn this off.
+    bind_device_id: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Why ``probe()`` is false, in words a user can act on (shown by ``offload-core backends``)."""
+        return f"no {cls.device_type} device is visible to this process"
+
+    def __init__(self) -> None:
+        cls = type(self)
+        if not cls.probe():
+            raise BackendUnavailableError(
+                f"offload backend {cls.name!r} cannot be used in this process: {cls.unavailable_reason()}"
+            )
+        self._mod = self._device_module()
+        self._pinned = AllocationTracker(f"{cls.name} pinned host memory")
+        self._used_devices: set[int] = set()
+
+    def _device_module(self) -> Any:
+        """The torch device module; a method so that a backend can supply a different one."""
+        return torch.get_device_module(self.device_type)
+
+    # -- identity -------------------------------------------------------------------------
+    def device(self, index: int | None = None) -> torch.device:
+        if index is None:
+            index = int(self._mod.current_device())
+        else:
+            count = self.device_count()
+            if not 0 <= index < count:
+                raise ValueError(f"{self.device_type} device index {index} is out of range: {count} device(s) visible")
+        self._used_devices.add(index)
+        return torch.device(self.device_type, index)
+
+    def device_count(self) -> int:
+        return int(self._mod.device_count())
+
+    # -- streams --------------------------------------------------------------------------
+    def new_stream(self) -> torch.Stream:
+        return torch.Stream(device=self.device())
+
+    def current_stream(self) -> torch.Stream:
+        stream = self._mod.current_stream(self.device())
+        if isinstance(stream, torch.Stream):
+            return stream
+        # A vendor stream class outside torch.Stream's hierarchy: rewrap it, so that the same
+        # stream object works with torch.Event and the rest of this class.
+        return torch.Stream(
+            stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+        )
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: torch.Stream) -> Iterator[torch.Stream]:
+        # The device module's context manager keeps the previous stream in a fresh object per
+        # use. ``with stream:`` keeps it on the stream object itself, which is not re-entrant in
+        # every torch we support and is shared by all threads using that stream.
+        with self._mod.stream(stream):
+            yield stream
+
+    def wait_stream(self, waiter: torch.Stream, waitee: torch.Stream) -> None:
+        event = torch.Event(device=waitee.device)
+        event.record(waitee)
+        event.wait(waiter)
+
+    def synchronize(self) -> None:
+        # Only devices this backend used: synchronising a device creates a context on it.
+        for index in sorted(self._used_devices | {int(self._mod.current_device())}):
+            self._mod.synchronize(index)
+
+    # -- events ---------------------------------------------------------------------------
+    def new_event(self) -> torch.Event:
+        # torch.Event already has the ABC's semantics: record/wait default to the current
+        # stream, waiting on or synchronising an unrecorded event returns at once, and
+        # re-recording moves the marker without affecting waits already enqueued.
+        return torch.Event(device=self.device())
+
+    # -- host memory ----------------------------------------------------------------------
+    def empty_pinned(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return self._pinned.allocate(size, dtype, _pinned_empty)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def pinned_memory_allocated(self) -> int:
+        return self._pinned.current
+
+    # -- device memory --------------------------------------------------------------------
+    def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        device = self.device()
+        try:
+            return torch.empty(as_shape(size), dtype=dtype, device=device)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            # Some vendor allocators still raise a bare RuntimeError; callers catch one type.
+            if "out of memory" in str(exc).lower():
+                raise torch.OutOfMemoryError(str(exc)) from exc
+            raise
+
+    def memory_allocated(self) -> int:
+        return int(self._mod.memory_allocated(self.device()))
+
+    def max_memory_allocated(self) -> int:
+        return int(self._mod.max_memory_allocated(self.device()))
+
+    def reset_peak_memory_stats(self) -> None:
+        self._mod.reset_peak_memory_stats(self.device())
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._mod.mem_get_info(self.device())
+        return int(free), int(total)
+
+    # -- transfers ------------------------------------------------------------------------
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.Stream | None = None) -> None:
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(
+                f"copy_async needs equal shapes and dtypes, got dst {tuple(dst.shape)} {dst.dtype} "
+                f"and src {tuple(src.shape)} {src.dtype}"
+            )
+        if self.device_type not in (dst.device.type, src.device.type):
+            # Neither side on the device: torch would copy on the host, synchronously and outside
+            # every stream, so events recorded after it would not order anything.
+            raise ValueError(
+                f"copy_async moves bytes to or from a {self.device_type} device, "
+                f"got dst on {dst.device} and src on {src.device}"
+            )
+        stream = stream if stream is not None else self.current_stream()
+        with self.use_stream(stream):
+            # Asynchronous only when the host side is pinned; from pageable memory the driver
+            # stages the copy and the call returns late, but the result is still correct.
+            dst.copy_(src, non_blocking=True)
+
+    # -- collectives ----------------------------------------------------------------------
+    def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
+        count = self.device_count()
+        if count < 1:
+            raise RuntimeError(f"no {self.device_type} device is visible to rank {rank}")
+        index = rank % count
+        # Before the group exists: the collective library binds its communicator to the
+        # current device, and a rank left on device 0 would share it with rank 0.
+        self._mod.set_device(index)
+        self._used_devices.add(index)
+        if self.bind_device_id:
+            kwargs.setdefault("device_id", torch.device(self.device_type, index))
+        _dist.init_process_group(self.dist_backend, rank, world_size, init_method, **kwargs)
+
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Any = None,
+        stream: torch.Stream | None = None,
+    ) -> CollectiveWork:
+        stream = stream if stream is not None else self.current_stream()
+        with self.use_stream(stream):
+            work = _dist.all_gather(output, input, group=group, async_op=True)
+        return CollectiveWork(self, work, output, input)
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -1,0 +1,99 @@
+"""Byte accounting that follows tensor lifetimes, shared by every backend that hands out memory.
+
+Allocator statistics cannot answer "how many pinned bytes did *this backend* hand out that are
+still alive": a caching allocator keeps freed blocks, and other code in the process allocates
+from the same pool. So each tensor a backend allocates is registered here, and a finalizer on its
+storage gives the bytes back when the last tensor viewing that storage dies.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["AllocationTracker", "as_shape"]
+
+Factory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def as_shape(size: int | Sequence[int]) -> tuple[int, ...]:
+    """The backend API takes a number of elements or a shape; torch wants a shape."""
+    return (int(size),) if isinstance(size, int) else tuple(int(s) for s in size)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class AllocationTracker:
+    """Live and peak bytes of the tensors allocated through :meth:`allocate`, with an optional cap.
+
+    The cap is checked before the allocation so that exceeding it raises ``oom_error`` (a
+    ``torch.OutOfMemoryError`` by default, what callers of a real device already handle) instead
+    of over-committing.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        capacity: int | None = None,
+        oom_error: type[Exception] = torch.OutOfMemoryError,
+    ) -> None:
+        self.kind = kind
+        self.label = kind  # how the out-of-memory message names this memory
+        self.capacity = capacity
+        self.oom_error = oom_error
+        self.current = 0
+        self.peak = 0
+        self._live: dict[tuple[str, int], int] = {}  # (device, storage data_ptr) -> bytes
+        self._lock = threading.Lock()
+
+    def allocate(
+        self, size: int | Sequence[int], dtype: torch.dtype, factory: Factory = _empty
+    ) -> torch.Tensor:
+        """A new tensor from ``factory(shape, dtype)``, counted until its storage dies."""
+        shape = as_shape(size)
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            if self.capacity is not None and self.current + nbytes > self.capacity:
+                raise self.oom_error(
+                    f"{self.label} out of memory: tried to allocate {nbytes} bytes with "
+                    f"{self.current} of {self.capacity} bytes in use"
+                )
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        try:
+            tensor = factory(shape, dtype)
+        except BaseException:
+            with self._lock:  # the reservation above must not leak when the allocator refuses
+                self.current -= nbytes
+            raise
+        storage = tensor.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        with self._lock:
+            if nbytes:
+                self._live[key] = nbytes
+        weakref.finalize(storage, self._release, key, nbytes)
+        return tensor
+
+    def _release(self, key: tuple[str, int], nbytes: int) -> None:
+        with self._lock:
+            self.current -= nbytes
+            if nbytes:
+                self._live.pop(key, None)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` views (part of) a live allocation made here."""
+        if tensor.numel() == 0:
+            return False
+        storage = tensor.untyped_storage()
+        with self._lock:
+            return (str(storage.device), storage.data_ptr()) in self._live
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.current

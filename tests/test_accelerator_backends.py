@@ -1,0 +1,438 @@
+"""The CUDA and NPU backends and their shared base, on a machine without either device.
+
+What can be checked without hardware is checked here: the plugins import and register without a
+vendor runtime, probing initialises nothing, construction fails clearly where the device is
+absent, the classes implement the whole ABC, and the base class's own logic (device binding,
+process-group setup, collective waits, copy validation) against a stand-in device module. What
+needs a device is the conformance kit: ``pytest --backend=cuda --pyargs offload_core.testing``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload_core
+from offload_core import dist as offload_dist
+from offload_core.accelerator import AcceleratorBackend, BackendUnavailableError, CollectiveWork
+from offload_core.backend import DeviceBackend
+from offload_core.memory_accounting import AllocationTracker
+from offload_core.plugins import registry
+from offload_core_cuda import CudaBackend
+from offload_core_npu import NpuBackend
+
+REPO = Path(__file__).resolve().parents[1]
+VENDOR_NAMES = ("torch.cuda", "torch.npu", "torch_npu")
+
+no_cuda_build = pytest.mark.skipif(
+    torch.version.cuda is not None or torch.version.hip is not None, reason="this torch build has CUDA"
+)
+no_npu_runtime = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed")
+
+
+def run_python(code: str, *, pythonpath: Path | None = None, env: dict[str, str] | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter, so no earlier test's imports or device state leak in;
+    the code prints one JSON document as its last line."""
+    full_env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_CORE_BACKEND"}
+    if pythonpath is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), full_env.get("PYTHONPATH")]))
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- plugins: import, registration, probing ----------------------------------------------------
+
+
+def test_plugins_import_and_list_without_importing_the_npu_runtime(fake_torch_npu):
+    # An importable (stand-in) torch_npu on the path, so that importing it too early would show.
+    result = run_python(
+        """
+        import json, sys
+        import offload_core_npu, offload_core_cuda
+        after_import = "torch_npu" in sys.modules
+        import offload_core
+        names = [b.name for b in offload_core.list_backends()]
+        print(json.dumps({"after_import": after_import, "after_list": "torch_npu" in sys.modules, "names": names}))
+        """,
+        pythonpath=fake_torch_npu,
+        env={"FAKE_NPU_COUNT": "1"},
+    )
+    assert result["after_import"] is False
+    assert result["after_list"] is False
+    assert {"cuda", "npu"} <= set(result["names"])
+
+
+def test_probing_cuda_creates_no_cuda_context():
+    # Holds on a GPU machine too: probe() may be true there, but must not initialise CUDA.
+    result = run_python(
+        """
+        import json, torch
+        from offload_core_cuda import CudaBackend
+        from offload_core import list_backends
+        probed = CudaBackend.probe()
+        listed = {b.name: b.available for b in list_backends()}
+        print(json.dumps({"probe": probed, "listed": listed["cuda"], "initialized": torch.cuda.is_initialized()}))
+        """
+    )
+    assert result["initialized"] is False
+    assert result["probe"] == result["listed"]
+
+
+@no_cuda_build
+def test_cuda_probe_is_false_on_a_cpu_build():
+    assert CudaBackend.probe() is False
+    assert "no CUDA support" in CudaBackend.unavailable_reason()
+
+
+@no_npu_runtime
+def test_npu_probe_is_false_without_torch_npu():
+    assert NpuBackend.probe() is False
+    assert NpuBackend.unavailable_reason() == "torch_npu is not installed"
+    assert "torch_npu" not in sys.modules
+
+
+@pytest.mark.parametrize("name, module", [("cuda", "offload_core_cuda"), ("npu", "offload_core_npu")])
+def test_registered_through_the_entry_point_as_in_tree_accelerators(name, module):
+    info = {b.name: b for b in offload_core.list_backends()}[name]
+    assert info.source == "offload-core"
+    assert info.entry_point == f"{name} = {module}"
+    assert info.cls.is_accelerator and info.in_tree
+    assert info.rank()[0] == 1  # below vendor accelerators, above the simulator
+
+
+@no_cuda_build
+@no_npu_runtime
+def test_both_show_as_unavailable_and_auto_detection_skips_them():
+    listed = {b.name: b.available for b in offload_core.list_backends()}
+    assert listed["cuda"] is False and listed["npu"] is False
+    chosen, _ = registry().auto()
+    assert chosen.name not in ("cuda", "npu")
+
+
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        pytest.param("cuda", "no CUDA support", marks=no_cuda_build),
+        pytest.param("npu", "torch_npu is not installed", marks=no_npu_runtime),
+    ],
+)
+def test_get_backend_of_an_absent_device_raises_a_clear_error(name, reason):
+    with pytest.raises(BackendUnavailableError) as err:
+        offload_core.get_backend(name)
+    assert isinstance(err.value, RuntimeError)
+    assert f"offload backend {name!r} cannot be used in this process" in str(err.value)
+    assert reason in str(err.value)
+
+
+# -- the whole ABC is implemented ------------------------------------------------------------
+
+
+def _signature_problems(abc_fn, impl_fn) -> list[str]:
+    """Ways in which ``impl_fn`` cannot be called the way the ABC documents ``abc_fn``."""
+    abc_sig, impl_sig = inspect.signature(abc_fn), inspect.signature(impl_fn)
+    impl = impl_sig.parameters
+    var_kinds = {p.kind for p in impl.values()} & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    problems = []
+    for name, param in abc_sig.parameters.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if param.kind not in var_kinds:
+                problems.append(f"does not accept {param}")
+            continue
+        if name not in impl:
+            if inspect.Parameter.VAR_KEYWORD not in var_kinds:
+                problems.append(f"lacks parameter {name!r}")
+            continue
+        if param.default is not inspect.Parameter.empty and impl[name].default is inspect.Parameter.empty:
+            problems.append(f"makes optional parameter {name!r} required")
+    for name, param in impl.items():
+        required = param.default is inspect.Parameter.empty and param.kind not in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        )
+        if required and name not in abc_sig.parameters:
+            problems.append(f"adds required parameter {name!r}")
+    return problems
+
+
+@pytest.mark.parametrize("cls", [CudaBackend, NpuBackend])
+def test_every_abstract_method_is_implemented_with_a_compatible_signature(cls):
+    assert not cls.__abstractmethods__
+    problems = {}
+    for name in sorted(DeviceBackend.__abstractmethods__):
+        found = _signature_problems(getattr(DeviceBackend, name), getattr(cls, name))
+        if found:
+            problems[name] = found
+    assert problems == {}
+
+
+def test_the_signature_check_can_fail():
+    def abc_method(self, dst, src, stream=None): ...
+
+    def renamed(self, dst, source, stream=None): ...
+
+    def required_stream(self, dst, src, stream): ...
+
+    assert _signature_problems(abc_method, renamed) == ["lacks parameter 'src'", "adds required parameter 'source'"]
+    assert _signature_problems(abc_method, required_stream) == ["makes optional parameter 'stream' required"]
+
+
+def test_torch_generic_stream_and_event_satisfy_the_abc_protocols():
+    # The base returns torch.Stream / torch.Event unwrapped; strategies check these protocols.
+    assert isinstance(torch.Stream(device="cpu"), offload_core.Stream)
+    assert isinstance(torch.Event(device="cpu"), offload_core.Event)
+
+
+def test_core_modules_of_this_layer_name_no_vendor_module():
+    for path in ("accelerator.py", "memory_accounting.py", "cli.py", "__main__.py"):
+        text = (REPO / "offload_core" / path).read_text()
+        assert [n for n in VENDOR_NAMES if n in text] == [], path
+
+
+# -- the NPU runtime is imported only by probing (a stand-in torch_npu) ------------------------
+
+FAKE_TORCH_NPU = """
+import builtins, os, sys, types
+import torch
+builtins.fake_npu_imports = getattr(builtins, "fake_npu_imports", 0) + 1
+if os.environ.get("FAKE_NPU_BROKEN"):
+    raise ImportError("libascendcl.so: cannot open shared object file")
+npu = types.ModuleType("torch.npu")
+npu.is_available = lambda: int(os.environ["FAKE_NPU_COUNT"]) > 0
+npu.device_count = lambda: int(os.environ["FAKE_NPU_COUNT"])
+torch.npu = npu
+"""
+
+PROBE_SCRIPT = """
+import builtins, json, sys
+import offload_core
+from offload_core_npu import NpuBackend
+imported_by_listing = "torch_npu" in sys.modules
+listed = [b.name for b in offload_core.list_backends()]
+first, second = NpuBackend.probe(), NpuBackend.probe()
+print(json.dumps({
+    "imported_by_listing": imported_by_listing,
+    "probe": [first, second],
+    "imported_by_probe": "torch_npu" in sys.modules,
+    "imports": getattr(builtins, "fake_npu_imports", 0),
+    "reason": None if first else NpuBackend.unavailable_reason(),
+}))
+"""
+
+
+@pytest.fixture
+def fake_torch_npu(tmp_path: Path) -> Path:
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text(FAKE_TORCH_NPU)
+    return tmp_path
+
+
+@pytest.mark.parametrize("count, expected", [(0, False), (2, True)])
+def test_npu_probe_imports_the_runtime_only_when_probing(fake_torch_npu, count, expected):
+    result = run_python(PROBE_SCRIPT, pythonpath=fake_torch_npu, env={"FAKE_NPU_COUNT": str(count)})
+    assert result["imported_by_listing"] is False
+    assert result["probe"] == [expected, expected]
+    assert result["imported_by_probe"] is True
+    assert result["imports"] == 1
+    if not expected:
+        assert result["reason"] == "torch_npu found no NPU device"
+
+
+def test_a_broken_npu_runtime_is_unavailable_with_its_error_and_not_reimported(fake_torch_npu):
+    result = run_python(PROBE_SCRIPT, pythonpath=fake_torch_npu, env={"FAKE_NPU_COUNT": "1", "FAKE_NPU_BROKEN": "1"})
+    assert result["probe"] == [False, False]
+    assert result["imports"] == 1  # the failure is remembered, not retried on every listing
+    assert result["reason"] == "importing torch_npu failed: ImportError: libascendcl.so: cannot open shared object file"
+
+
+# -- the base class against a stand-in device module -----------------------------------------
+
+
+def stand_in_stream(stream_id: int) -> torch.Stream:
+    """A torch.Stream handle (device type 1 is CUDA); only its identity is used."""
+    return torch.Stream(stream_id=stream_id, device_index=0, device_type=1)
+
+
+DEFAULT, GATHER, COMPUTE = (stand_in_stream(i) for i in range(3))
+
+
+class StandInModule:
+    """The device-module calls AcceleratorBackend makes, recorded; no device behind them."""
+
+    def __init__(self, count: int = 4) -> None:
+        self.count = count
+        self.current = 0
+        self.calls: list[tuple] = []
+        self.stream_stack: list[object] = []
+
+    def device_count(self) -> int:
+        return self.count
+
+    def current_device(self) -> int:
+        return self.current
+
+    def set_device(self, index: int) -> None:
+        self.calls.append(("set_device", index))
+        self.current = index
+
+    def synchronize(self, index: int) -> None:
+        self.calls.append(("synchronize", index))
+
+    def stream(self, stream):
+        module = self
+
+        class Context:
+            def __enter__(self):
+                module.stream_stack.append(stream)
+
+            def __exit__(self, *exc):
+                module.stream_stack.pop()
+
+        return Context()
+
+    def current_stream(self, device):
+        return self.stream_stack[-1] if self.stream_stack else DEFAULT
+
+
+class StandInBackend(AcceleratorBackend):
+    name = "stand-in"
+    device_type = "cuda"  # torch.device("cuda", i) can be built without CUDA; nothing runs on it
+    dist_backend = "nccl"
+    present = True
+
+    @classmethod
+    def probe(cls) -> bool:
+        return cls.present
+
+    def _device_module(self):
+        return StandInModule()
+
+
+def test_constructing_an_unavailable_backend_raises_with_the_reason(monkeypatch):
+    monkeypatch.setattr(StandInBackend, "present", False)
+    expected = "'stand-in' cannot be used in this process: no cuda device is visible"
+    with pytest.raises(BackendUnavailableError, match=expected):
+        StandInBackend()
+
+
+def test_device_follows_the_current_device_and_checks_indices():
+    backend = StandInBackend()
+    assert backend.device() == torch.device("cuda", 0)
+    backend._mod.set_device(3)
+    assert backend.device() == torch.device("cuda", 3)
+    assert backend.device(1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="index 4 is out of range: 4 device"):
+        backend.device(4)
+
+
+def test_synchronize_touches_only_devices_the_backend_used():
+    backend = StandInBackend()
+    backend.device(2)
+    backend.synchronize()
+    assert backend._mod.calls == [("synchronize", 0), ("synchronize", 2)]
+
+
+@pytest.mark.parametrize("bind, rank, index", [(True, 6, 2), (False, 1, 1)])
+def test_init_process_group_binds_rank_to_a_device_before_joining(monkeypatch, bind, rank, index):
+    joined = []
+
+    def fake_init(dist_backend, rank, world_size, init_method, **kwargs):
+        joined.append((dist_backend, rank, world_size, init_method, kwargs, list(backend._mod.calls)))
+
+    monkeypatch.setattr(offload_dist, "init_process_group", fake_init)
+    monkeypatch.setattr(StandInBackend, "bind_device_id", bind)
+    backend = StandInBackend()
+    backend.init_process_group(rank, 8, "tcp://127.0.0.1:1")
+    expected_kwargs = {"device_id": torch.device("cuda", index)} if bind else {}
+    assert joined == [("nccl", rank, 8, "tcp://127.0.0.1:1", expected_kwargs, [("set_device", index)])]
+
+
+class StandInWork:
+    """A torch.distributed Work that completes after a few polls and records where it was waited."""
+
+    def __init__(self, module: StandInModule, polls: int) -> None:
+        self.module, self.polls, self.waited_on = module, polls, []
+
+    def is_completed(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        self.waited_on.append(self.module.current_stream(None))
+        return True
+
+
+def test_all_gather_is_issued_on_the_given_stream_and_waited_on_the_waiter(monkeypatch):
+    backend = StandInBackend()
+    issued_on = []
+    work = StandInWork(backend._mod, polls=3)
+
+    def fake_gather(output, input, group=None, async_op=False):
+        issued_on.append((backend._mod.current_stream(None), async_op))
+        return work
+
+    monkeypatch.setattr(offload_dist, "all_gather", fake_gather)
+    out, inp = torch.empty(4), torch.ones(2)
+    handle = backend.all_gather_into_tensor(out, inp, stream=GATHER)
+    assert isinstance(handle, CollectiveWork) and isinstance(handle, offload_core.Waitable)
+    assert issued_on == [(GATHER, True)]
+    handle.wait(COMPUTE)
+    handle.wait()  # default: the current stream
+    assert work.waited_on == [COMPUTE, DEFAULT]
+    assert handle.query() is False
+    handle.synchronize()  # polls until complete, then surfaces errors through wait()
+    assert work.polls < 0 and len(work.waited_on) == 3
+
+
+def test_copy_async_rejects_mismatched_and_host_only_copies():
+    backend = StandInBackend()
+    with pytest.raises(ValueError, match="equal shapes and dtypes"):
+        backend.copy_async(torch.empty(3), torch.empty(4))
+    with pytest.raises(ValueError, match="equal shapes and dtypes"):
+        backend.copy_async(torch.empty(3), torch.empty(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="to or from a cuda device, got dst on cpu and src on cpu"):
+        backend.copy_async(torch.empty(3), torch.empty(3))
+
+
+# -- pinned-byte accounting (the tracker shared with the fake backend) -------------------------
+
+
+def test_tracker_follows_storage_lifetime_not_tensor_lifetime():
+    tracker = AllocationTracker("test memory")
+    t = tracker.allocate((4, 8), torch.float32)
+    view = t[1:]
+    del t
+    gc.collect()
+    assert tracker.current == 128 and tracker.owns(view)
+    del view
+    gc.collect()
+    assert tracker.current == 0 and tracker.peak == 128
+
+
+def test_tracker_cap_raises_the_given_error_and_a_failed_allocation_leaks_nothing():
+    class Refused(torch.OutOfMemoryError):
+        pass
+
+    tracker = AllocationTracker("test memory", capacity=100, oom_error=Refused)
+    with pytest.raises(Refused, match="test memory out of memory: tried to allocate 400 bytes"):
+        tracker.allocate(100, torch.float32)
+
+    def failing_factory(shape, dtype):
+        raise RuntimeError("allocator refused")
+
+    with pytest.raises(RuntimeError, match="allocator refused"):
+        tracker.allocate(10, torch.uint8, failing_factory)
+    assert tracker.current == 0

@@ -1,0 +1,154 @@
+"""Flag priority, option validation, auto-detection, and model-level on a bare module."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import offload_core
+from offload_core.tiny import build_pipeline
+
+from helpers import assert_same_state, chaos_backend, snapshot
+from stacks import StackSpec, build_stack
+
+
+@pytest.fixture(scope="module")
+def flux2():
+    tiny = build_pipeline("flux2")
+    tiny.expected = tiny.run(seed=0)
+    return tiny
+
+
+def test_layerwise_wins_over_model_level_with_a_warning_naming_the_ignored_flag(flux2):
+    with pytest.warns(UserWarning, match="enable_layerwise_offload wins; ignoring enable_cpu_offload"):
+        handle = offload_core.enable_offload(
+            flux2.pipe, enable_cpu_offload=True, enable_layerwise_offload=True, backend=chaos_backend()
+        )
+    assert handle.strategy == "layerwise"
+    handle.disable()
+
+
+def test_config_object_priority_and_ignored_flags():
+    config = offload_core.OffloadConfig(
+        enable_cpu_offload=True, enable_layerwise_offload=True, enable_distributed_layerwise_offload=True
+    )
+    assert config.strategy == "distributed"
+    assert config.ignored_flags() == ["enable_layerwise_offload", "enable_cpu_offload"]
+    assert offload_core.OffloadConfig(enable_cpu_offload=True).strategy == "model"
+    assert offload_core.OffloadConfig().strategy is None
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"enable_layerwise_offload": True, "prefetch_depth": 0}, "prefetch_depth must be an integer >= 1"),
+        ({"enable_layerwise_offload": True, "components": ("dit", "unet")}, r"unknown component group.*unet"),
+        ({"enable_layerwise_offload": "yes"}, "must be True or False"),
+        ({"enable_layerwise_offload": True, "prefetch": 2}, "valid options"),
+        ({}, "no strategy selected"),
+    ],
+)
+def test_bad_options_are_clear_errors_and_leave_the_pipeline_untouched(flux2, options, message):
+    before = snapshot(flux2.pipe.transformer)
+    original = type(flux2.pipe)
+    with pytest.raises(offload_core.OffloadConfigError, match=message):
+        offload_core.enable_offload(flux2.pipe, backend=chaos_backend(), **options)
+    assert type(flux2.pipe) is original
+    assert_same_state(before, snapshot(flux2.pipe.transformer))
+
+
+def test_dit_with_fewer_than_two_blocks_is_rejected_for_layerwise(flux2):
+    offload_core.register_blocks("Flux2Transformer2DModel", ["single_transformer_blocks.0"])
+    try:
+        with pytest.raises(ValueError, match="at least two blocks"):
+            offload_core.enable_offload(flux2.pipe, enable_layerwise_offload=True, backend=chaos_backend())
+        assert type(flux2.pipe).__call__ is type(flux2.pipe).__mro__[0].__call__
+        assert not hasattr(flux2.pipe, "_offload_core_handle")
+    finally:
+        offload_core.register_blocks("Flux2Transformer2DModel", ["transformer_blocks", "single_transformer_blocks"])
+    assert torch.equal(flux2.run(seed=0), flux2.expected)
+
+
+def test_failure_in_a_later_component_rolls_back_the_earlier_ones(flux2):
+    """Packing succeeds for the DiT, then the device runs out for the resident encoder: all undone."""
+    before = {n: snapshot(m) for n, m in flux2.pipe.components.items() if isinstance(m, nn.Module)}
+    probe = offload_core.enable_offload(flux2.pipe, enable_layerwise_offload=True, backend=chaos_backend())
+    streamed = probe.parts[0].device_weight_bytes
+    probe.disable()
+    backend = chaos_backend(device_memory=streamed + 16)
+    with pytest.raises(torch.OutOfMemoryError):
+        offload_core.enable_offload(flux2.pipe, enable_layerwise_offload=True, backend=backend)
+    for name, state in before.items():
+        assert_same_state(state, snapshot(flux2.pipe.components[name]))
+    assert backend.memory_allocated() == 0
+    assert torch.equal(flux2.run(seed=0), flux2.expected)
+
+
+def test_auto_detection_falls_back_to_fake_with_a_logged_warning(flux2, caplog, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_CORE_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING, logger="offload_core"):
+        handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True)
+    assert handle.backend.name == "fake"
+    assert "no accelerator" in caplog.text
+    assert torch.equal(flux2.run(seed=0), flux2.expected)
+    handle.disable()
+
+
+def test_environment_variable_selects_the_backend(flux2, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_BACKEND", "fake")
+    handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True)
+    assert handle.backend is offload_core.get_backend("fake")
+    handle.disable()
+    monkeypatch.setenv("OFFLOAD_CORE_BACKEND", "no-such-backend")
+    with pytest.raises(offload_core.BackendNotFoundError, match="registered backends: .*fake"):
+        offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True)
+
+
+def test_in_place_changes_to_swapped_weights_are_kept_and_logged(flux2, caplog):
+    handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True, backend=chaos_backend())
+    flux2.run(seed=0)
+    encoder = flux2.pipe.text_encoder
+    weight = next(encoder.parameters())
+    flux2.pipe.text_encoder(torch.zeros(1, 4, dtype=torch.long))  # make the encoder group active
+    with torch.no_grad():
+        weight.add_(1.0)
+    expected = weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="offload_core"):
+        flux2.pipe.transformer.proj_out(torch.zeros(1, flux2.pipe.transformer.proj_out.in_features))  # swaps encoder out
+    assert "modified in place" in caplog.text
+    assert torch.equal(weight.detach(), expected)
+    handle.disable()
+    with torch.no_grad():
+        weight.sub_(1.0)
+
+
+class Composite(nn.Module):
+    """A model made of components, as a custom pipeline would be."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = build_stack(StackSpec(d=8, seed=1))
+        self.denoiser = build_stack(StackSpec(d=8, layer_dtypes=[[torch.float32, torch.bfloat16]] * 4, seed=2))
+        self.decoder = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.decoder(self.denoiser(self.encoder(x)))
+
+
+def test_model_level_on_a_module_swaps_its_children_one_at_a_time():
+    model = Composite().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    before = snapshot(model)
+    handle = offload_core.enable_offload(model, enable_cpu_offload=True, backend=chaos_backend(device_memory=10_000_000))
+    part = handle.parts[0]
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)
+    assert [g.name for g in part.groups] == ["encoder", "denoiser", "decoder"]
+    handle.disable()
+    assert_same_state(before, snapshot(model))
