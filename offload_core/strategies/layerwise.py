@@ -95,6 +95,11 @@ class LayerwiseOffload:
         for i, unit in enumerate(self.units):
             unit.bind(self.slots[i % self.num_slots])
             txn.on_rollback(functools.partial(unit.bind, unit.host))
+        # (slot view, host buffer) per dtype, per block: the hot path only issues copies
+        self._transfers = [
+            [(self.slots[i % self.num_slots][dtype][: src.numel()], src) for dtype, src in unit.host.items()]
+            for i, unit in enumerate(self.units)
+        ]
         for i, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before_block, i)))
             self._hooks.append(block.register_forward_hook(functools.partial(self._after_block, i)))
@@ -128,6 +133,7 @@ class LayerwiseOffload:
 
     def _release(self) -> None:
         self.slots = []
+        self._transfers = []
         self._occupant = []
 
     # -- streaming ------------------------------------------------------------------------
@@ -139,13 +145,19 @@ class LayerwiseOffload:
         self.counters.h2d_bytes += unit.copy_to(dst, one)
 
     def _load(self, i: int) -> None:
-        """Queue block ``i``'s copy into its slot once the slot's last reader is done."""
+        """Queue block ``i``'s copies (one per dtype) into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
-        self.freed[slot].wait(self.copy_stream)
-        self._copy(self.units[i], self.slots[slot])
-        self.ready[i].record(self.copy_stream)
+        stream = self.copy_stream
+        self.freed[slot].wait(stream)
+        transfers = self._transfers[i]
+        for dst, src in transfers:
+            self.backend.copy_async(dst, src, stream)
+        self.ready[i].record(stream)
         self._occupant[slot] = i
-        self.counters.loads += 1
+        counters = self.counters
+        counters.loads += 1
+        counters.h2d_copies += len(transfers)
+        counters.h2d_bytes += self.units[i].nbytes
 
     def _prefetch(self, i: int, running: bool) -> None:
         """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first."""
