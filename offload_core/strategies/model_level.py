@@ -82,7 +82,9 @@ class ModelLevelOffload:
                 self.groups.append(Group(group_name, components))
         if not self.groups:
             raise ValueError("model-level offload found no module with weights to offload")
-        self._next: dict[int, int] = {i: (i + 1) % len(self.groups) for i in range(len(self.groups))}
+        # the group that usually runs next: the declared order first, then what was observed within
+        # a call; the last group has none, so nothing is prefetched only to be released at call end
+        self._next: dict[int, int | None] = {i: i + 1 for i in range(len(self.groups) - 1)}
         self._active: int | None = None
         self._hooks: list = []
         self.peak_weight_bytes = 0
@@ -176,8 +178,9 @@ class ModelLevelOffload:
         self._active = index
         if previous is not None:
             self._next[previous] = index
-        if self.prefetch:
-            self._maybe_prefetch(self._next[index])
+        following = self._next.get(index)
+        if self.prefetch and following is not None:
+            self._maybe_prefetch(following)
 
     def _load(self, group: Group) -> None:
         """Allocate the group's device buffers and queue its copies (one per dtype per component)."""
