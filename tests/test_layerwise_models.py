@@ -8,12 +8,13 @@ import torch
 
 import offload_core
 from offload_core.discovery import declared_attrs, find_blocks
+from offload_core.discovery.support import ROWS
 from offload_core.weights.unit import ALIGN_BYTES
 from offload_core.tiny import STANDINS, TRANSFORMERS, build_standin, build_transformer
 
 from helpers import chaos_backend, forward
 
-MODELS = [("transformer", name) for name in TRANSFORMERS] + [("standin", name) for name in STANDINS]
+MODELS = [("transformer" if name in TRANSFORMERS else "standin", name) for row in ROWS for name in row.tiny_models]
 
 
 def build(kind: str, name: str):

@@ -10,11 +10,12 @@ import torch
 
 import offload_core
 from offload_core.pipelines import component_kind, pipeline_modules
-from offload_core.tiny import PIPELINES, build_pipeline
+from offload_core.discovery.support import ROWS
+from offload_core.tiny import build_pipeline
 
 from helpers import chaos_backend
 
-NAMES = list(PIPELINES)
+NAMES = [row.tiny_pipeline for row in ROWS if row.model_level]
 
 
 @pytest.fixture(scope="module", params=NAMES)
