@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
 import os
 import threading
-import time
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -17,7 +17,7 @@ from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
 
 from .memory import Pool
-from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos
+from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos, pause
 from .trace import Timeline, now_ns
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,10 @@ def _env_int(var: str) -> int | None:
 def _env_float(var: str) -> float | None:
     value = os.environ.get(var)
     return float(value) if value else None
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -51,9 +55,12 @@ class FakeBackend(DeviceBackend):
     Options (keyword arguments, else environment variables):
 
     * ``chaos`` (``OFFLOAD_CORE_FAKE_CHAOS=1``): every queued task starts after a random delay of
-      ``chaos_delay`` / 2 .. ``chaos_delay`` seconds (default 2 ms), and every copy destination
-      holds NaN (integers: their maximum) from the moment the copy is enqueued until it has run,
-      so reading it without waiting gives wrong numbers every time.
+      ``chaos_delay`` / 2 .. ``chaos_delay`` seconds (default 2 ms), and every copy (or gather)
+      destination holds NaN (integers: their maximum) from the moment the copy is enqueued until
+      it has run, so reading it without waiting gives wrong numbers every time. Exception: while a
+      queued read of that memory has not run yet, the poison waits until the copy's stream reaches
+      the copy, so that a read correctly ordered before the copy (through an event) still sees the
+      old contents, as on a GPU.
     * ``device_memory`` (``OFFLOAD_CORE_FAKE_DEVICE_MEMORY``, bytes): capacity; exceeding it raises
       :class:`FakeOutOfMemoryError`, a ``torch.OutOfMemoryError``.
     * ``pinned_memory`` (``OFFLOAD_CORE_FAKE_PINNED_MEMORY``, bytes): cap on pinned host memory.
@@ -107,6 +114,9 @@ class FakeBackend(DeviceBackend):
         self._streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
         self._ids = itertools.count(1)
         self._local = threading.local()
+        # chaos: storage -> reads of it queued on streams that have not run yet (see _poisoner)
+        self._pending_reads: collections.Counter[int] = collections.Counter()
+        self._reads_lock = threading.Lock()
 
     # -- identity -------------------------------------------------------------------------
     @classmethod
@@ -199,19 +209,56 @@ class FakeBackend(DeviceBackend):
         stream = stream if stream is not None else self.current_stream()
         nbytes = src.numel() * src.element_size()
         h2d = not self._device.owns(src)
-        if self.chaos:
-            _poison(dst)
+        poison = self._poisoner(dst, stream)
+        read_done = self._queue_read(src)
         bandwidth = self.h2d_bandwidth if h2d else None
 
         def copy() -> None:
             start = now_ns()
-            dst.copy_(src)
+            try:
+                dst.copy_(src)
+            finally:
+                if read_done is not None:
+                    read_done()
             if bandwidth:
                 remaining = nbytes / bandwidth - (now_ns() - start) / 1e9
                 if remaining > 0:
-                    time.sleep(remaining)
+                    pause(remaining)
 
-        stream.submit(copy, "H2D" if h2d else "D2H", nbytes)
+        stream.submit(copy, "H2D" if h2d else "D2H", nbytes, prepare=poison)
+
+    def _poisoner(self, dst: torch.Tensor, stream: FakeStream | DefaultStream):
+        """Chaos: poison ``dst`` as early as is legal. Returns the poisoning still to run when the
+        stream reaches the write, or None.
+
+        At enqueue time, unless a queued read of ``dst``'s memory has not run yet: that read may be
+        correctly ordered before this write (a slot recycled after an event), and must see the old
+        contents. Then the poison waits until the stream reaches the write, when everything the
+        write is ordered after has run."""
+        if not self.chaos:
+            return None
+        with self._reads_lock:
+            pending = self._pending_reads[_storage_key(dst)] > 0
+        if not pending:
+            _poison(dst)
+            return None
+        return lambda: _poison(dst)
+
+    def _queue_read(self, src: torch.Tensor):
+        """Chaos: count a queued read of ``src``'s memory; returns the call that marks it done."""
+        if not self.chaos:
+            return None
+        key = _storage_key(src)
+        with self._reads_lock:
+            self._pending_reads[key] += 1
+
+        def done() -> None:
+            with self._reads_lock:
+                self._pending_reads[key] -= 1
+                if self._pending_reads[key] <= 0:
+                    del self._pending_reads[key]
+
+        return done
 
     # -- collectives ----------------------------------------------------------------------
     def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
@@ -225,9 +272,22 @@ class FakeBackend(DeviceBackend):
         stream: FakeStream | DefaultStream | None = None,
     ) -> FakeEvent:
         stream = stream if stream is not None else self.current_stream()
-        if self.chaos:
-            _poison(output)
-        stream.submit(lambda: _dist.all_gather(output, input, group=group), "all_gather", output.numel() * output.element_size())
+        poison = self._poisoner(output, stream)
+        read_done = self._queue_read(input)
+
+        def gather() -> None:
+            try:
+                _dist.all_gather(output, input, group=group)
+            finally:
+                if read_done is not None:
+                    read_done()
+
+        stream.submit(
+            gather,
+            "all_gather",
+            output.numel() * output.element_size(),
+            prepare=poison,
+        )
         done = self.new_event()
         done.record(stream)
         return done

@@ -9,6 +9,7 @@ blocks that worker, and on the default stream blocks the caller.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import random
 import threading
@@ -17,6 +18,37 @@ import weakref
 from typing import Callable
 
 from .trace import Timeline, now_ns
+
+# Set at interpreter exit: workers stop after their current task and simulated waits end early.
+_EXITING = threading.Event()
+_QUEUES: weakref.WeakSet[_Queue] = weakref.WeakSet()
+_EXIT_JOIN_SECONDS = 5.0
+
+
+def pause(seconds: float) -> None:
+    """Sleep on a stream's thread (chaos delays, the bandwidth model); cut short at exit."""
+    _EXITING.wait(seconds)
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """Let each worker leave torch code before the interpreter finalises.
+
+    A daemon thread that comes back from a torch operation (which released the GIL) after
+    finalisation has begun is ended by pthread_exit, whose unwinding through torch's C++ frames
+    aborts the process ("terminate called without an active exception"). So the workers are
+    stopped and joined here, while the interpreter is still whole; queued work is dropped, as a
+    process exit drops a GPU's queued work.
+    """
+    _EXITING.set()
+    queues = list(_QUEUES)
+    for q in queues:
+        with q.cond:
+            q.cond.notify_all()
+        q.stop()
+    deadline = time.monotonic() + _EXIT_JOIN_SECONDS
+    for q in queues:
+        q.thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 class StreamError(RuntimeError):
@@ -35,7 +67,7 @@ class _Chaos:
     def delay(self) -> None:
         with self._lock:
             d = self._rng.uniform(self.max_delay / 2, self.max_delay)
-        time.sleep(d)
+        pause(d)
 
 
 class _Queue:
@@ -56,20 +88,28 @@ class _Queue:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self.run, name=f"offload-core-{name}", daemon=True)
         self.thread.start()
+        _QUEUES.add(self)
 
-    def submit(self, fn: Callable[[], None], label: str, nbytes: int) -> int:
+    def submit(
+        self, fn: Callable[[], None], label: str, nbytes: int, prepare: Callable[[], None] | None = None
+    ) -> int:
         with self.cond:
             self.enqueued += 1
             seq = self.enqueued
-        self.tasks.put((seq, fn, label, nbytes))
+        self.tasks.put((seq, fn, label, nbytes, prepare))
         return seq
 
     def run(self) -> None:
         while True:
             item = self.tasks.get()
-            if item is None:
+            if item is None or _EXITING.is_set():
                 return
-            seq, fn, label, nbytes = item
+            seq, fn, label, nbytes, prepare = item
+            try:
+                if prepare is not None and self.error is None:
+                    prepare()  # the task's turn has come: e.g. chaos poisons the copy destination
+            except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
+                self.error = exc
             if self.chaos is not None:
                 self.chaos.delay()
             start = now_ns()
@@ -79,14 +119,14 @@ class _Queue:
             except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
                 self.error = exc
             self.timeline.add(self.name, label, start, now_ns(), nbytes)
-            del item, fn  # the task's tensors must not outlive it (device memory accounting)
+            del item, fn, prepare  # the task's tensors must not outlive it (device memory accounting)
             with self.cond:
                 self.done = seq
                 self.cond.notify_all()
 
     def wait_for(self, seq: int) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: self.done >= seq)
+            self.cond.wait_for(lambda: self.done >= seq or _EXITING.is_set())
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -108,9 +148,13 @@ class FakeStream:
     def name(self) -> str:
         return self._q.name
 
-    def submit(self, fn: Callable[[], None], label: str, nbytes: int = 0) -> int:
-        """Enqueue ``fn``; returns its position, usable with ``reached``/``wait_for``."""
-        return self._q.submit(fn, label, nbytes)
+    def submit(
+        self, fn: Callable[[], None], label: str, nbytes: int = 0, prepare: Callable[[], None] | None = None
+    ) -> int:
+        """Enqueue ``fn``; returns its position, usable with ``reached``/``wait_for``.
+
+        ``prepare`` runs when the stream reaches the task, before the chaos delay and ``fn``."""
+        return self._q.submit(fn, label, nbytes, prepare)
 
     def position(self) -> int:
         return self._q.enqueued
@@ -144,7 +188,11 @@ class DefaultStream:
     def __init__(self, timeline: Timeline) -> None:
         self._timeline = timeline
 
-    def submit(self, fn: Callable[[], None], label: str, nbytes: int = 0) -> int:
+    def submit(
+        self, fn: Callable[[], None], label: str, nbytes: int = 0, prepare: Callable[[], None] | None = None
+    ) -> int:
+        if prepare is not None:
+            prepare()
         start = now_ns()
         fn()
         self._timeline.add(self.name, label, start, now_ns(), nbytes)

@@ -100,6 +100,7 @@ class LayerwiseOffload:
             [(self.slots[i % self.num_slots][dtype][: src.numel()], src) for dtype, src in unit.host.items()]
             for i, unit in enumerate(self.units)
         ]
+        self._transfer_bytes = [unit.nbytes for unit in self.units]
         for i, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before_block, i)))
             self._hooks.append(block.register_forward_hook(functools.partial(self._after_block, i)))
@@ -157,7 +158,7 @@ class LayerwiseOffload:
         counters = self.counters
         counters.loads += 1
         counters.h2d_copies += len(transfers)
-        counters.h2d_bytes += self.units[i].nbytes
+        counters.h2d_bytes += self._transfer_bytes[i]
 
     def _prefetch(self, i: int, running: bool) -> None:
         """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first."""
