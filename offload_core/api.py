@@ -13,7 +13,7 @@ from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
 from .strategies.common import Transaction
-from .strategies.layerwise import LayerwiseOffload
+from .strategies import streaming_part
 from .strategies.model_level import ModelLevelOffload
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,6 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
         raise AlreadyEnabledError(
             f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
         )
-    if strategy == "distributed":
-        raise NotImplementedError("distributed layerwise offloading is not implemented yet")
     backend = get_backend(config.backend)
     if is_pipeline(target):
         handle = enable_on_pipeline(target, config, backend)
@@ -61,10 +59,8 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
 def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    if config.strategy == "layerwise":
-        part = LayerwiseOffload(
-            module, find_blocks(module, config.blocks), backend, config.prefetch_depth, config.pin_memory
-        )
+    if config.strategy in ("layerwise", "distributed"):
+        part = streaming_part(module, find_blocks(module, config.blocks), config, backend)
     else:
         part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
     with Transaction() as txn:

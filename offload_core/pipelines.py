@@ -24,7 +24,7 @@ from .config import OffloadConfig
 from .discovery import find_blocks
 from .handle import OffloadHandle
 from .strategies.common import Transaction
-from .strategies.layerwise import LayerwiseOffload
+from .strategies import streaming_part
 from .strategies.model_level import ModelLevelOffload
 from .strategies.resident import ResidentModules
 
@@ -136,7 +136,7 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
         kind = kinds[name]
         if kind in ("dit", "text_encoder") and kind in streamed:
             blocks = find_blocks(module, config.blocks if kind == "dit" else None)
-            parts.append(LayerwiseOffload(module, blocks, backend, config.prefetch_depth, config.pin_memory))
+            parts.append(streaming_part(module, blocks, config, backend))
         elif kind == "vae" and "vae" in streamed:
             staged.append((name, [(name, module)]))
         else:

@@ -243,12 +243,12 @@ class FakeEvent:
         source, seq = self._stream, self._seq
         if source is None or source is target:
             return  # unrecorded, or same-stream order already holds
+        if source.reached(seq):
+            source.wait_for(seq)  # already reached: returns at once, re-raising a failure of that work
+            return
         if isinstance(target, DefaultStream):
-            if not source.reached(seq):
-                start = now_ns()
-                source.wait_for(seq)
-                self._timeline.add(target.name, f"wait {source.name}", start, now_ns())
-            else:
-                source.wait_for(seq)  # re-raises a failure of the awaited work
+            start = now_ns()
+            source.wait_for(seq)
+            self._timeline.add(target.name, f"wait {source.name}", start, now_ns())
             return
         target.submit(lambda: source.wait_for(seq), f"wait {source.name}")

@@ -1,0 +1,23 @@
+"""Offloading strategies: policies deciding which weight units are on the device when."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from ..backend import DeviceBackend
+from ..config import OffloadConfig
+from .distributed import DistributedLayerwiseOffload
+from .layerwise import LayerwiseOffload
+
+
+def streaming_part(
+    model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], config: OffloadConfig, backend: DeviceBackend
+) -> LayerwiseOffload:
+    """The block-streaming strategy ``config`` selects for one model: layerwise or distributed."""
+    if config.strategy == "distributed":
+        return DistributedLayerwiseOffload(
+            model, blocks, backend, config.process_group, config.shard_host_weights, config.pin_memory
+        )
+    return LayerwiseOffload(model, blocks, backend, config.prefetch_depth, config.pin_memory)

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 class LayerwiseOffload:
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
+    strategy = "layerwise"
+
     def __init__(
         self,
         model: nn.Module,
@@ -78,11 +80,11 @@ class LayerwiseOffload:
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
         backend = self.backend
-        self.slots = [allocate_device(backend, self.slot_shape) for _ in range(self.num_slots)]
+        self._allocate_device()
         resident_device = allocate_device(backend, self.resident.numel)
         txn.on_rollback(self._release)
-        pack_units([self.resident, *self.units], backend, self.pin_memory, txn, f"packing {type(self.model).__name__}")
-        self.copy_stream = backend.new_stream()
+        self._pack(txn)
+        self.copy_stream = self._new_copy_stream()
         self.ready = [backend.new_event() for _ in self.units]
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots
@@ -92,15 +94,11 @@ class LayerwiseOffload:
         done.synchronize()
         self.resident.bind(resident_device)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host))
+        self._plan_transfers()
         for i, unit in enumerate(self.units):
             unit.bind(self.slots[i % self.num_slots])
-            txn.on_rollback(functools.partial(unit.bind, unit.host))
-        # (slot view, host buffer) per dtype, per block: the hot path only issues copies
-        self._transfers = [
-            [(self.slots[i % self.num_slots][dtype][: src.numel()], src) for dtype, src in unit.host.items()]
-            for i, unit in enumerate(self.units)
-        ]
-        self._transfer_bytes = [unit.nbytes for unit in self.units]
+            if unit.host:
+                txn.on_rollback(functools.partial(unit.bind, unit.host))
         for i, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before_block, i)))
             self._hooks.append(block.register_forward_hook(functools.partial(self._after_block, i)))
@@ -112,10 +110,36 @@ class LayerwiseOffload:
         for i in range(self.num_slots):
             self._load(i)
         logger.info(
-            "layerwise offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
-            type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
+            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
         )
+
+    def _new_copy_stream(self):
+        return self.backend.new_stream()
+
+    def _allocate_device(self) -> None:
+        self.slots = [allocate_device(self.backend, self.slot_shape) for _ in range(self.num_slots)]
+
+    def _pack(self, txn: Transaction) -> None:
+        """Give every unit its host home (here: the whole unit, one buffer per dtype)."""
+        pack_units([self.resident, *self.units], self.backend, self.pin_memory, txn,
+                   f"packing {type(self.model).__name__}")
+
+    def _plan_transfers(self) -> None:
+        """(slot view, host buffer) per dtype, per block: the hot path only issues copies."""
+        self._transfers = [
+            [(self.slots[i % self.num_slots][dtype][: src.numel()], src) for dtype, src in unit.host.items()]
+            for i, unit in enumerate(self.units)
+        ]
+        self._transfer_bytes = [unit.nbytes for unit in self.units]
+
+    def _issue(self, i: int, stream) -> int:
+        """Queue on ``stream`` the transfers that fill block ``i``'s slot; returns the copies issued."""
+        transfers = self._transfers[i]
+        for dst, src in transfers:
+            self.backend.copy_async(dst, src, stream)
+        return len(transfers)
 
     def disable(self) -> None:
         """Wait for queued copies, give every tensor back an ordinary host copy, free the device."""
@@ -146,18 +170,16 @@ class LayerwiseOffload:
         self.counters.h2d_bytes += unit.copy_to(dst, one)
 
     def _load(self, i: int) -> None:
-        """Queue block ``i``'s copies (one per dtype) into its slot once the slot's last reader is done."""
+        """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
         stream = self.copy_stream
         self.freed[slot].wait(stream)
-        transfers = self._transfers[i]
-        for dst, src in transfers:
-            self.backend.copy_async(dst, src, stream)
+        copies = self._issue(i, stream)
         self.ready[i].record(stream)
         self._occupant[slot] = i
         counters = self.counters
         counters.loads += 1
-        counters.h2d_copies += len(transfers)
+        counters.h2d_copies += copies
         counters.h2d_bytes += self._transfer_bytes[i]
 
     def _prefetch(self, i: int, running: bool) -> None:

@@ -1,0 +1,159 @@
+"""Distributed layerwise offloading: layerwise streaming across ranks with a fixed two-block
+device buffer, and optionally each rank holding only 1/N of every block's host weights.
+
+With ``shard_host_weights`` each block's per-dtype buffer is padded to a multiple of the world
+size and split into N equal shards; rank r keeps shard r in pinned memory. Loading a block copies
+this rank's shard into a small staging buffer, then an all-gather on the copy stream rebuilds the
+whole block in the slot on every rank. Host memory per rank is then the resident part plus 1/N of
+the blocks. Without sharding every rank keeps the whole model and the transport is a plain copy.
+
+Every rank must run the same forwards in the same order (the all-gathers are collective), and
+``disable`` is collective too: it rebuilds the full host weights on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..backend import DeviceBackend
+from ..weights import nbytes_of
+from .common import Transaction, allocate_device, pack_units
+from .layerwise import LayerwiseOffload
+
+logger = logging.getLogger(__name__)
+
+
+def _padded(n: int, world: int) -> int:
+    return -(-n // world) * world
+
+
+#: one copy stream per backend for every distributed part: collectives must run in the order they
+#: were issued, which is the same on every rank, also when several DiTs stream (Wan2.2)
+_COLLECTIVE_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rebind_all(originals) -> None:
+    for owner, tensor in originals:
+        owner.rebind(tensor)
+
+
+class DistributedLayerwiseOffload(LayerwiseOffload):
+    """Two slots, each the largest block padded to a multiple of the world size."""
+
+    strategy = "distributed"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[tuple[str, nn.Module]],
+        backend: DeviceBackend,
+        process_group: Any = None,
+        shard_host_weights: bool = True,
+        pin_memory: bool = True,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "distributed layerwise offload needs an initialised torch.distributed process group "
+                "(backend.init_process_group(rank, world_size, init_method) or torch.distributed.init_process_group)"
+            )
+        super().__init__(model, blocks, backend, prefetch_depth=1, pin_memory=pin_memory)
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.shard = shard_host_weights and self.world > 1
+        self.slot_shape = {dtype: _padded(n, self.world) for dtype, n in self.slot_shape.items()}
+        self._shards: list[dict[torch.dtype, torch.Tensor]] = []
+
+    @property
+    def host_bytes(self) -> int:
+        if not self.shard:
+            return super().host_bytes
+        return self.resident.nbytes + sum(
+            nbytes_of({dtype: _padded(n, self.world) // self.world for dtype, n in unit.numel.items()})
+            for unit in self.units
+        )
+
+    @property
+    def device_weight_bytes(self) -> int:
+        staging = 2 * nbytes_of({d: n // self.world for d, n in self.slot_shape.items()}) if self.shard else 0
+        return super().device_weight_bytes + staging
+
+    def _new_copy_stream(self):
+        stream = _COLLECTIVE_STREAMS.get(self.backend)
+        if stream is None:
+            stream = _COLLECTIVE_STREAMS[self.backend] = self.backend.new_stream()
+        return stream
+
+    def _allocate_device(self) -> None:
+        super()._allocate_device()
+        if self.shard:
+            self._staging = [
+                allocate_device(self.backend, {d: n // self.world for d, n in self.slot_shape.items()})
+                for _ in range(self.num_slots)
+            ]
+
+    def _pack(self, txn: Transaction) -> None:
+        """Keep only this rank's shard of each block; the originals stay referenced by the undo
+        log until enable succeeds, so a failure can put them back untouched."""
+        if not self.shard:
+            return super()._pack(txn)
+        pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights")
+        allocate = self.backend.empty_pinned if self.pin_memory else (lambda n, dtype: torch.empty(n, dtype=dtype))
+        for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
+            originals = [(owner, owner.get().data) for entry in unit.entries for owner in entry.owners]
+            txn.on_rollback(functools.partial(_rebind_all, originals))
+            unit.pack(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
+            shards = {}
+            for dtype, full in unit.host.items():
+                size = full.numel() // self.world
+                shard = allocate(size, dtype)
+                shard.copy_(full[self.rank * size : (self.rank + 1) * size])
+                shards[dtype] = shard
+            self._shards.append(shards)
+            unit.host = {}  # the full temporary buffer lives only until the unit is bound to its slot
+
+    def _plan_transfers(self) -> None:
+        if not self.shard:
+            return super()._plan_transfers()
+        self._transfers = []
+        for i, shards in enumerate(self._shards):
+            slot, staging = self.slots[i % self.num_slots], self._staging[i % self.num_slots]
+            self._transfers.append([
+                (staging[dtype][: shard.numel()], shard, slot[dtype][: shard.numel() * self.world])
+                for dtype, shard in shards.items()
+            ])
+        self._transfer_bytes = [sum(s.numel() * s.element_size() for s in shards.values()) for shards in self._shards]
+
+    def _issue(self, i: int, stream) -> int:
+        if not self.shard:
+            return super()._issue(i, stream)
+        for staging, shard, out in self._transfers[i]:
+            self.backend.copy_async(staging, shard, stream)
+            self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
+        return len(self._transfers[i])
+
+    def disable(self) -> None:
+        """Collective: rebuild every block's full weights from the shards on every rank."""
+        if not self.shard or not self._occupant:
+            return super().disable()
+        self._remove_hooks()
+        host = self.backend.new_stream()
+        for i, unit in enumerate(self.units):
+            self._load(i)
+            self.ready[i].wait(host)
+            slot = self.slots[i % self.num_slots]
+            unit.host = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
+            for dtype, buf in unit.host.items():
+                self.backend.copy_async(buf, slot[dtype][: buf.numel()], host)
+            host.synchronize()
+            self.freed[i % self.num_slots].record(host)
+        super().disable()
+        self._shards = []

@@ -1,0 +1,112 @@
+"""Distributed layerwise offload across 2 real processes (gloo): exact output, a fixed two-block
+device buffer, 1/N of the block weights on each rank's host, and a collective disable."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])  # tests/ helpers in the spawned process
+    torch.set_num_threads(1)
+    import offload_core
+    from helpers import assert_same_state, snapshot
+    from stacks import StackSpec, build_stack
+
+    backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
+    backend.init_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}")
+    if pipeline:
+        _every_supported_row(backend)
+        return
+    dtypes = [[torch.float32, torch.bfloat16], [torch.float16], [torch.float32], [torch.bfloat16, torch.float32], [torch.float32]]
+    model = build_stack(StackSpec(d=8, layer_dtypes=dtypes, transposed=True, tie_within=True, tie_head=True, seed=3))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = [model(x + i) for i in range(3)]
+    before = snapshot(model)
+    with pytest.warns(UserWarning, match="ignoring enable_layerwise_offload"):
+        handle = offload_core.enable_offload(
+            model, enable_distributed_layerwise_offload=True, enable_layerwise_offload=True,
+            backend=backend, shard_host_weights=shard, prefetch_depth=3,
+        )
+    part = handle.parts[0]
+    assert handle.strategy == "distributed" and part.num_slots == 2
+    with torch.no_grad():
+        for i in range(3):
+            assert torch.equal(model(x + i), expected[i]), f"rank {rank} step {i}"
+    stats = handle.stats()
+    assert stats["prefetch_misses"] == 0
+    assert stats["device_peak_bytes"] == part.device_weight_bytes
+    for n in part.slot_shape.values():
+        assert n % WORLD == 0
+    blocks_bytes = sum(u.nbytes for u in part.units)
+    if shard:
+        # each rank's host holds the resident part and half of every block (padding aside)
+        assert stats["pinned_host_bytes"] < part.resident_bytes + blocks_bytes / WORLD + 64 * len(part.units) * 3
+        assert stats["pinned_host_bytes"] >= part.resident_bytes + blocks_bytes / WORLD
+    else:
+        assert stats["pinned_host_bytes"] == part.resident_bytes + blocks_bytes
+    handle.disable()
+    assert_same_state(before, snapshot(model))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected[0])
+
+
+def _every_supported_row(backend) -> None:
+    """Each row of the supported-model table, sharded over the ranks: pipelines end to end, and
+    the DiTs and stand-ins alone."""
+    import offload_core
+    from helpers import forward
+    from offload_core.discovery.support import ROWS
+    from offload_core.tiny import TRANSFORMERS, build_pipeline, build_standin, build_transformer
+
+    for row in ROWS:
+        if row.tiny_pipeline:
+            tiny = build_pipeline(row.tiny_pipeline)
+            expected = tiny.run(seed=0)
+            handle = offload_core.enable_offload(tiny.pipe, enable_distributed_layerwise_offload=True, backend=backend)
+            for _ in range(2):
+                assert torch.equal(tiny.run(seed=0), expected), row.pipeline
+            handle.disable()
+            assert torch.equal(tiny.run(seed=0), expected), row.pipeline
+        for name in row.tiny_models:
+            model, inputs = build_transformer(name) if name in TRANSFORMERS else build_standin(name)
+            expected = forward(model.eval(), inputs)
+            handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
+            for _ in range(2):
+                assert torch.equal(forward(model, inputs), expected), name
+            assert handle.stats()["prefetch_misses"] == 0
+            handle.disable()
+
+
+@pytest.mark.parametrize("shard", [True, False], ids=["sharded", "replicated"])
+def test_distributed_layerwise_on_two_ranks(shard):
+    mp.spawn(_worker, args=(_free_port(), shard, False), nprocs=WORLD, join=True)
+
+
+def test_distributed_layerwise_on_every_supported_row():
+    mp.spawn(_worker, args=(_free_port(), True, True), nprocs=WORLD, join=True)
+
+
+def test_distributed_needs_a_process_group():
+    import offload_core
+    from stacks import StackSpec, build_stack
+
+    model = build_stack(StackSpec())
+    with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
+        offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend="fake")
+    assert all(not m._forward_pre_hooks for m in model.modules())
