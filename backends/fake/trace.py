@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 import time
 from typing import Any, Iterable
 
@@ -28,29 +27,27 @@ class Span:
 
 
 class Timeline:
-    """Thread-safe, bounded list of spans. ``max_spans`` keeps long runs from growing memory."""
+    """Bounded list of spans, appended to from every stream's thread. ``max_spans`` keeps long
+    runs from growing memory. Appends are plain tuples (list.append is atomic), because they sit on
+    every stream operation's path."""
 
     def __init__(self, max_spans: int = 200_000) -> None:
-        self._spans: list[Span] = []
-        self._lock = threading.Lock()
+        self._spans: list[tuple[str, str, int, int, int]] = []
         self._max = max_spans
         self.dropped = 0
 
     def add(self, stream: str, name: str, start_ns: int, end_ns: int, nbytes: int = 0) -> None:
-        with self._lock:
-            if len(self._spans) >= self._max:
-                self.dropped += 1
-                return
-            self._spans.append(Span(stream, name, start_ns, end_ns, nbytes))
+        if len(self._spans) >= self._max:
+            self.dropped += 1
+            return
+        self._spans.append((stream, name, start_ns, end_ns, nbytes))
 
     def spans(self) -> list[Span]:
-        with self._lock:
-            return list(self._spans)
+        return [Span(*s) for s in list(self._spans)]
 
     def clear(self) -> None:
-        with self._lock:
-            self._spans.clear()
-            self.dropped = 0
+        self._spans = []
+        self.dropped = 0
 
     def chrome_trace(self) -> dict[str, Any]:
         """The timeline in the Trace Event Format: one thread row per stream."""

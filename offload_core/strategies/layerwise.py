@@ -88,6 +88,8 @@ class LayerwiseOffload:
         self.ready = [backend.new_event() for _ in self.units]
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots
+        self._running = -1  # the block whose slot is not yet marked free
+        self._deferred = False
         self._copy(self.resident, resident_device)
         done = backend.new_event()
         done.record(self.copy_stream)
@@ -99,9 +101,11 @@ class LayerwiseOffload:
             unit.bind(self.slots[i % self.num_slots])
             if unit.host:
                 txn.on_rollback(functools.partial(unit.bind, unit.host))
+        # One hook per block: a block's slot is marked free when the next block (or the end of
+        # the model's forward) starts, since all of its compute has been issued by then.
         for i, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before_block, i)))
-            self._hooks.append(block.register_forward_hook(functools.partial(self._after_block, i)))
+        self._hooks.append(self.model.register_forward_hook(self._after_model))
         if self.move_inputs:
             self._hooks.append(
                 self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True)
@@ -183,7 +187,9 @@ class LayerwiseOffload:
         counters.h2d_bytes += self._transfer_bytes[i]
 
     def _prefetch(self, i: int, running: bool) -> None:
-        """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first."""
+        """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first.
+        A prefetch into the slot of the running block ``i`` (odd rings wrap onto it) is deferred
+        until ``i`` has finished."""
         n = len(self.units)
         for k in range(1, self.depth + 1):
             j = (i + k) % n
@@ -191,21 +197,36 @@ class LayerwiseOffload:
             if occupant == j:
                 continue
             ahead = (occupant - i) % n if occupant >= 0 else n
-            if (ahead == 0 and running) or 0 < ahead < k:
-                continue  # the occupant runs before j: this prefetch waits for a later hook
+            if ahead == 0 and running:
+                self._deferred = True
+                continue
+            if 0 < ahead < k:
+                continue  # the occupant runs before j: a later hook queues j
             self._load(j)
 
     def _wait_ready(self, i: int) -> None:
         self.ready[i].wait(self.backend.current_stream())
 
+    def _finish_running(self) -> None:
+        """Mark the slot of the block that ran last as free: its compute has all been issued."""
+        last = self._running
+        if last < 0:
+            return
+        self._running = -1
+        self.freed[last % self.num_slots].record(self.backend.current_stream())
+        if self._deferred:
+            self._deferred = False
+            self._prefetch(last, running=False)
+
     def _before_block(self, i: int, module: nn.Module, args) -> None:
+        self._finish_running()
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
             self._load(i)
         self._prefetch(i, running=True)
         self._wait_ready(i)
+        self._running = i
 
-    def _after_block(self, i: int, module: nn.Module, args, output) -> None:
-        self.freed[i % self.num_slots].record(self.backend.current_stream())
-        self._prefetch(i, running=False)
+    def _after_model(self, module: nn.Module, args, output) -> None:
+        self._finish_running()
