@@ -20,12 +20,12 @@ import sys
 from typing import Any, Callable, Sequence
 
 from . import plugins
+from .cli_bench import add_bench
+from .cli_check import add_check_backend
+from .cli_errors import UsageError
+from .cli_run import add_run
 
 PROG = "offload-core"
-
-
-class UsageError(Exception):
-    """Bad input: reported as ``offload-core: error: <message>`` with exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,7 +154,7 @@ def add_backends(subparsers: Any) -> None:
 # -- entry point ------------------------------------------------------------------------------
 
 #: one function per subcommand; each adds its parser and sets ``run``
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_backends]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_backends, add_run, add_bench, add_check_backend]
 
 
 def build_parser() -> argparse.ArgumentParser:
