@@ -29,6 +29,12 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int]:
+    """(device type, index, address of the storage's first byte), without building a storage
+    object: ``owns`` sits on every copy's path."""
+    return t.device.type, t.device.index, t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 class AllocationTracker:
     """Live and peak bytes of the tensors allocated through :meth:`allocate`, with an optional cap.
 
@@ -49,7 +55,7 @@ class AllocationTracker:
         self.oom_error = oom_error
         self.current = 0
         self.peak = 0
-        self._live: dict[tuple[str, int], int] = {}  # (device, storage data_ptr) -> bytes
+        self._live: dict[tuple[str, int | None, int], int] = {}  # storage key -> bytes
         self._lock = threading.Lock()
 
     def allocate(
@@ -72,15 +78,14 @@ class AllocationTracker:
             with self._lock:  # the reservation above must not leak when the allocator refuses
                 self.current -= nbytes
             raise
-        storage = tensor.untyped_storage()
-        key = (str(storage.device), storage.data_ptr())
+        key = _storage_key(tensor)
         with self._lock:
             if nbytes:
                 self._live[key] = nbytes
-        weakref.finalize(storage, self._release, key, nbytes)
+        weakref.finalize(tensor.untyped_storage(), self._release, key, nbytes)
         return tensor
 
-    def _release(self, key: tuple[str, int], nbytes: int) -> None:
+    def _release(self, key: tuple[str, int | None, int], nbytes: int) -> None:
         with self._lock:
             self.current -= nbytes
             if nbytes:
@@ -90,9 +95,7 @@ class AllocationTracker:
         """True if ``tensor`` views (part of) a live allocation made here."""
         if tensor.numel() == 0:
             return False
-        storage = tensor.untyped_storage()
-        with self._lock:
-            return (str(storage.device), storage.data_ptr()) in self._live
+        return _storage_key(tensor) in self._live  # a dict lookup is atomic; no lock needed
 
     def reset_peak(self) -> None:
         with self._lock:

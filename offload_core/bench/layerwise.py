@@ -73,11 +73,16 @@ def overhead_per_block(layers: int = 32, repeats: int = 30) -> dict[str, float]:
     handle = enable_offload(ours, enable_layerwise_offload=True, backend=get_backend("fake", chaos=False))
     cpu = torch.device("cpu")
     apply_group_offloading(theirs, onload_device=cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1)
-    times = interleaved(
-        {"resident": lambda: resident(**inputs), "ours": lambda: ours(**inputs), "diffusers": lambda: theirs(**inputs)},
-        repeats,
-    )
-    handle.disable()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: intra-op threads add only noise to a per-block figure
+    try:
+        times = interleaved(
+            {"resident": lambda: resident(**inputs), "ours": lambda: ours(**inputs), "diffusers": lambda: theirs(**inputs)},
+            repeats,
+        )
+    finally:
+        torch.set_num_threads(threads)
+        handle.disable()
     ours_block = (times["ours"] - times["resident"]) / layers
     theirs_block = (times["diffusers"] - times["resident"]) / layers
     return {

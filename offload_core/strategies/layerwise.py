@@ -20,7 +20,7 @@ from torch import nn
 
 from ..backend import DeviceBackend
 from ..weights import WeightUnit, nbytes_of, slot_numel, split_units
-from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units
+from .common import Counters, ForwardWrapper, Transaction, allocate_device, inputs_to_device, pack_units
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class LayerwiseOffload:
         # One hook per block: a block's slot is marked free when the next block (or the end of
         # the model's forward) starts, since all of its compute has been issued by then.
         for i, block in enumerate(self.blocks):
-            self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before_block, i)))
+            self._hooks.append(ForwardWrapper(block, functools.partial(self._before_block, i)))
         self._hooks.append(self.model.register_forward_hook(self._after_model))
         if self.move_inputs:
             self._hooks.append(
@@ -218,7 +218,7 @@ class LayerwiseOffload:
             self._deferred = False
             self._prefetch(last, running=False)
 
-    def _before_block(self, i: int, module: nn.Module, args) -> None:
+    def _before_block(self, i: int) -> None:
         self._finish_running()
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
