@@ -27,13 +27,20 @@ __all__ = ["DeviceBackend", "Event", "Stream", "Waitable", "Capability"]
 
 
 class Capability:
-    """Names a backend may list in ``capabilities`` so that tests and tools adapt to it."""
+    """Names a backend may list in ``capabilities`` so that tests and tools adapt to it. Each
+    one promises the constructor option or attribute named below."""
 
-    CHAOS = "chaos"  #: delays queued work and poisons copy destinations (fake backend)
-    CAPACITY = "capacity"  #: an optional device-memory cap that raises OutOfMemoryError
-    BANDWIDTH = "bandwidth"  #: a configurable host-to-device bandwidth model
-    TRACE = "trace"  #: a per-stream timeline exportable as Chrome trace JSON
-    COLLECTIVES = "collectives"  #: all_gather_into_tensor and init_process_group work
+    #: ``chaos=True``: queued work is delayed and copy destinations are poisoned until written
+    CHAOS = "chaos"
+    #: ``device_memory=N``: a device-memory cap; exceeding it raises ``torch.OutOfMemoryError``
+    CAPACITY = "capacity"
+    #: ``h2d_bandwidth=B``: a host-to-device copy of n bytes takes at least n / B seconds
+    BANDWIDTH = "bandwidth"
+    #: a ``timeline`` with ``spans()`` and ``clear()`` (copies named "H2D"/"D2H" on their stream,
+    #: host-blocking waits named "wait <stream>" on "default") and ``export_chrome_trace(path)``
+    TRACE = "trace"
+    #: ``all_gather_into_tensor`` and ``init_process_group`` work across processes
+    COLLECTIVES = "collectives"
 
 
 @runtime_checkable

@@ -29,10 +29,11 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int]:
-    """(device type, index, address of the storage's first byte), without building a storage
-    object: ``owns`` sits on every copy's path."""
-    return t.device.type, t.device.index, t.data_ptr() - t.storage_offset() * t.element_size()
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(device index, -1 for host memory; address of the storage's first byte), read without
+    building a storage or device object: ``owns`` sits on every copy's path. One tracker counts
+    one kind of memory, so the address and index identify a storage within it."""
+    return t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 class AllocationTracker:
@@ -55,7 +56,7 @@ class AllocationTracker:
         self.oom_error = oom_error
         self.current = 0
         self.peak = 0
-        self._live: dict[tuple[str, int | None, int], int] = {}  # storage key -> bytes
+        self._live: dict[tuple[int, int], int] = {}  # storage key -> bytes
         self._lock = threading.Lock()
 
     def allocate(
@@ -85,7 +86,7 @@ class AllocationTracker:
         weakref.finalize(tensor.untyped_storage(), self._release, key, nbytes)
         return tensor
 
-    def _release(self, key: tuple[str, int | None, int], nbytes: int) -> None:
+    def _release(self, key: tuple[int, int], nbytes: int) -> None:
         with self._lock:
             self.current -= nbytes
             if nbytes:

@@ -190,6 +190,10 @@ class FakeStream:
     def wait_for(self, seq: int) -> None:
         self._q.wait_for(seq)
 
+    def check(self) -> None:
+        """Re-raise a failure of work already run on this stream."""
+        self._q.raise_error()
+
     def synchronize(self) -> None:
         self._q.wait_for(self._q.enqueued)
 
@@ -237,6 +241,9 @@ class DefaultStream:
     def wait_for(self, seq: int) -> None:
         return None
 
+    def check(self) -> None:
+        return None
+
     def synchronize(self) -> None:
         return None
 
@@ -274,7 +281,7 @@ class FakeEvent:
         if source is None or source is target:
             return  # unrecorded, or same-stream order already holds
         if source.reached(seq):
-            source.wait_for(seq)  # already reached: returns at once, re-raising a failure of that work
+            source.check()  # already reached: nothing to wait for, but a failure of that work surfaces
             return
         if isinstance(target, DefaultStream):
             start = now_ns()
