@@ -44,6 +44,12 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
         raise AlreadyEnabledError(
             f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
         )
+    foreign = _foreign_offload(target)
+    if foreign:
+        raise OffloadConfigError(
+            f"{foreign} already manages this model's placement; remove it first "
+            "(pipe.remove_all_hooks() for accelerate, or load the model again)"
+        )
     backend = get_backend(config.backend)
     if is_pipeline(target):
         handle = enable_on_pipeline(target, config, backend)
@@ -54,6 +60,20 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     setattr(target, HANDLE_ATTRIBUTE, handle)
     handle._undo.append(lambda: delattr(target, HANDLE_ATTRIBUTE))
     return handle
+
+
+def _foreign_offload(target: Any) -> str | None:
+    """The other offloading library whose hooks are on ``target``, if any: two libraries moving
+    the same weights would fight over them."""
+    modules = [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
+    for root in modules:
+        for module in root.modules():
+            if getattr(module, "_hf_hook", None) is not None:
+                return "accelerate's offload hooks"
+            registry = getattr(module, "_diffusers_hook", None)
+            if registry is not None and getattr(registry, "hooks", None):
+                return "diffusers' hooks (group offloading or a cache)"
+    return None
 
 
 def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:

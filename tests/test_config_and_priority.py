@@ -152,3 +152,24 @@ def test_model_level_on_a_module_swaps_its_children_one_at_a_time():
     assert [g.name for g in part.groups] == ["encoder", "denoiser", "decoder"]
     handle.disable()
     assert_same_state(before, snapshot(model))
+
+
+def test_a_model_offloaded_by_diffusers_is_refused_untouched():
+    from diffusers.hooks import apply_group_offloading
+
+    model = build_stack(StackSpec(d=8))
+    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+    before = snapshot(model)
+    with pytest.raises(offload_core.OffloadConfigError, match="diffusers' hooks"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    assert_same_state(before, snapshot(model))
+
+
+def test_a_pipeline_offloaded_by_accelerate_is_refused(flux2):
+    flux2.pipe.enable_model_cpu_offload(device="cpu")
+    try:
+        with pytest.raises(offload_core.OffloadConfigError, match="accelerate"):
+            offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True, backend=chaos_backend())
+    finally:
+        flux2.pipe.remove_all_hooks()
+    assert torch.equal(flux2.run(seed=0), flux2.expected)

@@ -1,0 +1,35 @@
+"""offload-core bench: the table and the JSON carry the measured ratios beside their targets."""
+
+from __future__ import annotations
+
+import json
+
+from offload_core import bench, cli
+
+
+def test_bench_json_reports_copies_per_block(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--only", "copies_per_block", "--json", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads(out.read_text())
+    assert printed == written
+    results = printed["results"]["copies_per_block"]
+    # one copy per dtype per block: the measured copies equal the dtypes the blocks hold
+    assert results["fp32_copies_per_block"] == results["fp32_dtypes_per_block"] == 1.0
+    assert results["fp32+bf16_copies_per_block"] == results["fp32+bf16_dtypes_per_block"] > 1.0
+    rows = {r["figure"]: r for r in printed["headlines"]}
+    assert all(r["meets_target"] for r in rows.values())
+
+
+def test_bench_table_flags_a_missed_target(capsys, monkeypatch):
+    monkeypatch.setitem(bench.SECTIONS, "copies_per_block", lambda quick: {
+        "fp32_copies_per_block": 2.0, "fp32+bf16_copies_per_block": 1.5,
+    })
+    assert cli.main(["bench", "--only", "copies_per_block"]) == 0
+    table = capsys.readouterr().out
+    assert "MISSED" in table and "2.000" in table
+
+
+def test_unknown_section_is_a_usage_error(capsys):
+    assert cli.main(["bench", "--only", "nope"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
