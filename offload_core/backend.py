@@ -109,6 +109,12 @@ class DeviceBackend(abc.ABC):
     def probe(cls) -> bool:
         """True when this backend can run in this process. Cheap; initialises no device context."""
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why ``probe()`` is false, in words a user can act on (``offload-core backends`` shows
+        it). Same rules as ``probe()``: cheap, initialises nothing. The default says nothing."""
+        return None
+
     @abc.abstractmethod
     def device(self, index: int | None = None) -> torch.device:
         """The torch device tensors are allocated on (``index`` None: the current device)."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from . import plugins
 from .cli_bench import add_bench
 from .cli_check import add_check_backend
-from .cli_errors import UsageError
+from .cli_common import UsageError
 from .cli_run import add_run
 
 PROG = "offload-core"
@@ -45,17 +45,6 @@ def _kind(info: plugins.BackendInfo) -> str:
     return "in-tree accelerator" if info.in_tree else "vendor accelerator"
 
 
-def _unavailable_reason(info: plugins.BackendInfo) -> str | None:
-    """The backend's own explanation, where it offers one (``unavailable_reason()``)."""
-    explain = getattr(info.cls, "unavailable_reason", None)
-    if explain is None:
-        return None
-    try:
-        return str(explain())
-    except Exception as exc:  # noqa: BLE001 - a diagnostic must not break the listing
-        return f"unavailable_reason() raised {type(exc).__name__}: {exc}"
-
-
 def backends_report() -> dict[str, Any]:
     """Everything ``offload-core backends`` shows, as plain data (the ``--json`` document)."""
     registry = plugins.registry()
@@ -70,7 +59,7 @@ def backends_report() -> dict[str, Any]:
                 "available": available,
                 "priority": info.priority,
                 "kind": _kind(info),
-                "reason": None if available else _unavailable_reason(info),
+                "reason": info.unavailable_reason(),
             }
         )
     try:

@@ -22,8 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from . import plugins
-from .cli_errors import UsageError
+from .cli_common import available_backend
 
 KIT = "offload_core.testing"
 #: outcome words on pytest's final summary line ("3 failed, 40 passed, 2 skipped in 20.1s")
@@ -48,15 +47,7 @@ def kit_command(name: str) -> list[str]:
 
 
 def run_check_backend(args: argparse.Namespace) -> int:
-
-    try:
-        info = plugins.registry().info(args.name)
-    except plugins.BackendNotFoundError as exc:
-        raise UsageError(str(exc)) from None
-    if not info.available:
-        explain = getattr(info.cls, "unavailable_reason", None)
-        reason = f" ({explain()})" if explain is not None else ""
-        raise UsageError(f"backend {args.name!r} is registered but not available here{reason}; the kit needs it")
+    available_backend(args.name)
     command = kit_command(args.name)
     print("$ " + shlex.join(command), flush=True)
     # Unbuffered child: its lines arrive as they are written, not when a pipe buffer fills.

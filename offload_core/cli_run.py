@@ -12,7 +12,7 @@ can check the report against ``handle.stats()`` and the image against a run with
 :func:`run_command` is the thin command around it (printing, files, exit codes).
 
 Bad input is found before anything is built or loaded (a typo must not cost a model load) and is
-a :class:`~offload_core.cli_errors.UsageError` (one line, exit 2). Anything else that fails is reported
+a :class:`~offload_core.cli_common.UsageError` (one line, exit 2). Anything else that fails is reported
 as one line with the exception type (exit 1); ``--debug`` adds the traceback.
 """
 
@@ -32,9 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import plugins
 from .backend import Capability, DeviceBackend
-from .cli_errors import UsageError
+from .cli_common import UsageError, available_backend
 from .overlap import copy_overlap
 from .tiny import PIPELINES
 
@@ -54,7 +53,7 @@ CALL_PARAMETERS = {
 #: fields of a diffusers pipeline output that hold the pixels, in the order they are looked for
 OUTPUT_FIELDS = ("images", "frames", "videos", "video")
 
-HELP_EPILOG = f"""\
+HELP_EPILOG = """\
 Without --model, runs one of the embedded tiny pipelines (random weights, seconds on a CPU);
 '--pipeline list' lists them. With --model, loads a local diffusers folder (no download).
 Sizes, steps and prompt default to the tiny pipeline's settings, or to the model's own defaults.
@@ -305,15 +304,7 @@ def _can_trace(backend: Any) -> bool:
 
 def _check_backend(name: str | None, need_trace: bool) -> None:
     """Name errors before any model is built: unknown, unavailable, or no trace for --trace."""
-    registry = plugins.registry()
-    try:
-        info = registry.info(name) if name is not None else registry.resolve(None)[0]
-    except plugins.BackendNotFoundError as exc:
-        raise UsageError(str(exc)) from None
-    if not info.available:
-        explain = getattr(info.cls, "unavailable_reason", None)
-        reason = f": {explain()}" if explain is not None else ""
-        raise UsageError(f"backend {info.name!r} is registered but not available here{reason}")
+    info = available_backend(name)
     if need_trace and not _can_trace(info.cls):
         raise UsageError(f"--trace needs a backend with the 'trace' capability; {info.name!r} has none")
 

@@ -56,6 +56,15 @@ class BackendInfo:
             logger.warning("probe() of backend %r raised; treating it as unavailable", self.name, exc_info=True)
             return False
 
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot run here, in its own words, or None when it can."""
+        if self.available:
+            return None
+        try:
+            return self.cls.unavailable_reason()
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not break a listing
+            return f"unavailable_reason() raised {type(exc).__name__}: {exc}"
+
     def rank(self) -> tuple[int, int]:
         """Auto-detection order: vendor accelerators > in-tree accelerators > simulators."""
         tier = 0 if not self.cls.is_accelerator else (1 if self.in_tree else 2)

@@ -13,30 +13,13 @@ kit) and by ``test_third_party_plugin.py`` for an installed third-party backend.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-PYPROJECT = """\
-[build-system]
-requires = ["setuptools"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "broken-offload"
-version = "0.0.1"
-
-[project.entry-points.offload_core]
-broken = "broken_offload"
-
-[tool.setuptools]
-py-modules = ["broken_offload"]
-"""
+from plugin_dists import pip_install, plugin_env, write_project
 
 MODULE = '''\
 """Backends that break the DeviceBackend contract on purpose."""
@@ -115,22 +98,6 @@ MUST_PASS = {
 }
 
 
-def pip_install(target: Path, *projects: Path) -> None:
-    """Install local projects into ``target`` offline (no index, no build isolation: the venv's
-    setuptools builds them), as a plugin distribution would be installed."""
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-    cmd += ["--disable-pip-version-check", "--target", str(target), *(str(p.resolve()) for p in projects)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
-
-
-def plugin_env(path: Path) -> dict[str, str]:
-    """This environment, minus offload-core and pytest settings, with ``path`` importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_CORE_", "PYTEST_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
-    return env
-
-
 def outcomes(output: str) -> tuple[set[str], set[str]]:
     """(passed, failed) test ids, relative to the kit package, from ``pytest -rA`` output."""
     found: dict[str, set[str]] = {"PASSED": set(), "FAILED": set()}
@@ -143,10 +110,7 @@ def outcomes(output: str) -> tuple[set[str], set[str]]:
 def kit_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Install the broken plugin once, then run the kit for both broken backends in parallel."""
     root = tmp_path_factory.mktemp("broken-offload")
-    project = root / "project"
-    project.mkdir()
-    (project / "pyproject.toml").write_text(PYPROJECT)
-    (project / "broken_offload.py").write_text(MODULE)
+    project = write_project(root / "project", "broken-offload", "broken", "broken_offload", MODULE)
     site = root / "site"
     pip_install(site, project)
     procs = {

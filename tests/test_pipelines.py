@@ -3,7 +3,6 @@ images as no offload (same seed, 2 steps), within the device budget, and disable
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch

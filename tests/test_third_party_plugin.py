@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
+from plugin_dists import pip_install, plugin_env, write_project
 
 import offload_core
 from offload_core import BackendNotFoundError, hookimpl
@@ -34,38 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "docs" / "examples" / "minimal_backend"
 DOC = REPO / "docs" / "backends.md"
 
-BROKEN_PYPROJECT = """\
-[build-system]
-requires = ["setuptools"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "acme-broken"
-version = "0.0.1"
-
-[project.entry-points.offload_core]
-acme_broken = "acme_broken_plugin"
-
-[tool.setuptools]
-py-modules = ["acme_broken_plugin"]
-"""
 BROKEN_MODULE = 'raise ImportError("libacme_runtime.so: cannot open shared object file")\n'
-
-def pip_install(target: Path, *projects: Path) -> None:
-    """Install local projects into ``target`` offline (no index, no build isolation: the venv's
-    setuptools builds them), as a vendor's distribution would be installed."""
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-    cmd += ["--disable-pip-version-check", "--target", str(target), *(str(p.resolve()) for p in projects)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
-
-
-def plugin_env(path: Path) -> dict[str, str]:
-    """This environment, minus offload-core and pytest settings, with ``path`` importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_CORE_", "PYTEST_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
-    return env
-
 
 # Run in a subprocess with the plugins on PYTHONPATH; prints what the registry saw, as JSON.
 REPORT = r"""
@@ -102,10 +71,7 @@ def site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("third-party")
     acme = root / "acme-offload"
     shutil.copytree(EXAMPLE, acme, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    broken = root / "acme-broken"
-    broken.mkdir()
-    (broken / "pyproject.toml").write_text(BROKEN_PYPROJECT)
-    (broken / "acme_broken_plugin.py").write_text(BROKEN_MODULE)
+    broken = write_project(root / "acme-broken", "acme-broken", "acme_broken", "acme_broken_plugin", BROKEN_MODULE)
     target = root / "site"
     pip_install(target, acme, broken)
     return target
