@@ -69,6 +69,14 @@ def inputs_to_device(device: torch.device) -> Callable:
     return hook
 
 
+def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], backend, stream, counters: Counters) -> None:
+    """Queue ``unit``'s host buffers into the per-dtype buffers ``dst``: one copy per dtype."""
+    for dtype, src in unit.host.items():
+        backend.copy_async(dst[dtype][: src.numel()], src, stream)
+    counters.h2d_copies += len(unit.host)
+    counters.h2d_bytes += unit.nbytes
+
+
 def allocate_device(backend, numel: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
     """One flat device buffer per dtype."""
     return {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}

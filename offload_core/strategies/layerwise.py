@@ -1,12 +1,13 @@
 """Layerwise offloading: blocks stream through a fixed ring of device slots.
 
 Each block is bound once, at enable, to views of slot ``i % slots``, so the steady-state forward
-does no per-parameter work: before block ``i`` runs, the hook makes sure ``i`` is the occupant of
-its slot (else loads it synchronously and counts a miss), queues the prefetch of the next
-``prefetch_depth`` blocks, and makes the compute stream wait for ``i``'s ready event. After the
-block, an event on the compute stream marks its slot free; a copy into a slot always waits for
-that event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of
-one forward prefetches the start of the next.
+does no per-parameter work: before block ``i`` runs, a wrapper around its forward marks the slot
+of the block that ran before it free (an event on the compute stream: all of that block's compute
+has been issued by now), makes sure ``i`` is the occupant of its slot (else loads it synchronously
+and counts a miss), queues the prefetch of the next ``prefetch_depth`` blocks, and makes the
+compute stream wait for ``i``'s ready event. A copy into a slot always waits for the slot's free
+event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of one
+forward prefetches the start of the next.
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ import functools
 import logging
 from typing import Sequence
 
-import torch
 from torch import nn
 
 from ..backend import DeviceBackend
-from ..weights import WeightUnit, nbytes_of, slot_numel, split_units
-from .common import Counters, ForwardWrapper, Transaction, allocate_device, inputs_to_device, pack_units
+from ..weights import nbytes_of, slot_numel, split_units
+from .common import (
+    Counters,
+    ForwardWrapper,
+    Transaction,
+    allocate_device,
+    copy_unit,
+    inputs_to_device,
+    pack_units,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +45,6 @@ class LayerwiseOffload:
         backend: DeviceBackend,
         prefetch_depth: int = 1,
         pin_memory: bool = True,
-        move_inputs: bool = True,
     ) -> None:
         if len(blocks) < 2:
             raise ValueError(
@@ -51,7 +58,6 @@ class LayerwiseOffload:
         self.backend = backend
         self.depth = min(prefetch_depth, len(blocks) - 1)
         self.pin_memory = pin_memory
-        self.move_inputs = move_inputs
         self.counters = Counters()
         self.resident, self.units = split_units(model, blocks)
         self.num_slots = self.depth + 1
@@ -90,7 +96,7 @@ class LayerwiseOffload:
         self._occupant = [-1] * self.num_slots
         self._running = -1  # the block whose slot is not yet marked free
         self._deferred = False
-        self._copy(self.resident, resident_device)
+        copy_unit(self.resident, resident_device, backend, self.copy_stream, self.counters)
         done = backend.new_event()
         done.record(self.copy_stream)
         done.synchronize()
@@ -106,10 +112,7 @@ class LayerwiseOffload:
         for i, block in enumerate(self.blocks):
             self._hooks.append(ForwardWrapper(block, functools.partial(self._before_block, i)))
         self._hooks.append(self.model.register_forward_hook(self._after_model))
-        if self.move_inputs:
-            self._hooks.append(
-                self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True)
-            )
+        self._hooks.append(self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True))
         txn.on_rollback(self._remove_hooks)
         for i in range(self.num_slots):
             self._load(i)
@@ -166,13 +169,6 @@ class LayerwiseOffload:
         self._occupant = []
 
     # -- streaming ------------------------------------------------------------------------
-    def _copy(self, unit: WeightUnit, dst: dict[torch.dtype, torch.Tensor]) -> None:
-        def one(d: torch.Tensor, s: torch.Tensor) -> None:
-            self.backend.copy_async(d, s, self.copy_stream)
-            self.counters.h2d_copies += 1
-
-        self.counters.h2d_bytes += unit.copy_to(dst, one)
-
     def _load(self, i: int) -> None:
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots

@@ -26,7 +26,7 @@ from torch import nn
 from ..backend import DeviceBackend, Event
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units
+from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +188,7 @@ class ModelLevelOffload:
         self._freed().wait(self.copy_stream)
         for c in group.components:
             c.device = allocate_device(self.backend, c.unit.numel)
-
-            def one(d: torch.Tensor, s: torch.Tensor) -> None:
-                self.backend.copy_async(d, s, self.copy_stream)
-                self.counters.h2d_copies += 1
-
-            self.counters.h2d_bytes += c.unit.copy_to(c.device, one)
+            copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
         group.ready.record(self.copy_stream)
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())

@@ -9,7 +9,7 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units
+from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
 
 
 class ResidentModules:
@@ -33,13 +33,8 @@ class ResidentModules:
         buffers = [allocate_device(self.backend, u.numel) for u in self.units]
         pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
         stream = self.backend.new_stream()
-
-        def one(d, s):
-            self.backend.copy_async(d, s, stream)
-            self.counters.h2d_copies += 1
-
         for unit, buf in zip(self.units, buffers):
-            self.counters.h2d_bytes += unit.copy_to(buf, one)
+            copy_unit(unit, buf, self.backend, stream, self.counters)
         stream.synchronize()
         for unit, buf in zip(self.units, buffers):
             unit.bind(buf)

@@ -184,14 +184,6 @@ class WeightUnit:
                 owner.rebind(view)
         self.host = {}
 
-    def copy_to(self, slot: Mapping[torch.dtype, torch.Tensor], copy: Callable[[torch.Tensor, torch.Tensor], None]) -> int:
-        """Issue one copy per dtype from the host buffers into ``slot``; returns the bytes moved."""
-        moved = 0
-        for dtype, src in self.host.items():
-            copy(slot[dtype][: src.numel()], src)
-            moved += src.numel() * dtype.itemsize
-        return moved
-
     def __repr__(self) -> str:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
 
