@@ -326,3 +326,13 @@ def test_broken_plugins_are_skipped_and_reported(monkeypatch, caplog):
     assert "does not implement" in errors["abstract"]
     assert "already registered" in errors["dup"]
     assert caplog.text.count("skipped") == 5
+
+
+@pytest.mark.skipif(Registry().info("cuda").available, reason="a CUDA device is available here")
+def test_pytest_unavailable_backend_is_a_usage_error_with_its_reason():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--backend=cuda", "--pyargs", "offload_core.testing", "-q", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "backend 'cuda' is not available here" in proc.stderr

@@ -44,8 +44,13 @@ def _info(name: str):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Fail before collection, as a usage error (exit code 4, no traceback), for an unknown name.
-    _info(config.getoption("backend"))
+    # Fail before collection, as a usage error (exit code 4, no traceback), for a name that is
+    # unknown or cannot run here: every test would otherwise error on the same cause.
+    name = config.getoption("backend")
+    info = _info(name)
+    if not info.available:
+        reason = info.unavailable_reason()
+        raise pytest.UsageError(f"--backend={name}: backend {name!r} is not available here" + (f": {reason}" if reason else ""))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
