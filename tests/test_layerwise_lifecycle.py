@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -164,4 +165,18 @@ def test_device_tensors_are_views_of_the_slots_between_forwards():
     slot_ptrs = {buf.untyped_storage().data_ptr() for slot in part.slots for buf in slot.values()}
     block_params = [p for b in part.blocks for p in b.parameters() if p is not model.head.weight]
     assert all(p.untyped_storage().data_ptr() in slot_ptrs for p in block_params)
+    handle.disable()
+
+
+def test_a_forward_with_autograd_is_exact_but_warns_once():
+    model = mixed_stack()
+    with torch.no_grad():
+        expected = model(X)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    with pytest.warns(UserWarning, match="backward pass would read overwritten weights"):
+        out = model(X)
+    assert torch.equal(out.detach(), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(X)  # once is enough
     handle.disable()

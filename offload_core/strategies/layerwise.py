@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from ..backend import DeviceBackend
@@ -96,6 +98,7 @@ class LayerwiseOffload:
         self._occupant = [-1] * self.num_slots
         self._running = -1  # the block whose slot is not yet marked free
         self._deferred = False
+        self._warned_grad = False
         copy_unit(self.resident, resident_device, backend, self.copy_stream, self.counters)
         done = backend.new_event()
         done.record(self.copy_stream)
@@ -226,3 +229,12 @@ class LayerwiseOffload:
 
     def _after_model(self, module: nn.Module, args, output) -> None:
         self._finish_running()
+        if not self._warned_grad and torch.is_grad_enabled() and any(p.requires_grad for p in self.blocks[0].parameters()):
+            self._warned_grad = True
+            warnings.warn(
+                f"{type(self.model).__name__} ran with autograd enabled while its blocks stream through shared "
+                "device slots: the forward is exact, but a backward pass would read overwritten weights. "
+                "Run offloaded models under torch.no_grad() or torch.inference_mode().",
+                UserWarning,
+                stacklevel=2,
+            )
