@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 import warnings
 
 import pytest
@@ -179,4 +180,46 @@ def test_a_forward_with_autograd_is_exact_but_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(X)  # once is enough
+    handle.disable()
+
+
+def test_no_device_allocation_per_forward():
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    backend = handle.backend
+    allocated = backend.memory_allocated()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a forward allocated device memory")
+
+    backend.empty_device = refuse
+    for _ in range(3):
+        run(model, X)
+    assert backend.memory_allocated() == allocated
+    del backend.empty_device
+    handle.disable()
+
+
+def test_packing_releases_each_block_before_the_next_is_packed():
+    """Host memory during enable stays near one copy: a block's original tensors are freed as soon
+    as it is packed, before the next block's pinned buffer is allocated."""
+    model = build_stack(StackSpec(d=16, layer_dtypes=[[torch.float32]] * 5))
+    freed: list[int] = []
+    for index, block in enumerate(model.blocks):
+        for p in block.parameters():
+            weakref.finalize(p.untyped_storage(), freed.append, index)
+    backend = chaos_backend()
+    seen: list[int] = []
+    allocate = backend.empty_pinned
+
+    def tracking(*args, **kwargs):
+        seen.append(len(set(freed)))
+        return allocate(*args, **kwargs)
+
+    backend.empty_pinned = tracking
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    # one pinned allocation for the resident part, then one per block: when block k is packed,
+    # the originals of blocks 0..k-1 are already gone
+    assert seen[1:] == list(range(len(model.blocks)))
+    assert len(set(freed)) == len(model.blocks)
     handle.disable()
