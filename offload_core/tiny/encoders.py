@@ -56,12 +56,8 @@ def _token_ids(tokenizer) -> dict[str, int | None]:
 
 
 def _qwen_text_config(tokenizer, hidden_size: int = 16, num_layers: int = 2, head_dim: int = 8) -> dict:
-    ids = _token_ids(tokenizer)
     return {
-        "vocab_size": ids["vocab_size"],
-        "pad_token_id": ids["pad_token_id"],
-        "bos_token_id": ids["bos_token_id"],
-        "eos_token_id": ids["eos_token_id"],
+        **_token_ids(tokenizer),
         "hidden_size": hidden_size,
         "intermediate_size": 2 * hidden_size,
         "num_hidden_layers": num_layers,
@@ -81,6 +77,18 @@ def _vision_token_ids(tokenizer) -> dict[str, int]:
     }
 
 
+def _qwen_vision_config(out_hidden_size: int, **extra) -> dict:
+    """A Qwen-VL vision tower of two 16-wide blocks with two heads, projecting into the text width."""
+    return {
+        "depth": 2,
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_heads": 2,
+        "out_hidden_size": out_hidden_size,
+        **extra,
+    }
+
+
 def qwen2_5_vl(tokenizer, hidden_size: int = 16):
     """``Qwen2_5_VLForConditionalGeneration`` (QwenImage, LongCat-Image): 2 text layers, a 2-block vision tower."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -91,14 +99,7 @@ def qwen2_5_vl(tokenizer, hidden_size: int = 16):
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
     config = Qwen2_5_VLConfig(
         text_config=text,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": hidden_size,
-            "fullatt_block_indexes": [1],
-        },
+        vision_config=_qwen_vision_config(hidden_size, fullatt_block_indexes=[1]),
         **_vision_token_ids(tokenizer),
     )
     return finish(Qwen2_5_VLForConditionalGeneration(config))
@@ -127,15 +128,7 @@ def qwen3_vl(tokenizer, hidden_size: int = 16):
     }
     config = Qwen3VLConfig(
         text_config=text,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": hidden_size,
-            "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [1],
-        },
+        vision_config=_qwen_vision_config(hidden_size, num_position_embeddings=16, deepstack_visual_indexes=[1]),
         **_vision_token_ids(tokenizer),
     )
     return finish(Qwen3VLForConditionalGeneration(config))
@@ -298,12 +291,11 @@ def umt5_encoder(tokenizer, d_model: int = 16):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def autoencoder_kl(latent_channels: int = 4, **extra):
-    """``AutoencoderKL`` with two 8-channel levels: a spatial factor of 2."""
-    from diffusers import AutoencoderKL
-
+def _two_level_kl(vae_cls: type, latent_channels: int, **extra):
+    """``vae_cls`` (``AutoencoderKL`` or ``AutoencoderKLFlux2``, which take the same block layout) with two
+    8-channel levels: a spatial factor of 2."""
     return finish(
-        AutoencoderKL(
+        vae_cls(
             in_channels=3,
             out_channels=3,
             down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
@@ -318,25 +310,18 @@ def autoencoder_kl(latent_channels: int = 4, **extra):
     )
 
 
+def autoencoder_kl(latent_channels: int = 4, **extra):
+    """``AutoencoderKL`` with two 8-channel levels: a spatial factor of 2."""
+    from diffusers import AutoencoderKL
+
+    return _two_level_kl(AutoencoderKL, latent_channels, **extra)
+
+
 def autoencoder_kl_flux2():
     """``AutoencoderKLFlux2`` (32 latent channels in the real model; 4 here), spatial factor 2."""
     from diffusers import AutoencoderKLFlux2
 
-    return finish(
-        AutoencoderKLFlux2(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=16,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-    )
+    return _two_level_kl(AutoencoderKLFlux2, 4, use_quant_conv=False, use_post_quant_conv=False)
 
 
 def autoencoder_kl_wan(z_dim: int = 4, **extra):

@@ -103,6 +103,24 @@ PROMPT = "a cat sitting on a bench"
 NEGATIVE_PROMPT = "blurry, low quality"
 
 
+def _seeded_components(seed: int, **factories: Callable[[], Any]) -> dict[str, Any]:
+    """``{name: factory()}``, each component built under its own ``enc.seeded(seed)``, in the order given.
+
+    Seeding every component afresh makes its weights depend on the seed alone, not on what was built before it.
+    """
+    components = {}
+    for name, factory in factories.items():
+        with enc.seeded(seed):
+            components[name] = factory()
+    return components
+
+
+def _call(size: int, **settings: Any) -> dict[str, Any]:
+    """The keyword arguments of a cheap call: the zoo's prompt, ``size`` x ``size`` pixels, two denoising steps
+    and a tensor output; ``settings`` add to or replace these."""
+    return {"prompt": PROMPT, "height": size, "width": size, "num_inference_steps": 2, "output_type": "pt", **settings}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Builders, one per pipeline
 # --------------------------------------------------------------------------------------------------------------
@@ -112,30 +130,20 @@ def _flux2(seed: int) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
     tokenizer = tok.mistral_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.mistral3(tokenizer, hidden_size=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl_flux2()
-    with enc.seeded(seed):
-        transformer = build_dit("flux2")
-    pipe = Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
+    components = _seeded_components(
+        seed,
+        text_encoder=lambda: enc.mistral3(tokenizer, hidden_size=16),
+        vae=enc.autoencoder_kl_flux2,
+        transformer=lambda: build_dit("flux2"),
     )
-    call = {
-        "prompt": PROMPT,
-        "height": 16,
-        "width": 16,
-        "num_inference_steps": 2,
-        "guidance_scale": 4.0,  # guidance-distilled: an embedding, not a second pass
-        "max_sequence_length": 16,
+    pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **components)
+    call = _call(
+        16,
+        guidance_scale=4.0,  # guidance-distilled: an embedding, not a second pass
+        max_sequence_length=16,
         # Flux2 stacks hidden states of several text-encoder layers; the tiny encoder has two.
-        "text_encoder_out_layers": (1, 2),
-        "output_type": "pt",
-    }
+        text_encoder_out_layers=(1, 2),
+    )
     return _finish("flux2", pipe, call, "images")
 
 
@@ -143,32 +151,26 @@ def _longcat_image(seed: int) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, LongCatImagePipeline
 
     tokenizer = tok.qwen2_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.qwen2_5_vl(tokenizer, hidden_size=16)
-    with enc.seeded(seed):
+    components = _seeded_components(
+        seed,
+        text_encoder=lambda: enc.qwen2_5_vl(tokenizer, hidden_size=16),
         # The pipeline hard-codes 16 latent channels.
-        vae = enc.autoencoder_kl(latent_channels=16, shift_factor=0.1, scaling_factor=1.5)
-    with enc.seeded(seed):
-        transformer = build_dit("longcat-image")
+        vae=lambda: enc.autoencoder_kl(latent_channels=16, shift_factor=0.1, scaling_factor=1.5),
+        transformer=lambda: build_dit("longcat-image"),
+    )
     pipe = LongCatImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
         tokenizer=tokenizer,
         text_processor=enc.qwen2_vl_processor(tokenizer),
-        transformer=transformer,
+        **components,
     )
     # The pipeline pads every prompt to a fixed 512 tokens; 32 keeps the tiny text stream short.
     pipe.tokenizer_max_length = 32
-    call = {
-        "prompt": PROMPT,
-        "height": 16,
-        "width": 16,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "enable_prompt_rewrite": False,  # rewriting would run text generation with the tiny LM
-        "output_type": "pt",
-    }
+    call = _call(
+        16,
+        guidance_scale=1.0,
+        enable_prompt_rewrite=False,  # rewriting would run text generation with the tiny LM
+    )
     return _finish("longcat-image", pipe, call, "images")
 
 
@@ -176,32 +178,27 @@ def _joyimage_edit(seed: int) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, JoyImageEditPipeline
 
     tokenizer = tok.qwen2_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.qwen3_vl(tokenizer, hidden_size=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl_wan(z_dim=4)
-    with enc.seeded(seed):
-        transformer = build_dit("joyimage-edit")
+    components = _seeded_components(
+        seed,
+        text_encoder=lambda: enc.qwen3_vl(tokenizer, hidden_size=16),
+        vae=lambda: enc.autoencoder_kl_wan(z_dim=4),
+        transformer=lambda: build_dit("joyimage-edit"),
+    )
     pipe = JoyImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
         tokenizer=tokenizer,
-        transformer=transformer,
         processor=enc.qwen3_vl_processor(tokenizer),
+        **components,
     )
     # JoyImage snaps every request to one of its 1024-pixel resolution buckets; a tiny run keeps the size asked.
     pipe.vae_image_processor = _exact_size_joyimage_processor_cls()(vae_scale_factor=pipe.vae_scale_factor_spatial)
-    call = {
-        "image": _reference_image(32),
-        "prompt": "make the cat red",
-        "height": 32,
-        "width": 32,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "max_sequence_length": 32,
-        "output_type": "pt",
-    }
+    call = _call(
+        32,
+        image=_reference_image(32),
+        prompt="make the cat red",
+        guidance_scale=1.0,
+        max_sequence_length=32,
+    )
     return _finish("joyimage-edit", pipe, call, "images")
 
 
@@ -230,28 +227,14 @@ def _ovis_image(seed: int) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, OvisImagePipeline
 
     tokenizer = tok.qwen2_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.qwen3(tokenizer, hidden_size=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl(latent_channels=4, shift_factor=0.1, scaling_factor=1.5)
-    with enc.seeded(seed):
-        transformer = build_dit("ovis-image")
-    pipe = OvisImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
+    components = _seeded_components(
+        seed,
+        text_encoder=lambda: enc.qwen3(tokenizer, hidden_size=16),
+        vae=lambda: enc.autoencoder_kl(latent_channels=4, shift_factor=0.1, scaling_factor=1.5),
+        transformer=lambda: build_dit("ovis-image"),
     )
-    call = {
-        "prompt": PROMPT,
-        "height": 16,
-        "width": 16,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "max_sequence_length": 16,
-        "output_type": "pt",
-    }
+    pipe = OvisImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **components)
+    call = _call(16, guidance_scale=1.0, max_sequence_length=16)
     return _finish("ovis-image", pipe, call, "images")
 
 
@@ -259,28 +242,14 @@ def _qwen_image(seed: int) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     tokenizer = tok.qwen2_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.qwen2_5_vl(tokenizer, hidden_size=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl_qwen_image(z_dim=4)
-    with enc.seeded(seed):
-        transformer = build_dit("qwen-image")
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
+    components = _seeded_components(
+        seed,
+        text_encoder=lambda: enc.qwen2_5_vl(tokenizer, hidden_size=16),
+        vae=lambda: enc.autoencoder_kl_qwen_image(z_dim=4),
+        transformer=lambda: build_dit("qwen-image"),
     )
-    call = {
-        "prompt": PROMPT,
-        "height": 32,
-        "width": 32,
-        "num_inference_steps": 2,
-        "true_cfg_scale": 1.0,
-        "max_sequence_length": 16,
-        "output_type": "pt",
-    }
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **components)
+    call = _call(32, true_cfg_scale=1.0, max_sequence_length=16)
     return _finish("qwen-image", pipe, call, "images")
 
 
@@ -289,14 +258,16 @@ def _sdxl(seed: int) -> TinyPipeline:
 
     tokenizer = tok.clip_tokenizer()
     tokenizer_2 = tok.clip_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.clip_text(tokenizer, hidden_size=16, projection_dim=16)
-    with enc.seeded(seed + 1):
-        text_encoder_2 = enc.clip_text_with_projection(tokenizer_2, hidden_size=16, projection_dim=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl(latent_channels=4)
-    with enc.seeded(seed):
-        unet = build_dit("sdxl-unet")
+    components = {
+        **_seeded_components(seed, text_encoder=lambda: enc.clip_text(tokenizer, hidden_size=16, projection_dim=16)),
+        **_seeded_components(
+            seed + 1,
+            text_encoder_2=lambda: enc.clip_text_with_projection(tokenizer_2, hidden_size=16, projection_dim=16),
+        ),
+        **_seeded_components(
+            seed, vae=lambda: enc.autoencoder_kl(latent_channels=4), unet=lambda: build_dit("sdxl-unet")
+        ),
+    }
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085,
         beta_end=0.012,
@@ -304,23 +275,8 @@ def _sdxl(seed: int) -> TinyPipeline:
         steps_offset=1,
         timestep_spacing="leading",
     )
-    pipe = StableDiffusionXLPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        text_encoder_2=text_encoder_2,
-        tokenizer=tokenizer,
-        tokenizer_2=tokenizer_2,
-        unet=unet,
-        scheduler=scheduler,
-    )
-    call = {
-        "prompt": PROMPT,
-        "height": 32,
-        "width": 32,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "output_type": "pt",
-    }
+    pipe = StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer_2, scheduler=scheduler, **components)
+    call = _call(32, guidance_scale=1.0)
     return _finish("sdxl", pipe, call, "images")
 
 
@@ -328,36 +284,29 @@ def _sd3(seed: int) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     tokenizer, tokenizer_2, tokenizer_3 = tok.clip_tokenizer(), tok.clip_tokenizer(), tok.t5_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.clip_text_with_projection(tokenizer, hidden_size=16, projection_dim=16)
-    with enc.seeded(seed + 1):
-        text_encoder_2 = enc.clip_text_with_projection(tokenizer_2, hidden_size=16, projection_dim=16)
-    with enc.seeded(seed + 2):
-        text_encoder_3 = enc.t5_encoder(tokenizer_3, d_model=32)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl(latent_channels=4, shift_factor=0.06, scaling_factor=1.5)
-    with enc.seeded(seed):
-        transformer = build_dit("sd3")
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer_3,
-    )
-    call = {
-        "prompt": PROMPT,
-        "height": 32,
-        "width": 32,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "max_sequence_length": 16,
-        "output_type": "pt",
+    components = {
+        **_seeded_components(
+            seed, text_encoder=lambda: enc.clip_text_with_projection(tokenizer, hidden_size=16, projection_dim=16)
+        ),
+        **_seeded_components(
+            seed + 1,
+            text_encoder_2=lambda: enc.clip_text_with_projection(tokenizer_2, hidden_size=16, projection_dim=16),
+        ),
+        **_seeded_components(seed + 2, text_encoder_3=lambda: enc.t5_encoder(tokenizer_3, d_model=32)),
+        **_seeded_components(
+            seed,
+            vae=lambda: enc.autoencoder_kl(latent_channels=4, shift_factor=0.06, scaling_factor=1.5),
+            transformer=lambda: build_dit("sd3"),
+        ),
     }
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        tokenizer_3=tokenizer_3,
+        **components,
+    )
+    call = _call(32, guidance_scale=1.0, max_sequence_length=16)
     return _finish("sd3", pipe, call, "images")
 
 
@@ -376,39 +325,31 @@ WAN_I2V_BOUNDARY_RATIO = 0.9
 WAN22_I2V_IN_CHANNELS = 12
 
 
+def _wan22_components(seed: int, **dit_overrides: Any) -> dict[str, Any]:
+    """Wan 2.2 A14B's text encoder, VAE and two expert DiTs (the second drawn from ``seed + 1``, so they differ)."""
+    tokenizer = tok.t5_tokenizer()
+    return {
+        "tokenizer": tokenizer,
+        **_seeded_components(
+            seed,
+            text_encoder=lambda: enc.umt5_encoder(tokenizer, d_model=16),
+            vae=lambda: enc.autoencoder_kl_wan(z_dim=4),
+            transformer=lambda: build_dit("wan-t2v", **dit_overrides),
+        ),
+        **_seeded_components(seed + 1, transformer_2=lambda: build_dit("wan-t2v", **dit_overrides)),
+    }
+
+
+def _wan22_call(**settings: Any) -> dict[str, Any]:
+    """A five-frame Wan 2.2 call; both experts run without classifier-free guidance."""
+    return _call(32, num_frames=5, guidance_scale=1.0, guidance_scale_2=1.0, max_sequence_length=16, **settings)
+
+
 def _wan22_t2v(seed: int) -> TinyPipeline:
     from diffusers import WanPipeline
 
-    tokenizer = tok.t5_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.umt5_encoder(tokenizer, d_model=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl_wan(z_dim=4)
-    with enc.seeded(seed):
-        transformer = build_dit("wan-t2v")
-    with enc.seeded(seed + 1):
-        transformer_2 = build_dit("wan-t2v")
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=_wan_scheduler(),
-        transformer=transformer,
-        transformer_2=transformer_2,
-        boundary_ratio=WAN_T2V_BOUNDARY_RATIO,
-    )
-    call = {
-        "prompt": PROMPT,
-        "height": 32,
-        "width": 32,
-        "num_frames": 5,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "guidance_scale_2": 1.0,
-        "max_sequence_length": 16,
-        "output_type": "pt",
-    }
-    return _finish("wan2.2-t2v", pipe, call, "frames")
+    pipe = WanPipeline(scheduler=_wan_scheduler(), boundary_ratio=WAN_T2V_BOUNDARY_RATIO, **_wan22_components(seed))
+    return _finish("wan2.2-t2v", pipe, _wan22_call(), "frames")
 
 
 def _tolerate_missing_ftfy() -> None:
@@ -432,71 +373,40 @@ def _wan22_i2v(seed: int) -> TinyPipeline:
 
     _tolerate_missing_ftfy()
 
-    tokenizer = tok.t5_tokenizer()
-    with enc.seeded(seed):
-        text_encoder = enc.umt5_encoder(tokenizer, d_model=16)
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl_wan(z_dim=4)
-    with enc.seeded(seed):
-        transformer = build_dit("wan-t2v", in_channels=WAN22_I2V_IN_CHANNELS)
-    with enc.seeded(seed + 1):
-        transformer_2 = build_dit("wan-t2v", in_channels=WAN22_I2V_IN_CHANNELS)
     # Wan 2.2 I2V has no CLIP image encoder: the image enters only as VAE latents concatenated to the noise.
     pipe = WanImageToVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
         scheduler=_wan_scheduler(),
         image_processor=None,
         image_encoder=None,
-        transformer=transformer,
-        transformer_2=transformer_2,
         boundary_ratio=WAN_I2V_BOUNDARY_RATIO,
+        **_wan22_components(seed, in_channels=WAN22_I2V_IN_CHANNELS),
     )
-    call = {
-        "image": _reference_image(32),
-        "prompt": PROMPT,
-        "height": 32,
-        "width": 32,
-        "num_frames": 5,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "guidance_scale_2": 1.0,
-        "max_sequence_length": 16,
-        "output_type": "pt",
-    }
-    return _finish("wan2.2-i2v", pipe, call, "frames")
+    return _finish("wan2.2-i2v", pipe, _wan22_call(image=_reference_image(32)), "frames")
 
 
 def _cosmos3_omni(seed: int) -> TinyPipeline:
     from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 
     tokenizer = tok.qwen2_tokenizer()
-    with enc.seeded(seed):
-        vae = enc.autoencoder_kl_wan(z_dim=4)
-    with enc.seeded(seed):
-        transformer = build_dit("cosmos3-omni")
+    components = _seeded_components(
+        seed, vae=lambda: enc.autoencoder_kl_wan(z_dim=4), transformer=lambda: build_dit("cosmos3-omni")
+    )
     # The safety checker needs the external `cosmos_guardrail` package and model downloads: left out.
     pipe = Cosmos3OmniPipeline(
-        transformer=transformer,
         text_tokenizer=tokenizer,
-        vae=vae,
         scheduler=UniPCMultistepScheduler(),
         sound_tokenizer=None,
         safety_checker=None,
         enable_safety_checker=False,
+        **components,
     )
-    call = {
-        "prompt": PROMPT,
-        "negative_prompt": NEGATIVE_PROMPT,
-        "height": 32,
-        "width": 32,
-        "num_frames": 1,
-        "num_inference_steps": 2,
-        "guidance_scale": 1.0,
-        "enable_safety_check": False,
-        "output_type": "pt",
-    }
+    call = _call(
+        32,
+        negative_prompt=NEGATIVE_PROMPT,
+        num_frames=1,
+        guidance_scale=1.0,
+        enable_safety_check=False,
+    )
     return _finish("cosmos3-omni", pipe, call, "video")
 
 

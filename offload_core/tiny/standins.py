@@ -101,6 +101,15 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, s, h * d)
 
 
+def _rotary_qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Queries, keys and values of ``x`` from ``attn.q_proj``/``k_proj``/``v_proj``, split into ``attn.num_heads``
+    heads, with the rotary embedding applied to the queries and keys."""
+    q = _apply_rotary(_heads(attn.q_proj(x), attn.num_heads), cos, sin)
+    k = _apply_rotary(_heads(attn.k_proj(x), attn.num_heads), cos, sin)
+    v = _heads(attn.v_proj(x), attn.num_heads)
+    return q, k, v
+
+
 def _timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal timestep features, (batch,) -> (batch, dim)."""
     half = dim // 2
@@ -135,9 +144,7 @@ class NextStepAttention(nn.Module):
         self.o_proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = _apply_rotary(_heads(self.q_proj(x), self.num_heads), cos, sin)
-        k = _apply_rotary(_heads(self.k_proj(x), self.num_heads), cos, sin)
-        v = _heads(self.v_proj(x), self.num_heads)
+        q, k, v = _rotary_qkv(self, x, cos, sin)
         return self.o_proj(_merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
@@ -390,8 +397,11 @@ def _build_cosmos3_vfm(seed: int) -> tuple[nn.Module, dict[str, Any]]:
     return model, inputs
 
 
-class Cosmos3UnderstandingLayer(nn.Module):
-    """Understanding pathway: causal self-attention over the text; hands its keys and values on."""
+class _Cosmos3Layer(nn.Module):
+    """The parts both pathways' layers have: pre-norm rotary self-attention projections and a SwiGLU MLP.
+
+    The two pathways differ only in what their queries attend to (see their ``forward``).
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp_dim: int):
         super().__init__()
@@ -404,34 +414,21 @@ class Cosmos3UnderstandingLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim)
         self.mlp = SwiGLU(dim, mlp_dim)
 
+
+class Cosmos3UnderstandingLayer(_Cosmos3Layer):
+    """Understanding pathway: causal self-attention over the text; hands its keys and values on."""
+
     def forward(self, x, cos, sin):
-        h = self.input_layernorm(x)
-        q = _apply_rotary(_heads(self.q_proj(h), self.num_heads), cos, sin)
-        k = _apply_rotary(_heads(self.k_proj(h), self.num_heads), cos, sin)
-        v = _heads(self.v_proj(h), self.num_heads)
+        q, k, v = _rotary_qkv(self, self.input_layernorm(x), cos, sin)
         x = x + self.o_proj(_merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
         return x + self.mlp(self.post_attention_layernorm(x)), (k, v)
 
 
-class Cosmos3GenerationLayer(nn.Module):
+class Cosmos3GenerationLayer(_Cosmos3Layer):
     """Generation pathway: vision tokens attend to themselves and to the text keys/values of the same depth."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.input_layernorm = RMSNorm(dim)
-        self.q_proj = nn.Linear(dim, dim, bias=False)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim, bias=False)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
-        self.post_attention_layernorm = RMSNorm(dim)
-        self.mlp = SwiGLU(dim, mlp_dim)
-
     def forward(self, x, text_kv, cos, sin):
-        h = self.input_layernorm(x)
-        q = _apply_rotary(_heads(self.q_proj(h), self.num_heads), cos, sin)
-        k = _apply_rotary(_heads(self.k_proj(h), self.num_heads), cos, sin)
-        v = _heads(self.v_proj(h), self.num_heads)
+        q, k, v = _rotary_qkv(self, self.input_layernorm(x), cos, sin)
         k = torch.cat([text_kv[0], k], dim=2)
         v = torch.cat([text_kv[1], v], dim=2)
         x = x + self.o_proj(_merge_heads(F.scaled_dot_product_attention(q, k, v)))

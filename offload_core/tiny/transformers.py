@@ -49,6 +49,23 @@ def _input_generator(seed: int) -> torch.Generator:
 # Each DiT: two heads of dimension 8 (inner dim 16), two blocks per block list, RoPE axes summing to the head
 # dimension. Input widths match the tiny VAEs of .encoders (4 latent channels; 2x2 packing where the real
 # pipeline packs).
+
+# Wan's text-to-video DiT; the image-to-video entry below adds the image path to it.
+_WAN: dict[str, Any] = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=8,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=3,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
+
 _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "flux2": (
         "Flux2Transformer2DModel",
@@ -157,40 +174,14 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             projection_class_embeddings_input_dim=6 * 8 + 16,  # six time ids and the pooled CLIP-2 projection
         ),
     ),
-    "wan-t2v": (
-        "WanTransformer3DModel",
-        dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            out_channels=4,
-            text_dim=16,
-            freq_dim=16,
-            ffn_dim=32,
-            num_layers=3,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        ),
-    ),
+    "wan-t2v": ("WanTransformer3DModel", _WAN),
     "wan-i2v": (
         "WanTransformer3DModel",
         dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=8,
+            _WAN,
             in_channels=12,  # noise latents + 4 frame-mask channels + image latents
-            out_channels=4,
-            text_dim=16,
-            freq_dim=16,
-            ffn_dim=32,
-            num_layers=3,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
             image_dim=8,  # CLIP image features, as in Wan 2.1 I2V: adds the image embedder and added K/V
             added_kv_proj_dim=16,
-            rope_max_seq_len=32,
         ),
     ),
     "cosmos3-omni": (
@@ -246,14 +237,27 @@ def _text_ids(length: int, axes: int) -> torch.Tensor:
     return ids
 
 
-def _inputs_flux2(model, g) -> dict[str, Any]:
+# The packed-token DiTs (Flux2, LongCat-Image, Ovis-Image, Qwen-Image) see a _GRID x _GRID image of tokens and
+# _TEXT_LEN text tokens; their position ids, image shapes and text masks must agree with these lengths.
+_GRID = 4
+_TEXT_LEN = 8
+
+
+def _image_and_text_tokens(model, g) -> dict[str, torch.Tensor]:
+    """Noise for the packed image tokens and the text tokens of a packed-token DiT, drawn in that order."""
     c = model.config
     return {
-        "hidden_states": _noise(g, 1, 16, c.in_channels),
-        "encoder_hidden_states": _noise(g, 1, 8, c.joint_attention_dim),
+        "hidden_states": _noise(g, 1, _GRID * _GRID, c.in_channels),
+        "encoder_hidden_states": _noise(g, 1, _TEXT_LEN, c.joint_attention_dim),
+    }
+
+
+def _inputs_flux2(model, g) -> dict[str, Any]:
+    return {
+        **_image_and_text_tokens(model, g),
         "timestep": torch.tensor([0.5]),
-        "img_ids": _grid_ids(4, 4, 4).unsqueeze(0),
-        "txt_ids": _text_ids(8, 4).unsqueeze(0),
+        "img_ids": _grid_ids(_GRID, _GRID, 4).unsqueeze(0),
+        "txt_ids": _text_ids(_TEXT_LEN, 4).unsqueeze(0),
         "guidance": torch.tensor([4.0]),
         "return_dict": False,
     }
@@ -261,13 +265,11 @@ def _inputs_flux2(model, g) -> dict[str, Any]:
 
 def _inputs_flux_like(model, g) -> dict[str, Any]:
     """LongCat-Image and Ovis-Image: Flux.1-style joint + single stream blocks with 3-axis ids."""
-    c = model.config
     return {
-        "hidden_states": _noise(g, 1, 16, c.in_channels),
-        "encoder_hidden_states": _noise(g, 1, 8, c.joint_attention_dim),
+        **_image_and_text_tokens(model, g),
         "timestep": torch.tensor([0.5]),
-        "img_ids": _grid_ids(4, 4, 3, first=1.0, offset=8),  # after the 8 text positions
-        "txt_ids": _text_ids(8, 3),
+        "img_ids": _grid_ids(_GRID, _GRID, 3, first=1.0, offset=_TEXT_LEN),  # after the text positions
+        "txt_ids": _text_ids(_TEXT_LEN, 3),
         "return_dict": False,
     }
 
@@ -284,13 +286,11 @@ def _inputs_joyimage(model, g) -> dict[str, Any]:
 
 
 def _inputs_qwen_image(model, g) -> dict[str, Any]:
-    c = model.config
     return {
-        "hidden_states": _noise(g, 1, 16, c.in_channels),
-        "encoder_hidden_states": _noise(g, 1, 8, c.joint_attention_dim),
-        "encoder_hidden_states_mask": torch.ones(1, 8, dtype=torch.long),
+        **_image_and_text_tokens(model, g),
+        "encoder_hidden_states_mask": torch.ones(1, _TEXT_LEN, dtype=torch.long),
         "timestep": torch.tensor([0.5]),
-        "img_shapes": [[(1, 4, 4)]],
+        "img_shapes": [[(1, _GRID, _GRID)]],
         "return_dict": False,
     }
 
