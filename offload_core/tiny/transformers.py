@@ -6,9 +6,9 @@ its blocks. These names were read from the class definitions, not from the upstr
 lists differently in places (Ovis-Image has ``transformer_blocks`` and ``single_transformer_blocks``, not
 ``transformer``; JoyImage has ``double_blocks``; Cosmos3's one model keeps its decoder layers in ``layers``).
 
-Every model has hidden sizes of 8 to 32 and two or three blocks per block list (an odd total where the
-class has one list, so that streaming wraps around a ring whose length the slots do not divide); ``model(**inputs)`` runs in eval
-mode in float32. The configs are shared with :mod:`.pipelines`, so the DiT inside a tiny pipeline is the model
+Every model has hidden sizes of 8 to 32 and two or three blocks per block list (an odd total where
+the class has one list, so that streaming wraps around a ring whose length the slots do not divide);
+``model(**inputs)`` runs in eval mode in float32. The configs are shared with :mod:`.pipelines`, so the DiT inside a tiny pipeline is the model
 that :func:`build_transformer` returns for the same key.
 """
 
