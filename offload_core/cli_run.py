@@ -35,7 +35,7 @@ import torch
 from .backend import Capability, DeviceBackend
 from .cli_common import UsageError, available_backend
 from .overlap import copy_overlap
-from .tiny import PIPELINES
+from .tiny import PIPELINES, as_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -382,21 +382,6 @@ def _pixels(output: Any) -> Any:
     if isinstance(output, (tuple, list)) and output:
         return output[0]
     raise TypeError(f"no image or video in the pipeline output ({type(output).__name__})")
-
-
-def as_tensor(value: Any) -> torch.Tensor:
-    """A pipeline's pixels (tensor, numpy array, PIL image, or lists of them) as one CPU tensor."""
-    import numpy as np
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, (list, tuple)):
-        return torch.stack([as_tensor(v) for v in value])
-    if hasattr(value, "getpixel"):  # a PIL image: channels last, uint8
-        return torch.from_numpy(np.array(value.convert("RGB")))
-    raise TypeError(f"cannot read pixels from a pipeline output of type {type(value).__name__}")
 
 
 def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):

@@ -15,7 +15,7 @@ changes reduction order). The models are so small that intra-op threads only cos
 ``torch.set_num_threads(1)`` makes them about five times faster.
 """
 
-from .pipelines import PIPELINES, PipelineSpec, TinyPipeline, build_pipeline, run
+from .pipelines import PIPELINES, PipelineSpec, TinyPipeline, as_tensor, build_pipeline, run
 from .standins import STANDINS, build_standin
 from .transformers import TRANSFORMERS, TinySpec, build_transformer
 
@@ -26,6 +26,7 @@ __all__ = [
     "PipelineSpec",
     "TinyPipeline",
     "TinySpec",
+    "as_tensor",
     "build_pipeline",
     "build_standin",
     "build_transformer",

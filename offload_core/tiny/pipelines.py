@@ -70,17 +70,20 @@ def run(tiny: TinyPipeline, seed: int = 0, **overrides: Any) -> torch.Tensor:
     # the generator), so the global CPU RNG is seeded too, on a forked state that is restored afterwards.
     with enc.seeded(seed), torch.no_grad():
         output = tiny.pipe(**kwargs, generator=generator)
-    return _as_tensor(getattr(output, tiny.output_attr))
+    return as_tensor(getattr(output, tiny.output_attr))
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
+def as_tensor(value: Any) -> torch.Tensor:
+    """A pipeline's pixels (tensor, numpy array, PIL image, or lists of them) as one CPU tensor."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, (list, tuple)):
-        return torch.stack([_as_tensor(v) for v in value])
-    raise TypeError(f"cannot turn a pipeline output of type {type(value).__name__} into a tensor")
+        return torch.stack([as_tensor(v) for v in value])
+    if hasattr(value, "getpixel"):  # a PIL image: channels last, uint8
+        return torch.from_numpy(np.array(value.convert("RGB")))
+    raise TypeError(f"cannot read pixels from a pipeline output of type {type(value).__name__}")
 
 
 def _finish(name: str, pipe, call_kwargs: dict[str, Any], output_attr: str) -> TinyPipeline:
