@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from . import plugins
 from .cli_bench import add_bench
 from .cli_check import add_check_backend
-from .cli_common import UsageError
+from .cli_common import UsageError, columns
 from .cli_run import add_run
 
 PROG = "offload-core"
@@ -87,8 +87,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
         (r["name"], r["source"], "yes" if r["available"] else "no", str(r["priority"]), r["kind"], r["reason"] or "")
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *cells]]
+    return columns([header, *cells])
 
 
 def _render(report: dict[str, Any]) -> str:

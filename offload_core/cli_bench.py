@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from . import bench
+from .cli_common import columns
 
 
 def _fmt(value: Any) -> str:
@@ -23,8 +24,7 @@ def render(results: dict[str, Any]) -> str:
          "" if r["meets_target"] is None else ("ok" if r["meets_target"] else "MISSED"))
         for r in rows
     ]
-    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *cells]]
+    lines = columns([header, *cells])
     if "layerwise_overhead" in results:
         o = results["layerwise_overhead"]
         lines.append(

@@ -1,6 +1,8 @@
-"""What every subcommand module shares: the one error type and the backend check."""
+"""What every subcommand module shares: the one error type, the backend check, table layout."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from . import plugins
 
@@ -21,3 +23,9 @@ def available_backend(name: str | None) -> plugins.BackendInfo:
     if not info.available:
         raise UsageError(f"backend {info.name!r} is registered but not available here" + (f": {reason}" if reason else ""))
     return info
+
+
+def columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """``rows`` (the header first, if any) as lines of left-aligned columns two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

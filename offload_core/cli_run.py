@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .backend import Capability, DeviceBackend
-from .cli_common import UsageError, available_backend
+from .cli_common import UsageError, available_backend, columns
 from .overlap import copy_overlap
 from .tiny import PIPELINES, as_tensor
 
@@ -194,9 +194,7 @@ def pipeline_list() -> list[dict[str, str]]:
 
 
 def _render_pipeline_list() -> str:
-    rows = [(r["name"], r["class"], r["description"]) for r in pipeline_list()]
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    return "\n".join(f"{n.ljust(widths[0])}  {c.ljust(widths[1])}  {d}" for n, c, d in rows)
+    return "\n".join(columns([(r["name"], r["class"], r["description"]) for r in pipeline_list()]))
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -529,8 +527,7 @@ def render(report: dict[str, Any]) -> str:
     if r["output_files"]:
         files = r["output_files"]
         rows.append(("output", files[0] if len(files) == 1 else f"{files[0]} .. {files[-1]} ({len(files)} files)"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    return "\n".join(columns(rows))
 
 
 # -- files ------------------------------------------------------------------------------------
