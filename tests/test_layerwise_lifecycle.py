@@ -223,3 +223,11 @@ def test_packing_releases_each_block_before_the_next_is_packed():
     assert seen[1:] == list(range(len(model.blocks)))
     assert len(set(freed)) == len(model.blocks)
     handle.disable()
+
+
+def test_a_declared_block_attribute_set_to_none_is_skipped():
+    """Optional parts of a config (a UNet built without a mid block) are not an error."""
+    model = mixed_stack()
+    model.mid = None
+    blocks = find_blocks(model, ["blocks", "mid"])
+    assert [name for name, _ in blocks] == [f"blocks.{i}" for i in range(len(model.blocks))]

@@ -76,6 +76,16 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
     return obj
 
 
+def _is_absent(model: nn.Module, path: str) -> bool:
+    """True when a declared attribute exists but is None (e.g. a UNet configured without a mid block)."""
+    obj: object = model
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return False  # missing altogether: _resolve reports it
+        obj = getattr(obj, part)
+    return obj is None
+
+
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -108,6 +118,10 @@ def find_blocks(model: nn.Module, attrs: Iterable[str] | None = None) -> list[tu
     attrs = tuple(attrs) if attrs is not None else (declared_attrs(model) or fallback_attrs(model))
     blocks: list[tuple[str, nn.Module]] = []
     for path in attrs:
+        if _is_absent(model, path):
+            logger.debug("%s has %s = None (an optional part of its config); nothing to stream there",
+                         type(model).__name__, path)
+            continue
         found = _resolve(model, path)
         if isinstance(found, (nn.ModuleList, nn.Sequential)):
             blocks.extend((f"{path}.{i}", b) for i, b in enumerate(found))
