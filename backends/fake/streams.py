@@ -82,7 +82,8 @@ class _Queue:
         self.timeline = timeline
         self.chaos = chaos
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.Lock())
+        self.waiters = 0  # threads in wait_for: a finished task notifies only when someone waits
         self.enqueued = 0
         self.done = 0
         self.error: BaseException | None = None
@@ -112,7 +113,8 @@ class _Queue:
                     self.error = exc
                 self.timeline.add(self.name, label, start, now_ns(), nbytes)
                 self.done = seq
-                self.cond.notify_all()
+                if self.waiters:
+                    self.cond.notify_all()
                 return seq
         self.tasks.put((seq, fn, label, nbytes, prepare))
         return seq
@@ -140,11 +142,16 @@ class _Queue:
             del item, fn, prepare  # the task's tensors must not outlive it (device memory accounting)
             with self.cond:
                 self.done = seq
-                self.cond.notify_all()
+                if self.waiters:
+                    self.cond.notify_all()
 
     def wait_for(self, seq: int) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: self.done >= seq or _EXITING.is_set())
+            self.waiters += 1
+            try:
+                self.cond.wait_for(lambda: self.done >= seq or _EXITING.is_set())
+            finally:
+                self.waiters -= 1
         self.raise_error()
 
     def raise_error(self) -> None:

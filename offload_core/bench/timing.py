@@ -10,8 +10,14 @@ from typing import Callable, Mapping
 import torch
 
 
-def interleaved(variants: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each variant, the calls alternating variant by variant."""
+def interleaved(
+    variants: Mapping[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> dict[str, float]:
+    """Seconds per call of each variant (``statistic`` of its samples: the median, or ``min`` for
+    small costs where a noisy machine only ever adds time), the calls alternating variant by variant."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
         for _ in range(warmup):
@@ -22,4 +28,4 @@ def interleaved(variants: Mapping[str, Callable[[], object]], repeats: int, warm
                 start = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: statistic(values) for name, values in samples.items()}
