@@ -74,6 +74,19 @@ def mismatches(outs: Sequence[torch.Tensor], expected: Callable[[int], torch.Ten
     return [i for i, out in enumerate(outs) if not torch.equal(out, expected(i))]
 
 
+def check_compute_sees_side_copy(backend: DeviceBackend, order: Callable[[Any], None], size: int = 256) -> None:
+    """Copy onto a side stream, ``order(side)`` the current stream after it, then compute on the
+    current stream: the result must see the copied values, every time."""
+    side = backend.new_stream()
+    for i in range(8):
+        src = host(backend, pattern(i, size))
+        dev = backend.empty_device(size, torch.float32)
+        backend.copy_async(dev, src, side)
+        order(side)
+        result = dev * 2 + 1  # a torch op on the current stream
+        assert torch.equal(download(backend, result), pattern(i, size) * 2 + 1), f"iteration {i}"
+
+
 def finishes_within(fn: Callable[[], Any], seconds: float = HANG_SECONDS) -> bool:
     """Run ``fn`` on a helper thread; False if it is still running after ``seconds`` (a hang).
 

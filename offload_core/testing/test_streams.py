@@ -52,14 +52,7 @@ def test_wait_stream_orders_a_consumer_after_a_producer(backend):
 
 def test_wait_stream_orders_compute_on_the_current_stream(backend):
     """Compute issued after ``wait_stream(current, side)`` sees the side stream's copy."""
-    side = backend.new_stream()
-    for i in range(8):
-        src = kit.host(backend, kit.pattern(i, SIZE))
-        dev = backend.empty_device(SIZE, torch.float32)
-        backend.copy_async(dev, src, side)
-        backend.wait_stream(backend.current_stream(), side)
-        result = dev * 2 + 1  # a torch op on the current stream
-        assert torch.equal(kit.download(backend, result), kit.pattern(i, SIZE) * 2 + 1)
+    kit.check_compute_sees_side_copy(backend, lambda side: backend.wait_stream(backend.current_stream(), side))
 
 
 def test_synchronize_waits_for_every_stream(backend):
