@@ -55,11 +55,15 @@ def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
         assert n % WORLD == 0
     blocks_bytes = sum(u.nbytes for u in part.units)
     if shard:
+        with pytest.raises(RuntimeError, match="collective handle.disable"):
+            model.state_dict()  # a rank holds half of each block: no state dict without a gather
         # each rank's host holds the resident part and half of every block (padding aside)
         assert stats["pinned_host_bytes"] < part.resident_bytes + blocks_bytes / WORLD + 64 * len(part.units) * 3
         assert stats["pinned_host_bytes"] >= part.resident_bytes + blocks_bytes / WORLD
     else:
         assert stats["pinned_host_bytes"] == part.resident_bytes + blocks_bytes
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before["tensors"][key][1]), key
     handle.disable()
     assert_same_state(before, snapshot(model))
     with torch.no_grad():

@@ -231,3 +231,15 @@ def test_a_declared_block_attribute_set_to_none_is_skipped():
     model.mid = None
     blocks = find_blocks(model, ["blocks", "mid"])
     assert [name for name, _ in blocks] == [f"blocks.{i}" for i in range(len(model.blocks))]
+
+
+def test_state_dict_of_an_offloaded_model_holds_the_true_weights():
+    model = mixed_stack()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    run(model, X)
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    handle.disable()

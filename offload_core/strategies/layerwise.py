@@ -114,6 +114,7 @@ class LayerwiseOffload:
         # the model's forward) starts, since all of its compute has been issued by then.
         for i, block in enumerate(self.blocks):
             self._hooks.append(ForwardWrapper(block, functools.partial(self._before_block, i)))
+            self._hooks.append(block.register_state_dict_post_hook(self._state_dict_hook(i)))
         self._hooks.append(self.model.register_forward_hook(self._after_model))
         self._hooks.append(self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True))
         txn.on_rollback(self._remove_hooks)
@@ -124,6 +125,29 @@ class LayerwiseOffload:
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
         )
+
+    def _state_dict_hook(self, i: int):
+        """A block's parameters view a shared slot between forwards; its state dict must come from
+        the host copy, the truth, so that saving an offloaded model saves the right weights."""
+        unit = self.units[i]
+        names = {id(m): n for n, m in self.blocks[i].named_modules()}
+        keys = [
+            (f"{names[id(o.module)]}.{o.name}".lstrip("."), index)
+            for index, entry in enumerate(unit.entries)
+            for o in entry.owners
+            if id(o.module) in names
+        ]
+
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+            views = self._host_views(i)
+            for key, index in keys:
+                if prefix + key in state_dict:
+                    state_dict[prefix + key] = views[index]
+
+        return hook
+
+    def _host_views(self, i: int) -> list:
+        return self.units[i].views(self.units[i].host)
 
     def _new_copy_stream(self):
         return self.backend.new_stream()
