@@ -64,6 +64,7 @@ class ModelLevelOffload:
         backend: DeviceBackend,
         pin_memory: bool = True,
         prefetch: bool = True,
+        release_after: nn.Module | None = None,
     ) -> None:
         self.backend = backend
         self.pin_memory = pin_memory
@@ -87,20 +88,16 @@ class ModelLevelOffload:
         self._next: dict[int, int | None] = {i: i + 1 for i in range(len(self.groups) - 1)}
         self._active: int | None = None
         self._hooks: list = []
+        self._release_after = release_after  # a bare module: swap out when its forward returns
         self.peak_weight_bytes = 0
 
     @classmethod
     def for_module(cls, module: nn.Module, backend: DeviceBackend, pin_memory: bool = True) -> "ModelLevelOffload":
-        """Each direct child of ``module`` is its own group (a model built of components)."""
-        children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
-        if len(children) < 1:
-            raise ValueError(f"model-level offload of {type(module).__name__} found no child module with weights")
-        if any(module._parameters.values()) or any(b is not None for b in module._buffers.values()):
-            raise ValueError(
-                f"{type(module).__name__} has its own parameters or buffers; model-level offload swaps whole "
-                f"child modules, so use layerwise offload or wrap them in a child module"
-            )
-        return cls([(name, [(name, child)]) for name, child in children], backend, pin_memory)
+        """A bare module is one group: it lives on the host between calls, is copied in (one copy
+        per dtype) when it runs, and is dropped when its forward returns, as a pipeline's
+        components are at the end of a pipeline call."""
+        name = type(module).__name__
+        return cls([(name, [(name, module)])], backend, pin_memory, prefetch=False, release_after=module)
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -133,6 +130,8 @@ class ModelLevelOffload:
                 for child in c.module.children():  # encode()/decode() bypass the root's forward
                     self._hooks.append(child.register_forward_pre_hook(hook))
                 self._hooks.append(c.module.register_forward_pre_hook(inputs_to_device(device), with_kwargs=True))
+        if self._release_after is not None:
+            self._hooks.append(self._release_after.register_forward_hook(lambda *_: self.release_all()))
         txn.on_rollback(self._remove_hooks)
         logger.info(
             "model-level offload: %s",
