@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .backend import DeviceBackend
-from .config import OffloadConfig
+from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .handle import OffloadHandle
 from .strategies.common import Transaction
@@ -105,7 +105,7 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
     with Transaction() as txn:
         if config.strategy == "model":
             if config.components is not None:
-                raise ValueError("components= applies to layerwise offload; model-level swaps every component")
+                raise OffloadConfigError("components= applies to layerwise offload; model-level swaps every component")
             parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))
@@ -131,7 +131,7 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
     staged: list[tuple[str, list]] = []
     kinds = {name: component_kind(pipe, name) for name, _ in modules}
     if "dit" not in kinds.values() and "dit" in streamed:
-        raise ValueError(f"{type(pipe).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
+        raise OffloadConfigError(f"{type(pipe).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
     for name, module in modules:
         kind = kinds[name]
         if kind in ("dit", "text_encoder") and kind in streamed:

@@ -165,3 +165,9 @@ def test_a_pipeline_offloaded_by_accelerate_is_refused(flux2):
     finally:
         flux2.pipe.remove_all_hooks()
     assert torch.equal(flux2.run(seed=0), flux2.expected)
+
+
+def test_components_apply_to_layerwise_only(flux2):
+    with pytest.raises(offload_core.OffloadConfigError, match="components= applies to layerwise"):
+        offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True, components=["vae"], backend=chaos_backend())
+    assert not hasattr(flux2.pipe, "_offload_core_handle")
