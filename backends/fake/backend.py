@@ -187,10 +187,6 @@ class FakeBackend(DeviceBackend):
     def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         return self._device.allocate(size, dtype)
 
-    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
-        """True if ``tensor`` views memory this fake device allocated."""
-        return self._device.owns(tensor)
-
     def memory_allocated(self) -> int:
         return self._device.current
 

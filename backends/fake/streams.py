@@ -106,15 +106,8 @@ class _Queue:
                 # An idle stream starts the work at once: run it here, under the lock, so that
                 # no later submission can overtake it. Waking the worker would cost more than a
                 # small copy (two GIL handoffs), a cost no real device has.
-                start = now_ns()
-                try:
-                    fn()
-                except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
-                    self.error = exc
-                self.timeline.add(self.name, label, start, now_ns(), nbytes)
-                self.done = seq
-                if self.waiters:
-                    self.cond.notify_all()
+                self._execute(fn, label, nbytes)
+                self._mark_done(seq)
                 return seq
         self.tasks.put((seq, fn, label, nbytes, prepare))
         return seq
@@ -132,18 +125,26 @@ class _Queue:
                 self.error = exc
             if self.chaos is not None:
                 self.chaos.delay()
-            start = now_ns()
-            try:
-                if self.error is None:  # after a failure the stream only drains, as a faulted GPU would
-                    fn()
-            except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
-                self.error = exc
-            self.timeline.add(self.name, label, start, now_ns(), nbytes)
+            self._execute(fn, label, nbytes)
             del item, fn, prepare  # the task's tensors must not outlive it (device memory accounting)
             with self.cond:
-                self.done = seq
-                if self.waiters:
-                    self.cond.notify_all()
+                self._mark_done(seq)
+
+    def _execute(self, fn: Callable[[], None], label: str, nbytes: int) -> None:
+        """Run one task and put it on the timeline; a failure is kept for the next synchronisation."""
+        start = now_ns()
+        try:
+            if self.error is None:  # after a failure the stream only drains, as a faulted GPU would
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
+            self.error = exc
+        self.timeline.add(self.name, label, start, now_ns(), nbytes)
+
+    def _mark_done(self, seq: int) -> None:
+        """With ``cond`` held: tasks up to ``seq`` have run; wake whoever waits."""
+        self.done = seq
+        if self.waiters:
+            self.cond.notify_all()
 
     def wait_for(self, seq: int) -> None:
         with self.cond:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import torch
-
 from .layerwise import copies_per_block, overhead_per_block, step_ratio
 from .pipeline import strategies_side_by_side
 
@@ -48,14 +46,7 @@ HEADLINES = [
 
 def run(sections: list[str] | None = None, quick: bool = False) -> dict[str, Any]:
     """Run the named sections (default: all) and return their raw results."""
-    threads = torch.get_num_threads()
-    results: dict[str, Any] = {}
-    try:
-        for name in sections or list(SECTIONS):
-            results[name] = SECTIONS[name](quick)
-    finally:
-        torch.set_num_threads(threads)
-    return results
+    return {name: SECTIONS[name](quick) for name in sections or list(SECTIONS)}
 
 
 def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -40,15 +40,13 @@ def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tup
             for t in tids:
                 unit_of[t] = RESIDENT
     shared = [
-        f"{owners[0].name}" for tid, (_, owners) in tensors.items()
+        owners[0].name for tid, (_, owners) in tensors.items()
         if unit_of[tid] == RESIDENT and any(id(o.module) in home for o in owners)
     ]
     if shared:
         logger.info("%d tensors shared across blocks or with the rest of the model stay resident: %s",
                     len(shared), ", ".join(shared[:8]) + (" ..." if len(shared) > 8 else ""))
-    groups: dict[int, dict] = {RESIDENT: {}}
-    for index in range(len(blocks)):
-        groups[index] = {}
+    groups: dict[int, dict] = {index: {} for index in range(RESIDENT, len(blocks))}
     for tid, item in tensors.items():
         groups[unit_of[tid]][tid] = item
     resident = WeightUnit("resident", groups[RESIDENT])
