@@ -9,7 +9,9 @@ from .backend import Capability, DeviceBackend, Event, Stream, Waitable
 from .hookspecs import hookimpl
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, register_blocks
-from .handle import AlreadyEnabledError, OffloadHandle
+from .handle import AlreadyEnabledError, OffloadedModelError, OffloadHandle
+from .strategies.common import RepackError
+from .strategies.distributed import DistributedOffloadError
 from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
 from .weights import UnsupportedTensorError
 
@@ -17,9 +19,12 @@ __all__ = [
     "AlreadyEnabledError",
     "BackendInfo",
     "BlockDiscoveryError",
+    "DistributedOffloadError",
     "OffloadConfig",
     "OffloadConfigError",
     "OffloadHandle",
+    "OffloadedModelError",
+    "RepackError",
     "UnsupportedTensorError",
     "enable_offload",
     "register_blocks",

@@ -7,13 +7,15 @@ from typing import Any
 
 from torch import nn
 
+from . import ownership
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
-from .strategies.common import Transaction
+from .strategies.common import Transaction, attach
 from .strategies import streaming_part
+from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
 
 logger = logging.getLogger(__name__)
@@ -23,7 +25,8 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     """Turn on offloading for a diffusers pipeline or any ``torch.nn.Module``.
 
     Options are the fields of :class:`OffloadConfig`, given as keywords or as ``config=``
-    (not both). ``enable`` is a transaction: on any error the target is left as it was.
+    (not both). ``enable`` is a transaction: on any error the target is left as it was. What an
+    offloaded model does when it is changed, shared or fails is in ``docs/design.md``.
     """
     if config is not None and options:
         raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
@@ -40,10 +43,17 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "enable_distributed_layerwise_offload"
         )
     config.warn_ignored()
-    if getattr(target, HANDLE_ATTRIBUTE, None) is not None:
+    existing = getattr(target, HANDLE_ATTRIBUTE, None)
+    if existing is not None:
         raise AlreadyEnabledError(
-            f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
+            f"offloading is already enabled on this {type(target).__name__} by {existing!r}; call handle.disable() "
+            "first (again, if an earlier disable() was interrupted)"
         )
+    pipeline = is_pipeline(target)
+    if not pipeline and not isinstance(target, nn.Module):
+        raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
+    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if pipeline else [target]
+    ownership.check_free(roots, f"this {type(target).__name__}")
     foreign = _foreign_offload(target)
     if foreign:
         raise OffloadConfigError(
@@ -51,14 +61,18 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "(pipe.remove_all_hooks() for accelerate, or load the model again)"
         )
     backend = get_backend(config.backend)
-    if is_pipeline(target):
-        handle = enable_on_pipeline(target, config, backend)
-    elif isinstance(target, nn.Module):
-        handle = _enable_on_module(target, config, backend)
-    else:
-        raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
-    setattr(target, HANDLE_ATTRIBUTE, handle)
-    handle._undo.append(lambda: delattr(target, HANDLE_ATTRIBUTE))
+    handle = enable_on_pipeline(target, config, backend) if pipeline else _enable_on_module(target, config, backend)
+
+    def mark(on: bool) -> None:  # taken off while a plain copy is made, so the copy is not "enabled"
+        if on:
+            setattr(target, HANDLE_ATTRIBUTE, handle)
+        else:
+            target.__dict__.pop(HANDLE_ATTRIBUTE, None)
+
+    mark(True)
+    handle._instruments.append(mark)
+    handle._undo.append(lambda: mark(False))
+    ownership.register(handle)
     return handle
 
 
@@ -79,10 +93,14 @@ def _foreign_offload(target: Any) -> str | None:
 def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    if config.strategy in ("layerwise", "distributed"):
-        part = streaming_part(module, find_blocks(module, config.blocks), config, backend)
-    else:
-        part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
-    with Transaction() as txn:
+    handle = OffloadHandle(module, config.strategy, backend, baseline=baseline)
+    with Transaction() as txn, agreement(config) as agreed:
+        if config.strategy in ("layerwise", "distributed"):
+            part = streaming_part(module, find_blocks(module, config.blocks), config, backend)
+        else:
+            part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
+        agreed.parts = [part]
+        attach(part, handle)
         part.enable(txn)
-    return OffloadHandle(module, config.strategy, backend, [part], baseline)
+    handle.parts = [part]
+    return handle

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Any, Protocol, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
+import torch
+from torch import nn
+
+from . import ownership
 from .backend import DeviceBackend
 
 logger = logging.getLogger(__name__)
@@ -12,32 +18,33 @@ logger = logging.getLogger(__name__)
 HANDLE_ATTRIBUTE = "_offload_core_handle"
 
 
-class Part(Protocol):
-    """One strategy instance inside a handle (a streamed DiT, a pipeline's component swapper)."""
-
-    counters: Any
-    device_weight_bytes: int
-    host_bytes: int
-    pin_memory: bool
-
-    def disable(self) -> None: ...
-
-
 class AlreadyEnabledError(RuntimeError):
-    """``enable_offload`` on a target that already has offloading enabled."""
+    """``enable_offload`` on a target that already has offloading enabled, or that contains, or is
+    contained in, an offloaded model or pipeline; the message names the handle."""
+
+
+class OffloadedModelError(RuntimeError):
+    """An operation an offloaded model refuses before changing anything (moving its weights to
+    another device, changing the structure of a model offloaded across ranks); the message names
+    ``handle.disable()``."""
 
 
 class OffloadHandle:
-    """Live offloading of one target. ``disable()`` restores ordinary host tensors."""
+    """Live offloading of one target. ``disable()`` restores ordinary host tensors.
+
+    One lock per handle serialises everything that touches its model: forwards of the model and of
+    its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
+    same offloaded model waits for the first call to finish."""
 
     def __init__(
         self,
         target: Any,
         strategy: str,
         backend: DeviceBackend,
-        parts: Sequence[Part],
-        baseline: int,
+        parts: Sequence[Any] = (),
+        baseline: int = 0,
         undo: Sequence = (),
+        lock: Any = None,
     ) -> None:
         self.target = target
         self.strategy = strategy
@@ -46,6 +53,10 @@ class OffloadHandle:
         self._undo = list(undo)
         self.enabled = True
         self._baseline = baseline  # device bytes other users of the backend held before enable
+        self.lock = lock if lock is not None else threading.RLock()
+        self._busy = 0  # > 0 while the handle itself re-packs: hooks let its own changes through
+        #: pipeline-level instrumentation, taken off while a plain copy is made: set(on: bool)
+        self._instruments: list[Callable[[bool], None]] = []
 
     @property
     def device_weight_bytes(self) -> int:
@@ -70,16 +81,120 @@ class OffloadHandle:
 
     def disable(self) -> None:
         """Remove every hook, put the weights back in ordinary host tensors, free device memory.
-        Calling it again does nothing."""
-        if not self.enabled:
-            return
-        for part in reversed(self.parts):
-            part.disable()
-        for fn in reversed(self._undo):
-            fn()
-        self.enabled = False
+
+        Calling it again does nothing. If it is interrupted (Ctrl-C, an error), the handle stays
+        enabled and calling it again finishes the job: each step is done once."""
+        with self.lock:
+            if not self.enabled:
+                return
+            for part in reversed(self.parts):
+                part.disable()
+            while self._undo:
+                self._undo[-1]()
+                self._undo.pop()
+            self.enabled = False
+            ownership.unregister(self)
         logger.info("offload (%s) disabled on %s", self.strategy, type(self.target).__name__)
+
+    # -- what users do to the model (routed here by offload_core.ownership) ------------------
+    def refresh(self) -> None:
+        """The parts re-packed: record what the handle owns now."""
+        ownership.refresh(self)
+
+    def _on_apply(self, part: Any, module: nn.Module, fn: Callable, recurse: bool, original: Callable) -> nn.Module:
+        """``module._apply(fn)`` (``.to()``, ``.half()``, ...) on an offloaded module. Moving the
+        weights to the backend's device is already true of an offloaded model: nothing to do.
+        Moving them anywhere else is refused, before anything changes. A change of dtype, memory
+        format or values re-packs the part around the change. Across ranks every change is refused."""
+        with self.lock:
+            if self._busy or not part.enabled:
+                return original(module, fn, recurse)
+            tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+            action, where = classify(fn, tensors, self.backend.device())
+            if action == "none":
+                return module
+            name = type(module).__name__
+            if action == "move":
+                raise OffloadedModelError(
+                    f"{name}: this would move offloaded weights to {where}; while offloading is on, offload-core "
+                    f"keeps them on {self.backend.device()} and in host memory. Call handle.disable() first "
+                    f"({self!r}), then move the model"
+                )
+            if getattr(part, "strategy", None) == "distributed":
+                raise OffloadedModelError(
+                    f"{name}: changing the dtype or values of a model offloaded across ranks is not supported; call "
+                    f"the collective handle.disable() on every rank first ({self!r})"
+                )
+            logger.info("%s changes dtype or layout while offloaded: packing it again", name)
+            part.repack(lambda: original(module, keep_placement(fn), recurse))
+            return module
+
+    def plain_copy(self, obj: Any, memo: dict) -> Any:
+        """``copy.deepcopy(obj)`` as if offloading were off: an ordinary copy, not offloaded, whose
+        tensors are host tensors with the true values (also what pickling an offloaded model
+        stores)."""
+        with self.lock:
+            truths = [t for part in self.parts if part.enabled for t in part.truth()]
+            for unit, views, source in truths:
+                for entry, view, value in zip(unit.entries, views, unit.plain(source)):
+                    for owner in entry.owners:
+                        if not owner.bound_to(view):
+                            continue  # the user's own tensor: deepcopy copies it as it is
+                        if owner.param is not None:
+                            memo.setdefault(id(owner.param), nn.Parameter(value, requires_grad=owner.param.requires_grad))
+                        else:
+                            memo.setdefault(id(view), value)
+            self._instrumented(False)
+            try:
+                return copy.deepcopy(obj, memo)
+            finally:
+                self._instrumented(True)
+
+    def _instrumented(self, on: bool) -> None:
+        for part in self.parts:
+            if part.enabled:
+                part.instrumented(on)
+        for toggle in self._instruments:
+            toggle(on)
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"<OffloadHandle {self.strategy} on {type(self.target).__name__} via {self.backend.name}: {state}>"
+
+
+def classify(fn: Callable, tensors: list[torch.Tensor], device: torch.device) -> tuple[str, Any]:
+    """What ``fn`` (an ``_apply`` function) would do to ``tensors``, tried on small stand-ins of
+    each (device, dtype): ``("none", None)``, ``("move", device)`` to a device other than the
+    backend's, or ``("change", None)`` (dtype, memory format or values)."""
+    kinds = {(t.device, t.dtype, t.dim() >= 4) for t in tensors}
+    change = False
+    for where, dtype, four_d in kinds:
+        probes = [torch.empty(0, dtype=dtype, device=where)]
+        if four_d:
+            probes.append(torch.empty((1, 2, 2, 2), dtype=dtype, device=where))
+        for probe in probes:
+            try:
+                out = fn(probe)
+            except Exception:  # noqa: BLE001 - not a conversion we can read: re-pack around it
+                return "change", None
+            if out is probe:
+                continue
+            if not isinstance(out, torch.Tensor):
+                return "change", None
+            if out.device != probe.device:
+                if out.device != device:
+                    return "move", out.device
+                if out.dtype == dtype and out.stride() == probe.stride():
+                    continue  # onto the backend's device: where an offloaded model already is
+            change = True
+    return ("change", None) if change else ("none", None)
+
+
+def keep_placement(fn: Callable) -> Callable:
+    """``fn`` without its device move: each result stays where its input was."""
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        return out.to(t.device) if isinstance(out, torch.Tensor) and out.device != t.device else out
+
+    return apply

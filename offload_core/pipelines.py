@@ -6,9 +6,9 @@ Components come from ``pipe.components`` and are sorted into kinds: ``dit`` (the
 it gets wrong. The pipeline's own ``model_cpu_offload_seq`` gives the usual order of use.
 
 While offloading is on, the pipeline reports the backend's device as ``pipe.device`` and
-``pipe._execution_device`` (so latents and embeddings are created there), and every pipeline call
-ends by swapping staged components out. Both are done by giving the pipeline instance a
-same-named subclass, restored by ``disable()``.
+``pipe._execution_device`` (so latents and embeddings are created there), one call runs at a time
+(the handle's lock), and every pipeline call ends by swapping staged components out. All of it is
+done by giving the pipeline instance a same-named subclass, restored by ``disable()``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from .backend import DeviceBackend
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .handle import OffloadHandle
-from .strategies.common import Transaction
+from .strategies.common import CopyGuard, Transaction, attach
 from .strategies import streaming_part
+from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
 from .strategies.resident import ResidentModules
 
@@ -77,17 +78,25 @@ def model_level_groups(pipe: Any, modules: list[tuple[str, nn.Module]]) -> list[
     return list(groups.items())
 
 
-def _pipeline_subclass(cls: type, handle_device: torch.device, on_call_end) -> type:
+def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list) -> type:
+    device = handle.backend.device()
+
     def __call__(self, *args, **kwargs):
-        try:
-            return cls.__call__(self, *args, **kwargs)
-        finally:
-            on_call_end()
+        # one call at a time per handle; components stay on the device until the call ends
+        with handle.lock:
+            staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
+            for part in staged:
+                part.begin_call()
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                for part in staged:
+                    part.end_call()
 
     namespace = {
         "__call__": __call__,
-        "device": property(lambda self: handle_device),
-        "_execution_device": property(lambda self: handle_device),
+        "device": property(lambda self: device),
+        "_execution_device": property(lambda self: device),
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
@@ -101,27 +110,45 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
         raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
+    handle = OffloadHandle(pipe, config.strategy, backend, baseline=baseline)
     parts: list = []
-    with Transaction() as txn:
+    with Transaction() as txn, agreement(config) as agreed:
         if config.strategy == "model":
             if config.components is not None:
                 raise OffloadConfigError("components= applies to layerwise offload; model-level swaps every component")
             parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))
+        agreed.parts = parts
         for part in parts:
+            attach(part, handle)
             part.enable(txn)
-        staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
-        original = type(pipe)
+        instrument = _pipeline_instrumentation(pipe, handle, parts)
+        instrument(True)
+        txn.on_rollback(lambda: instrument(False))
+    handle.parts = parts
+    handle._instruments.append(instrument)
+    handle._undo.append(lambda: instrument(False))
+    return handle
 
-        def on_call_end() -> None:
-            for part in staged:
-                part.release_all()
 
-        pipe.__class__ = _pipeline_subclass(original, backend.device(), on_call_end)
-        txn.on_rollback(lambda: setattr(pipe, "__class__", original))
-    undo = [lambda: setattr(pipe, "__class__", original)]
-    return OffloadHandle(pipe, config.strategy, backend, parts, baseline, undo)
+def _pipeline_instrumentation(pipe: Any, handle: OffloadHandle, parts: list):
+    """Gives the pipeline instance a same-named subclass (its device, end-of-call release, the
+    handle's lock) and plain copies; ``instrument(False)`` restores the class."""
+    original = type(pipe)
+    subclass = _pipeline_subclass(original, handle, parts)
+    guards: list[CopyGuard] = []
+
+    def instrument(on: bool) -> None:
+        if on:
+            pipe.__class__ = subclass
+            guards.append(CopyGuard(pipe, handle.plain_copy))
+        else:
+            pipe.__class__ = original
+            while guards:
+                guards.pop().remove()
+
+    return instrument
 
 
 def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceBackend) -> list:

@@ -154,18 +154,30 @@ def test_removing_the_ready_wait_gives_wrong_output_under_chaos():
     handle.disable()
 
 
-def test_device_tensors_are_views_of_the_slots_between_forwards():
-    """Steady state does no per-parameter work: block parameters stay bound to slot views."""
+def _inside(storage_ptr: int, buffers) -> bool:
+    return any(b.data_ptr() <= storage_ptr < b.data_ptr() + b.numel() * b.element_size() for b in buffers)
+
+
+def test_block_tensors_show_their_slot_only_inside_their_own_forward():
+    """Outside its forward a block shows its host buffer (the truth); inside, its device slot."""
     model = mixed_stack()
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     part = handle.parts[0]
-    ptrs = [p.data_ptr() for p in model.parameters()]
+    seen = {}
+
+    def probe(i):
+        def hook(module, args):
+            seen[i] = [p.data_ptr() for p in part.blocks[i].parameters()]
+        return hook
+
+    for i, block in enumerate(part.blocks):
+        block.layers[0].register_forward_pre_hook(probe(i))
     run(model, X)
-    run(model, X)
-    assert [p.data_ptr() for p in model.parameters()] == ptrs
-    slot_ptrs = {buf.untyped_storage().data_ptr() for slot in part.slots for buf in slot.values()}
-    block_params = [p for b in part.blocks for p in b.parameters() if p is not model.head.weight]
-    assert all(p.untyped_storage().data_ptr() in slot_ptrs for p in block_params)
+    slots = [buf for slot in part.slots for buf in slot.values()]
+    for i, unit in enumerate(part.units):
+        own = [p for p in part.blocks[i].parameters() if p is not model.head.weight]
+        assert all(_inside(p.data_ptr(), unit.host.values()) for p in own), f"block {i} between forwards"
+        assert all(_inside(ptr, slots) for ptr, p in zip(seen[i], part.blocks[i].parameters()) if p is not model.head.weight)
     handle.disable()
 
 

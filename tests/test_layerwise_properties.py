@@ -43,10 +43,9 @@ def test_random_stacks_are_exact_and_bounded(spec, depth):
         for i in range(3):
             assert torch.equal(model(x + i), expected[i])
             copies.append(handle.stats()["h2d_copies"])
-    # steady state: a block that shares its slot is copied once per forward, one copy per dtype it
-    # holds; a block alone in its slot (odd counts leave one) stays loaded and is never copied again
-    sharers = [sum(1 for j in range(len(part.units)) if j % part.num_slots == i % part.num_slots) for i in range(len(part.units))]
-    per_forward = sum(len(u.numel) for u, n in zip(part.units, sharers) if n > 1)
+    # every block is copied once per forward, one copy per dtype it holds: nothing stays in a slot
+    # across forwards, since the host copy may have changed in between
+    per_forward = sum(len(u.numel) for u in part.units)
     assert copies[2] - copies[1] == copies[1] - copies[0] == per_forward
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0

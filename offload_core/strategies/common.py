@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import threading
 from typing import Any, Callable
 
 import torch
@@ -49,6 +51,90 @@ class Counters:
         return dataclasses.asdict(self)
 
 
+class Part:
+    """What every strategy instance inside a handle shares: counters, the handle's lock, the
+    ``dirty`` flag set when the model's structure changes, instrumentation that can be taken off
+    and put back (for plain copies), and re-packing.
+
+    Subclasses implement ``enable(txn)``, ``disable()`` (resumable: an interrupted call can be
+    repeated), ``modules()`` (the roots they cover), ``truth()`` and ``_instrument()``."""
+
+    def __init__(self, backend, pin_memory: bool) -> None:
+        self.backend = backend
+        self.pin_memory = pin_memory
+        self.counters = Counters()
+        self.lock = threading.RLock()  # the handle's lock, set before enable
+        self.owner: Any = None  # the handle, set before enable; gives plain copies
+        self.dirty = False  # the structure changed (a module or tensor added): re-pack before use
+        self.enabled = False
+        self._hooks: list = []
+
+    def truth(self) -> list[tuple[Any, list[torch.Tensor], dict]]:
+        """(unit, views its owners show, buffers holding its true values) per packed unit."""
+        raise NotImplementedError
+
+    def _instrument(self) -> None:
+        raise NotImplementedError
+
+    def _wrap(self, module: nn.Module, before, after, convert=None) -> None:
+        self._hooks.append(ForwardWrapper(module, before, after, self.lock, convert))
+        if self.owner is not None:
+            self._hooks.append(CopyGuard(module, self.owner.plain_copy))
+
+    def _remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+
+    def instrumented(self, on: bool) -> None:
+        """Take the wrappers off (False) or put them back (True), nothing else changing."""
+        if on and not self._hooks:
+            self._instrument()
+        elif not on:
+            self._remove_hooks()
+
+    def repack(self, apply: Callable[[], None] | None = None) -> None:
+        """Disable, run ``apply`` on the ordinary model (a dtype change), pack again from what the
+        model holds now. If packing again fails, the part stays disabled and the error says so."""
+        owner = self.owner
+        if owner is not None:
+            owner._busy += 1  # the handle's hooks let this part's own changes through
+        try:
+            self.disable()
+            try:
+                if apply is not None:
+                    apply()
+            finally:
+                self._replan()
+                try:
+                    with Transaction() as txn:
+                        self.enable(txn)
+                except BaseException as exc:
+                    raise RepackError(
+                        f"re-packing {self.describe()} after its structure changed failed ({exc!r}); its "
+                        "offloading is now off and its weights are ordinary host tensors"
+                    ) from exc
+        finally:
+            if owner is not None:
+                owner._busy -= 1
+                owner.refresh()
+
+    def _replan(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def attach(part: Part, handle: Any) -> None:
+    """Before ``enable``: the part shares the handle's lock and makes plain copies through it."""
+    part.lock = handle.lock
+    part.owner = handle
+
+
+class RepackError(RuntimeError):
+    """Packing a model again after a structural change failed; that part is no longer offloaded."""
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -58,15 +144,6 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, to_device(v, device)) for k, v in obj.items())
     return obj
-
-
-def inputs_to_device(device: torch.device) -> Callable:
-    """A forward pre-hook (with kwargs) that moves a module's tensor inputs to ``device``."""
-
-    def hook(module, args, kwargs):
-        return to_device(args, device), to_device(kwargs, device)
-
-    return hook
 
 
 def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], backend, stream, counters: Counters) -> None:
@@ -101,18 +178,39 @@ def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) ->
 
 
 class ForwardWrapper:
-    """Runs ``before()`` ahead of ``module``'s forward, by shadowing ``forward`` with an instance
-    attribute. Cheaper than a forward pre-hook, which sends every call of the module down torch's
-    slow hook path; this runs once per block per step. ``remove()`` restores what was there."""
+    """Runs ``before()`` ahead of ``module``'s forward and ``after(failed)`` behind it, whatever
+    happens in between (an exception, Ctrl-C), holding ``lock`` throughout, by shadowing
+    ``forward`` with an instance attribute. Cheaper than torch's forward hooks, which send every
+    call of the module down torch's slow hook path and skip their ``always_call`` hooks on
+    ``KeyboardInterrupt``; a direct ``module.forward(...)`` call is covered too. ``convert`` may
+    rewrite the arguments first (inputs moved to the device). ``remove()`` restores what was
+    there; ``inspect.signature`` still sees the wrapped forward's parameters."""
 
-    def __init__(self, module: nn.Module, before: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        before: Callable[[], None],
+        after: Callable[[bool], None],
+        lock,
+        convert: Callable[[tuple, dict], tuple[tuple, dict]] | None = None,
+    ) -> None:
         self.module = module
         self._shadowed = module.__dict__.get("forward")  # e.g. another library's wrapper
         inner = module.forward
 
+        @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            before()
-            return inner(*args, **kwargs)
+            with lock:
+                if convert is not None:
+                    args, kwargs = convert(args, kwargs)
+                failed = True
+                try:
+                    before()
+                    result = inner(*args, **kwargs)
+                    failed = False
+                finally:
+                    after(failed)
+                return result
 
         module.forward = forward
 
@@ -121,3 +219,73 @@ class ForwardWrapper:
             self.module.forward = self._shadowed
         else:
             self.module.__dict__.pop("forward", None)
+
+
+def move_inputs(device: torch.device) -> Callable[[tuple, dict], tuple[tuple, dict]]:
+    """``convert`` for :class:`ForwardWrapper`: every tensor argument moved to ``device``."""
+
+    def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return to_device(args, device), to_device(kwargs, device)
+
+    return convert
+
+
+def write_back(backend, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``(host, device)`` pair to the host once the compute issued so far is done, and
+    return when the copies have landed. Rare (only when a forward changed weights or buffers), so
+    the host waits rather than tracking the copies."""
+    stream = backend.current_stream()
+    host_only = backend.device().type != "cpu"
+    for dst, src in pairs:
+        if host_only and dst.device.type == src.device.type == "cpu":
+            dst.copy_(src)  # a tensor the user put on the host: no device involved
+        else:
+            backend.copy_async(dst, src, stream)
+    done = backend.new_event()
+    done.record(stream)
+    done.synchronize()
+
+
+def adopt_foreign(backend, unit, views: list[torch.Tensor]) -> bool:
+    """Owners of ``unit`` that no longer show their view in ``views``: a parameter given new data
+    or a buffer replaced, of the same shape and dtype, has the value copied into the view and shows
+    the view again. Returns True if an owner holds anything else (a new Parameter object, another
+    shape or dtype): the unit must be packed again, from what the model holds."""
+    structural = False
+    adopted = []
+    for index, owner in unit.foreign(views):
+        current, view = owner.get(), views[index]
+        if owner.param is not None and current is not owner.param:
+            structural = True
+        elif current is not None and current.shape == view.shape and current.dtype == view.dtype:
+            adopted.append((view, current.data if owner.param is not None else current, owner))
+        else:
+            structural = True
+    if adopted:
+        write_back(backend, [(view, value) for view, value, _ in adopted])
+        for view, _, owner in adopted:
+            owner.rebind(view)
+    return structural
+
+
+class CopyGuard:
+    """Makes ``copy.deepcopy`` and pickling of an instrumented module (or pipeline) produce an
+    ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``: otherwise
+    the copy would share this library's wrappers, whose closures point at the original model.
+    Instance attributes, so the object's class stays untouched; ``remove()`` takes them away."""
+
+    def __init__(self, obj: Any, copier: Callable[[Any, dict], Any]) -> None:
+        self.obj = obj
+
+        def deepcopy(memo: dict) -> Any:
+            return copier(obj, memo)
+
+        def reduce_ex(protocol: int) -> Any:
+            return copier(obj, {}).__reduce_ex__(protocol)
+
+        obj.__dict__["__deepcopy__"] = deepcopy
+        obj.__dict__["__reduce_ex__"] = reduce_ex
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop("__deepcopy__", None)
+        self.obj.__dict__.pop("__reduce_ex__", None)

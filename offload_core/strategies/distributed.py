@@ -7,12 +7,27 @@ this rank's shard into a small staging buffer, then an all-gather on the copy st
 whole block in the slot on every rank. Host memory per rank is then the resident part plus 1/N of
 the blocks. Without sharding every rank keeps the whole model and the transport is a plain copy.
 
-Every rank must run the same forwards in the same order (the all-gathers are collective), and
-``disable`` is collective too: it rebuilds the full host weights on every rank.
+Every rank must run the same forwards in the same order (the all-gathers are collective). The
+ranks are kept honest rather than trusted:
+
+* ``enable`` ends with an agreement (:class:`Agreement`): every rank reports whether it succeeded
+  and what it packed (block count, sizes, dtypes and, when sharded, a fingerprint of each block's
+  weights); unless all succeeded with the same packing, every rank rolls back.
+* Each sharded load first all-gathers a small header (block index, the part's serial number, a
+  status). When a pass ends the host checks every header of the pass: a gather that paired
+  different blocks on different ranks raises :class:`DistributedOffloadError` instead of returning
+  an output computed on mismatched weights.
+* A rank whose forward fails still issues the gathers of the blocks the others will load in that
+  pass, marked as aborted, so the other ranks finish the pass, see the abort and raise too, and the
+  ranks stay in step: the next forward works on every rank.
+* ``disable`` is collective when sharded: it rebuilds the full host weights on every rank, checks
+  every header, and only then gives the weights back; if the ranks are out of step it raises and
+  changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -30,6 +45,16 @@ from .layerwise import LayerwiseOffload
 
 logger = logging.getLogger(__name__)
 
+#: header of one load: magic, the part's serial number, block index, status
+HEADER = 4
+MAGIC = 0x0FF10AD
+OK, ABORTED = 0, 1
+
+
+class DistributedOffloadError(RuntimeError):
+    """The ranks of a distributed offload disagree (enable failed on a rank, different weights,
+    a gather that paired different blocks, a rank that failed during a forward)."""
+
 
 def _padded(n: int, world: int) -> int:
     return -(-n // world) * world
@@ -38,11 +63,25 @@ def _padded(n: int, world: int) -> int:
 #: one copy stream per backend for every distributed part: collectives must run in the order they
 #: were issued, which is the same on every rank, also when several DiTs stream (Wan2.2)
 _COLLECTIVE_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: serial numbers of the distributed parts enabled in this process; ranks enable in step, so the
+#: same model gets the same number on every rank and headers of two models cannot pair up
+_serials = {"next": 0}
 
 
 def _rebind_all(originals) -> None:
     for owner, tensor in originals:
         owner.rebind(tensor)
+
+
+def fingerprint(buffers: dict[torch.dtype, torch.Tensor]) -> tuple[int, ...]:
+    """A cheap digest of a unit's bytes: sums of its words, and of every other word, per dtype.
+    Two ranks holding different weights for one block get different digests."""
+    digest = []
+    for dtype in sorted(buffers, key=str):
+        raw = buffers[dtype].reshape(-1).view(torch.uint8)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+        digest += [int(words.sum(dtype=torch.int64)), int(words[::2].sum(dtype=torch.int64))]
+    return tuple(digest)
 
 
 class DistributedLayerwiseOffload(LayerwiseOffload):
@@ -64,13 +103,24 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 "distributed layerwise offload needs an initialised torch.distributed process group "
                 "(backend.init_process_group(rank, world_size, init_method) or torch.distributed.init_process_group)"
             )
-        super().__init__(model, blocks, backend, prefetch_depth=1, pin_memory=pin_memory)
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.shard = shard_host_weights and self.world > 1
-        self.slot_shape = {dtype: _padded(n, self.world) for dtype, n in self.slot_shape.items()}
         self._shards: list[dict[torch.dtype, torch.Tensor]] = []
+        self.fingerprints: list[tuple[int, ...]] = []
+        self.serial = -1
+        super().__init__(model, blocks, backend, prefetch_depth=1, pin_memory=pin_memory)
+
+    def _plan(self, blocks: list[nn.Module]) -> None:
+        super()._plan(blocks)
+        self.slot_shape = {dtype: _padded(n, self.world) for dtype, n in self.slot_shape.items()}
+
+    def repack(self, apply=None) -> None:
+        raise DistributedOffloadError(
+            f"the structure of {self.describe()} changed while it is offloaded across ranks (a dtype change, "
+            "a new module or a replaced tensor): call the collective handle.disable() on every rank first"
+        )
 
     @property
     def host_bytes(self) -> int:
@@ -84,15 +134,33 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     @property
     def device_weight_bytes(self) -> int:
         staging = 2 * nbytes_of({d: n // self.world for d, n in self.slot_shape.items()}) if self.shard else 0
-        return super().device_weight_bytes + staging
+        headers = (2 * len(self.units) + self._header_rows * self.world) * HEADER * 8 if self.shard else 0
+        return super().device_weight_bytes + staging + headers
 
-    def _host_views(self, i: int) -> list:
+    @property
+    def _header_rows(self) -> int:
+        return 2 * len(self.units)
+
+    def layout(self) -> tuple:
+        """What every rank must have packed alike (see :class:`Agreement`)."""
+        units = [self.resident, *self.units]
+        sizes = tuple(tuple(sorted((str(d), n) for d, n in u.numel.items())) for u in units)
+        return (self.strategy, self.shard, self.world, tuple(self.block_names), sizes, tuple(self.fingerprints))
+
+    def _home_views(self, i: int) -> list:
+        """Sharded, a rank has no full host copy of a block: outside its forward a block's tensors
+        are placeholders (see :func:`_placeholders`)."""
+        if not self.shard:
+            return super()._home_views(i)
+        return self._placeholders[i]
+
+    def truth(self) -> list:
         if self.shard:
-            raise RuntimeError(
-                "this rank holds only a shard of each block: a state dict needs the collective "
-                "handle.disable() first, which rebuilds the full weights on every rank"
+            raise DistributedOffloadError(
+                "this rank holds only a shard of each block: copying or pickling the model needs the "
+                "collective handle.disable() first, which rebuilds the full weights on every rank"
             )
-        return super()._host_views(i)
+        return super().truth()
 
     def _new_copy_stream(self):
         stream = _COLLECTIVE_STREAMS.get(self.backend)
@@ -107,6 +175,10 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 allocate_device(self.backend, {d: n // self.world for d, n in self.slot_shape.items()})
                 for _ in range(self.num_slots)
             ]
+            self._header_out = self.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
+            self._header_in = self.backend.empty_device((len(self.units), 2, HEADER), torch.int64)
+            self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
+            self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
 
     def _pack(self, txn: Transaction) -> None:
         """Keep only this rank's shard of each block; the originals stay referenced by the undo
@@ -115,10 +187,12 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             return super()._pack(txn)
         pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights")
         allocate = self.backend.empty_pinned if self.pin_memory else (lambda n, dtype: torch.empty(n, dtype=dtype))
+        self._placeholders = []
         for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
-            originals = [(owner, owner.get().data) for entry in unit.entries for owner in entry.owners]
+            originals = [(owner, owner.get().data) for owner in unit.owners()]
             txn.on_rollback(functools.partial(_rebind_all, originals))
             unit.pack(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
+            self.fingerprints.append(fingerprint(unit.host))
             shards = {}
             for dtype, full in unit.host.items():
                 size = full.numel() // self.world
@@ -126,11 +200,37 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 shard.copy_(full[self.rank * size : (self.rank + 1) * size])
                 shards[dtype] = shard
             self._shards.append(shards)
-            unit.host = {}  # the full temporary buffer lives only until the unit is bound to its slot
+            placeholders = _placeholders(unit)
+            unit.bind(placeholders)
+            self._placeholders.append(placeholders)
+            unit.host, unit.host_views = {}, []  # the full temporary buffer is dropped here
+
+    def _instrument(self) -> None:
+        super()._instrument()
+        if self.shard:
+            # a rank cannot produce or take a full state dict: refuse it at every module it would reach
+            refuse = functools.partial(_refuse_state_dict, self.describe())
+            modules = {id(m): m for b in self.blocks for m in b.modules()}
+            modules[id(self.model)] = self.model
+            for module in modules.values():
+                self._hooks.append(module.register_state_dict_pre_hook(refuse))
+                self._hooks.append(module.register_load_state_dict_pre_hook(refuse))
+
+    def _write_headers(self) -> None:
+        if not self.shard:
+            return
+        rows = torch.tensor(
+            [[[MAGIC, self.serial, i, status] for status in (OK, ABORTED)] for i in range(len(self.units))],
+            dtype=torch.int64,
+        )
+        stream = self.copy_stream
+        self.backend.copy_async(self._header_in, rows, stream)
+        stream.synchronize()
 
     def _plan_transfers(self) -> None:
         if not self.shard:
             return super()._plan_transfers()
+        self._write_headers()
         self._transfers = []
         for i, shards in enumerate(self._shards):
             slot, staging = self.slots[i % self.num_slots], self._staging[i % self.num_slots]
@@ -140,28 +240,248 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             ])
         self._transfer_bytes = [sum(s.numel() * s.element_size() for s in shards.values()) for shards in self._shards]
 
-    def _issue(self, i: int, stream) -> int:
+    def _issue(self, i: int, stream, status: int = OK) -> int:
         if not self.shard:
             return super()._issue(i, stream)
+        if len(self._pending) == self._header_rows:
+            self._check_headers()
+        row = len(self._pending)
+        self.backend.all_gather_into_tensor(self._header_out[row], self._header_in[i, status], self.group, stream).wait(stream)
+        self._pending.append((row, i))
+        self._loaded_in_pass = max(self._loaded_in_pass, i)
         for staging, shard, out in self._transfers[i]:
             self.backend.copy_async(staging, shard, stream)
             self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
         return len(self._transfers[i])
 
+    def _check_headers(self) -> None:
+        """Wait for the queued gathers and compare every rank's header of each: a gather that
+        paired different blocks, or a rank that aborted its pass, is an error here."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        done = self.backend.new_event()
+        done.record(self.copy_stream)
+        done.synchronize()
+        self._last_load = None
+        seen = torch.empty((len(pending), self.world * HEADER), dtype=torch.int64)
+        self.backend.copy_async(seen, self._header_out[: len(pending)], self.copy_stream)
+        self.copy_stream.synchronize()
+        for (row, block), headers in zip(pending, seen.view(len(pending), self.world, HEADER).tolist()):
+            expected = [MAGIC, self.serial, block]
+            for rank, header in enumerate(headers):
+                if header[:3] != expected:
+                    theirs = f"block {self.block_names[header[2]]}" if header[0] == MAGIC and 0 <= header[2] < len(self.units) and header[1] == self.serial else "another model's block or unrelated data"
+                    raise DistributedOffloadError(
+                        f"ranks out of step in {self.describe()}: this rank (rank {self.rank}) loaded block "
+                        f"{self.block_names[block]} while rank {rank} loaded {theirs} in the same gather; "
+                        "the output of this pass was computed on mismatched weights and is discarded. Every rank "
+                        "must run the same forwards in the same order"
+                    )
+                if header[3] == ABORTED:
+                    raise DistributedOffloadError(
+                        f"rank {rank} failed during this forward of {self.describe()}; its output is discarded on "
+                        "every rank. The ranks are still in step: the next forward can run"
+                    )
+
+    def _write_back_block(self, i: int):
+        if not self.shard:
+            return super()._write_back_block(i)
+        return functools.partial(self._write_back_shard, i)
+
+    def _write_back_shard(self, i: int, pairs) -> None:
+        """A forward changed block ``i``'s tensors (a buffer updated in place; the slot holds the
+        new values): copy this rank's slice of the slot into its shard. Every rank runs the same
+        forward, so every rank updates its own slice alike."""
+        slot = self.slots[i % self.num_slots]
+        stream = self.backend.current_stream()
+        for dtype, shard in self._shards[i].items():
+            size = shard.numel()
+            self.backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
+        done = self.backend.new_event()
+        done.record(stream)
+        done.synchronize()
+
+    def _reconcile(self, blocks) -> None:
+        if not self.shard:
+            return super()._reconcile(blocks)
+        changed = [
+            f"{self.block_names[i]}:{owner.name}"
+            for i in blocks
+            for _, owner in self.units[i].foreign(self._placeholders[i])
+        ]
+        changed += [f"{self.block_names[i]} (changed in place)" for i in blocks if self._bindings[i].touched()]
+        if changed or self.dirty:
+            raise DistributedOffloadError(
+                f"tensors of {self.describe()} were replaced while its blocks are sharded across ranks "
+                f"({', '.join(changed[:4]) or 'a module or tensor was added'}); a rank holds only a shard of "
+                "each block, so changes need the collective handle.disable() first"
+            )
+
+    def _release(self) -> None:
+        super()._release()
+        self._staging = []
+        self._placeholders = []
+        self._header_in = self._header_out = None
+
+    def _begin_pass(self) -> None:
+        if self.shard and self._passes == 0:
+            self._loaded_in_pass = -1
+        super()._begin_pass()
+
+    def _end_pass(self, failed: bool) -> None:
+        if not self.shard or self._passes > 1:
+            return super()._end_pass(failed)
+        if failed:
+            self._drain()
+        try:
+            self._check_headers()
+        finally:
+            super()._end_pass(failed)
+
+    def _drain(self) -> None:
+        """This rank's forward failed: issue the gathers the other ranks will still run in this
+        pass (the blocks after the furthest one loaded), marked as aborted, so that they finish the
+        pass and raise as well, instead of waiting for a partner that never comes."""
+        for i in range(self._loaded_in_pass + 1, len(self.units)):
+            self._load_aborted(i)
+        try:
+            self._check_headers()
+        except DistributedOffloadError as exc:
+            logger.warning("after this rank's failure: %s", exc)
+
+    def _load_aborted(self, i: int) -> None:
+        slot = i % self.num_slots
+        self._occupant[slot] = -1
+        self.freed[slot].wait(self.copy_stream)
+        self._issue(i, self.copy_stream, ABORTED)
+        self.ready[i].record(self.copy_stream)
+        self._last_load = self.ready[i]
+
     def disable(self) -> None:
-        """Collective: rebuild every block's full weights from the shards on every rank."""
-        if not self.shard or not self._occupant:
-            return super().disable()
-        self._remove_hooks()
+        """Collective when sharded: rebuild every block's full weights from the shards on every
+        rank, check that every rank gathered the same blocks, then give the weights back. If the
+        ranks are out of step, raises and leaves the model offloaded (call again once in step)."""
+        with self.lock:
+            if not self.shard or not self.enabled:
+                return super().disable()
+            rebuilt = self._gather_all()
+            self._remove_hooks()
+            for i, unit in enumerate(self.units):
+                unit.host = rebuilt[i]
+                unit.host_views = self._placeholders[i]
+            self._shards = []
+            super().disable()
+
+    def _gather_all(self) -> list[dict[torch.dtype, torch.Tensor]]:
+        self._quiesce()
+        self._check_headers()
         host = self.backend.new_stream()
-        for i, unit in enumerate(self.units):
-            self._load(i)
-            self.ready[i].wait(host)
-            slot = self.slots[i % self.num_slots]
-            unit.host = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
-            for dtype, buf in unit.host.items():
-                self.backend.copy_async(buf, slot[dtype][: buf.numel()], host)
-            host.synchronize()
-            self.freed[i % self.num_slots].record(host)
-        super().disable()
-        self._shards = []
+        rebuilt = []
+        try:
+            for i, unit in enumerate(self.units):
+                self._load(i)
+                self.ready[i].wait(host)
+                slot = self.slots[i % self.num_slots]
+                buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
+                for dtype, buf in buffers.items():
+                    self.backend.copy_async(buf, slot[dtype][: buf.numel()], host)
+                host.synchronize()
+                self.freed[i % self.num_slots].record(host)
+                rebuilt.append(buffers)
+            self._check_headers()
+        except DistributedOffloadError as exc:
+            raise DistributedOffloadError(
+                f"handle.disable() cannot restore the exact weights of {self.describe()}: {exc}. Nothing was "
+                "changed: the model is still offloaded; call disable() again on every rank once they are in step"
+            ) from exc
+        finally:
+            self._quiesce()
+        return rebuilt
+
+
+def _placeholders(unit) -> list[torch.Tensor]:
+    """What a sharded block's tensors show outside its forward: host tensors of the right shape
+    and dtype, every element NaN (integers: their maximum, booleans: True) through one element of
+    memory (all strides 0). Computing with them gives NaN on a CPU and a device-mismatch error on
+    an accelerator; writing into them raises (their elements overlap); ``state_dict`` raises."""
+    poison = {}
+    for dtype in unit.numel:
+        if dtype.is_floating_point or dtype.is_complex:
+            value = float("nan")
+        elif dtype == torch.bool:
+            value = True
+        else:
+            value = torch.iinfo(dtype).max
+        poison[dtype] = torch.full((), value, dtype=dtype)
+    return [poison[e.dtype].expand(e.size) for e in unit.entries]
+
+
+def agreement(config: Any) -> "Agreement | contextlib.AbstractContextManager":
+    """The :class:`Agreement` that ends a distributed enable; for other strategies (or without a
+    process group, which the strategy itself reports) a context that agrees with anything."""
+    if config.strategy == "distributed" and dist.is_available() and dist.is_initialized():
+        return Agreement(config.process_group)
+    return _Alone()
+
+
+class _Alone(contextlib.nullcontext):
+    parts: list = []
+
+    def __enter__(self) -> "_Alone":
+        return self
+
+
+def _refuse_state_dict(name: str, module: nn.Module, *args: Any) -> None:
+    raise DistributedOffloadError(
+        f"this rank holds only a shard of each block of {name}: a state dict (saving or loading) needs the "
+        "collective handle.disable() first, which rebuilds the full weights on every rank"
+    )
+
+
+class Agreement:
+    """The end of a distributed ``enable``, on every rank: all ranks report success or failure
+    and their packing; unless every rank succeeded with the same packing, every rank raises (and
+    its enable transaction rolls back). A context manager around the enable, so that a rank that
+    fails still takes part and the others do not wait for it until the collective timeout."""
+
+    def __init__(self, process_group: Any) -> None:
+        self.group = process_group
+        self.parts: list = []
+
+    def __enter__(self) -> "Agreement":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        parts = [p for p in self.parts if isinstance(p, DistributedLayerwiseOffload)]
+        if exc_type is None:
+            for k, part in enumerate(parts):
+                part.serial = _serials["next"] + k
+        mine = {
+            "rank": dist.get_rank(self.group),
+            "ok": exc_type is None,
+            "error": f"{exc_type.__name__}: {exc}" if exc_type is not None else "",
+            "layout": [p.layout() for p in parts] if exc_type is None else None,
+        }
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if exc_type is not None:
+            return False  # this rank's own error propagates; its enable rolls back
+        failed = [r for r in everyone if not r["ok"]]
+        if failed:
+            raise DistributedOffloadError(
+                "distributed offload failed to enable on "
+                + "; ".join(f"rank {r['rank']} ({r['error']})" for r in failed)
+                + ": rolled back on every rank"
+            )
+        differing = [r["rank"] for r in everyone if r["layout"] != mine["layout"]]
+        if differing:
+            raise DistributedOffloadError(
+                f"ranks {differing} packed the model differently from rank {mine['rank']} (block count, sizes, "
+                "dtypes or, with sharded host weights, the weights themselves): every rank must offload the same "
+                "model with the same weights; rolled back on every rank"
+            )
+        for part in parts:
+            part._write_headers()
+        _serials["next"] += len(parts)
+        return False

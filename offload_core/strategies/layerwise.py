@@ -1,13 +1,23 @@
 """Layerwise offloading: blocks stream through a fixed ring of device slots.
 
-Each block is bound once, at enable, to views of slot ``i % slots``, so the steady-state forward
-does no per-parameter work: before block ``i`` runs, a wrapper around its forward marks the slot
-of the block that ran before it free (an event on the compute stream: all of that block's compute
-has been issued by now), makes sure ``i`` is the occupant of its slot (else loads it synchronously
-and counts a miss), queues the prefetch of the next ``prefetch_depth`` blocks, and makes the
-compute stream wait for ``i``'s ready event. A copy into a slot always waits for the slot's free
-event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of one
-forward prefetches the start of the next.
+A block's tensors show its device slot only while the block's own forward runs; before and
+after, they show the block's host buffer, the truth. So whatever the user does between forwards
+(``load_state_dict``, in-place edits, LoRA fusing, reading a weight, calling a child module from
+elsewhere) reads and writes the truth, and a copy never computes on another block's weights.
+
+A model forward is one *pass*. It starts by checking that every block still shows its own host
+buffer (a parameter given new data of the same shape is copied into it; anything else is a
+structural change and the model is re-packed), then queues blocks ``0 .. prefetch_depth`` into
+their slots. Before block ``i`` runs, its wrapper makes sure ``i`` is the occupant of its slot
+(else loads it synchronously and counts a miss), queues the next ``prefetch_depth`` blocks, makes
+the compute stream wait for ``i``'s ready event and binds ``i`` to its slot; after it, the slot is
+marked free with an event on the compute stream, changes the forward made to the block's tensors
+are copied home, and ``i`` is bound to its host buffer again. A copy into a slot always waits for
+the slot's free event. When the pass ends the host waits for the last queued copy, so host memory
+is never written while a copy still reads it, and nothing stays in a slot across passes: a block is
+loaded afresh in every pass, from the host as it is then.
+
+A block called outside a model forward is loaded synchronously (a miss) and dropped after.
 """
 
 from __future__ import annotations
@@ -22,20 +32,13 @@ from torch import nn
 
 from ..backend import DeviceBackend
 from ..weights import nbytes_of, slot_numel, split_units
-from .common import (
-    Counters,
-    ForwardWrapper,
-    Transaction,
-    allocate_device,
-    copy_unit,
-    inputs_to_device,
-    pack_units,
-)
+from ..weights.binding import Binding
+from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
 
 logger = logging.getLogger(__name__)
 
 
-class LayerwiseOffload:
+class LayerwiseOffload(Part):
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
     strategy = "layerwise"
@@ -54,18 +57,31 @@ class LayerwiseOffload:
             )
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        super().__init__(backend, pin_memory)
         self.model = model
         self.block_names = [name for name, _ in blocks]
-        self.blocks = [block for _, block in blocks]
-        self.backend = backend
-        self.depth = min(prefetch_depth, len(blocks) - 1)
-        self.pin_memory = pin_memory
-        self.counters = Counters()
-        self.resident, self.units = split_units(model, blocks)
+        self.prefetch_depth = prefetch_depth
+        self._passes = 0  # nesting depth of model forwards
+        self._bound = -1  # the block whose tensors show its slot
+        self._occupant: list[int] = []
+        self._plan([block for _, block in blocks])
+
+    def _plan(self, blocks: list[nn.Module]) -> None:
+        self.blocks = blocks
+        self.depth = min(self.prefetch_depth, len(blocks) - 1)
+        self.resident, self.units = split_units(self.model, list(zip(self.block_names, blocks)))
         self.num_slots = self.depth + 1
         self.slot_shape = slot_numel(self.units)
-        self._hooks: list = []
-        self._occupant: list[int] = []
+
+    def _replan(self) -> None:
+        # a block replaced by a new module is picked up by its name
+        self._plan([self.model.get_submodule(name) for name in self.block_names])
+
+    def describe(self) -> str:
+        return type(self.model).__name__
+
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -96,58 +112,43 @@ class LayerwiseOffload:
         self.ready = [backend.new_event() for _ in self.units]
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots
-        self._running = -1  # the block whose slot is not yet marked free
-        self._deferred = False
+        self._last_load = None  # the ready event of the last load queued
         self._warned_grad = False
         copy_unit(self.resident, resident_device, backend, self.copy_stream, self.counters)
         done = backend.new_event()
         done.record(self.copy_stream)
         done.synchronize()
-        self.resident.bind(resident_device)
-        txn.on_rollback(lambda: self.resident.bind(self.resident.host))
+        self.resident_device = resident_device
+        self.resident_views = self.resident.views(resident_device)
+        self.resident.bind(self.resident_views)
+        txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
         self._plan_transfers()
-        for i, unit in enumerate(self.units):
-            unit.bind(self.slots[i % self.num_slots])
-            if unit.host:
-                txn.on_rollback(functools.partial(unit.bind, unit.host))
-        # One hook per block: a block's slot is marked free when the next block (or the end of
-        # the model's forward) starts, since all of its compute has been issued by then.
-        for i, block in enumerate(self.blocks):
-            self._hooks.append(ForwardWrapper(block, functools.partial(self._before_block, i)))
-            self._hooks.append(block.register_state_dict_post_hook(self._state_dict_hook(i)))
-        self._hooks.append(self.model.register_forward_hook(self._after_model))
-        self._hooks.append(self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True))
+        self._bindings = [
+            Binding(unit, self._home_views(i), unit.views(self.slots[i % self.num_slots]))
+            for i, unit in enumerate(self.units)
+        ]
+        self._instrument()
         txn.on_rollback(self._remove_hooks)
-        for i in range(self.num_slots):
-            self._load(i)
+        self.enabled = True
+        txn.on_rollback(lambda: setattr(self, "enabled", False))
         logger.info(
             "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
         )
 
-    def _state_dict_hook(self, i: int):
-        """A block's parameters view a shared slot between forwards; its state dict must come from
-        the host copy, the truth, so that saving an offloaded model saves the right weights."""
-        unit = self.units[i]
-        names = {id(m): n for n, m in self.blocks[i].named_modules()}
-        keys = [
-            (f"{names[id(o.module)]}.{o.name}".lstrip("."), index)
-            for index, entry in enumerate(unit.entries)
-            for o in entry.owners
-            if id(o.module) in names
-        ]
+    def _instrument(self) -> None:
+        for i, block in enumerate(self.blocks):
+            self._wrap(block, functools.partial(self._before_block, i), functools.partial(self._after_block, i))
+        self._wrap(self.model, self._begin_pass, self._end_pass, move_inputs(self.backend.device()))
 
-        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-            views = self._host_views(i)
-            for key, index in keys:
-                if prefix + key in state_dict:
-                    state_dict[prefix + key] = views[index]
+    def _home_views(self, i: int) -> list:
+        """What block ``i``'s tensors show outside its forward: its host buffer."""
+        return self.units[i].host_views
 
-        return hook
-
-    def _host_views(self, i: int) -> list:
-        return self.units[i].views(self.units[i].host)
+    def truth(self) -> list:
+        found = [(u, self._home_views(i), u.host) for i, u in enumerate(self.units)]
+        return [(self.resident, self.resident_views, self.resident_device), *found]
 
     def _new_copy_stream(self):
         return self.backend.new_stream()
@@ -176,83 +177,125 @@ class LayerwiseOffload:
         return len(transfers)
 
     def disable(self) -> None:
-        """Wait for queued copies, give every tensor back an ordinary host copy, free the device."""
-        self._remove_hooks()
-        if self._occupant:
-            self.copy_stream.synchronize()
-        for unit in (self.resident, *self.units):
-            if unit.host:
-                unit.unpack()
-        self._release()
-
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
+        the device to resident tensors included), free the device. Can be called again after an
+        interruption, and does nothing once done."""
+        with self.lock:
+            self._remove_hooks()
+            if not self.enabled:
+                return
+            self._quiesce()
+            if self.resident.host:
+                adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
+                write_back(self.backend, [
+                    (self.resident.host[dtype], buf) for dtype, buf in self.resident_device.items()
+                ])
+                self.resident.unpack(self.resident_views)
+            for i, unit in enumerate(self.units):
+                unit.unpack(self._home_views(i))
+            self._release()
+            self.enabled = False
 
     def _release(self) -> None:
         self.slots = []
         self._transfers = []
+        self._bindings = []
         self._occupant = []
+        self.resident_device = {}
+        self.resident_views = []
+        self._last_load = None
+
+    def _quiesce(self) -> None:
+        """Wait until no queued copy reads host memory any more; forget what the slots hold."""
+        if self._last_load is not None:
+            self._last_load.synchronize()
+            self._last_load = None
+        self._occupant = [-1] * self.num_slots
+
+    # -- keeping the model and its packing in step ------------------------------------------
+    def _reconcile(self, blocks) -> None:
+        """Before a pass: every block must still show its host views. A parameter given new data
+        of the same shape and dtype (``p.data = t``) has it copied home; a buffer replaced the
+        same way too; any other change, or a module or tensor added (``dirty``), re-packs."""
+        structural = self.dirty
+        for i in blocks:
+            structural |= adopt_foreign(self.backend, self.units[i], self._home_views(i))
+        if structural:
+            logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
+            self.dirty = False
+            self.repack()
 
     # -- streaming ------------------------------------------------------------------------
     def _load(self, i: int) -> None:
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
+        self._occupant[slot] = -1  # an interrupted load leaves the slot empty, not stale
         stream = self.copy_stream
         self.freed[slot].wait(stream)
         copies = self._issue(i, stream)
         self.ready[i].record(stream)
+        self._last_load = self.ready[i]
         self._occupant[slot] = i
         counters = self.counters
         counters.loads += 1
         counters.h2d_copies += copies
         counters.h2d_bytes += self._transfer_bytes[i]
 
-    def _prefetch(self, i: int, running: bool) -> None:
-        """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first.
-        A prefetch into the slot of the running block ``i`` (odd rings wrap onto it) is deferred
-        until ``i`` has finished."""
-        n = len(self.units)
-        for k in range(1, self.depth + 1):
-            j = (i + k) % n
-            occupant = self._occupant[j % self.num_slots]
-            if occupant == j:
-                continue
-            ahead = (occupant - i) % n if occupant >= 0 else n
-            if ahead == 0 and running:
-                self._deferred = True
-                continue
-            if 0 < ahead < k:
-                continue  # the occupant runs before j: a later hook queues j
-            self._load(j)
-
-    def _wait_ready(self, i: int) -> None:
-        self.ready[i].wait(self.backend.current_stream())
-
-    def _finish_running(self) -> None:
-        """Mark the slot of the block that ran last as free: its compute has all been issued."""
-        last = self._running
-        if last < 0:
+    def _begin_pass(self) -> None:
+        self._passes += 1
+        if self._passes > 1:
             return
-        self._running = -1
-        self.freed[last % self.num_slots].record(self.backend.current_stream())
-        if self._deferred:
-            self._deferred = False
-            self._prefetch(last, running=False)
+        self._reconcile(range(len(self.units)))
+        for j in range(self.num_slots):
+            if self._occupant[j] != j:
+                self._load(j)
+
+    def _end_pass(self, failed: bool) -> None:
+        self._passes -= 1
+        if self._passes:
+            return
+        self._quiesce()
+        if not failed:
+            self._warn_grad()
 
     def _before_block(self, i: int) -> None:
-        self._finish_running()
+        if self._bound >= 0:
+            raise RuntimeError(
+                f"block {self.block_names[i]} was called inside the forward of block "
+                f"{self.block_names[self._bound]}; offloaded blocks must not call one another"
+            )
+        in_pass = self._passes > 0
+        if not in_pass:
+            self._reconcile([i])
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
             self._load(i)
-        self._prefetch(i, running=True)
+        if in_pass:
+            for j in range(i + 1, min(i + 1 + self.depth, len(self.units))):
+                if self._occupant[j % self.num_slots] != j:
+                    self._load(j)
         self._wait_ready(i)
-        self._running = i
+        self._bound = i
+        self._bindings[i].to_device()
 
-    def _after_model(self, module: nn.Module, args, output) -> None:
-        self._finish_running()
+    def _wait_ready(self, i: int) -> None:
+        self.ready[i].wait(self.backend.current_stream())
+
+    def _after_block(self, i: int, failed: bool) -> None:
+        if self._bound != i:
+            return  # _before_block stopped before binding
+        self.freed[i % self.num_slots].record(self.backend.current_stream())
+        self._bound = -1
+        if self._bindings[i].to_home(self._write_back_block(i)):
+            self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
+        if self._passes == 0:
+            self._quiesce()
+
+    def _write_back_block(self, i: int):
+        return functools.partial(write_back, self.backend)
+
+    def _warn_grad(self) -> None:
         if not self._warned_grad and torch.is_grad_enabled() and any(p.requires_grad for p in self.blocks[0].parameters()):
             self._warned_grad = True
             warnings.warn(
@@ -260,5 +303,5 @@ class LayerwiseOffload:
                 "device slots: the forward is exact, but a backward pass would read overwritten weights. "
                 "Run offloaded models under torch.no_grad() or torch.inference_mode().",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )

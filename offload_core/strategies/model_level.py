@@ -2,15 +2,18 @@
 
 Each component's weights live in flat host buffers (the same packing as layerwise). At most one
 group is *active* on the device; a group becomes active when any of its modules runs. Swapping a
-group out only re-binds its tensors to their host buffers and drops the device buffers: weights
-are frozen, so no device-to-host copy is needed. Swapping in is one copy per dtype per component.
+group out re-binds its tensors to their host buffers and drops the device buffers; whatever the
+group's forwards changed on the device (buffers updated in place, a replaced buffer, a parameter
+edited in place) is copied home first, so nothing is lost. Swapping in is one copy per dtype per
+component, from the host as it is then.
 
 Unlike a synchronous swap, the next group (learned from the order groups ran in before, else the
 pipeline's declared order) is copied early, on a side stream, whenever the device reports room for
 it beside the active group, so the swap overlaps compute.
 
-In-place changes to weights on the device are detected at swap-out through tensor version
-counters; they are copied back to the host (and logged) rather than silently lost.
+Groups stay active for a whole pipeline call and are dropped when it ends; a component called
+outside a pipeline call (a bare module, ``pipe.vae.decode(...)``) is dropped when its outermost
+forward returns. Between calls every tensor shows its host buffer, the truth.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from torch import nn
 
 from ..backend import DeviceBackend, Event
 from ..weights import WeightUnit
+from ..weights.binding import Binding
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
+from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ class Component:
     module: nn.Module
     unit: WeightUnit
     device: dict[torch.dtype, torch.Tensor] | None = None
-    versions: list[int] = dataclasses.field(default_factory=list)
+    binding: Binding | None = None
 
 
 @dataclasses.dataclass
@@ -55,7 +59,7 @@ class Group:
         return sum(c.unit.nbytes for c in self.components)
 
 
-class ModelLevelOffload:
+class ModelLevelOffload(Part):
     """Swaps named groups of modules; the order hint is the groups' usual order of use."""
 
     def __init__(
@@ -64,15 +68,23 @@ class ModelLevelOffload:
         backend: DeviceBackend,
         pin_memory: bool = True,
         prefetch: bool = True,
-        release_after: nn.Module | None = None,
     ) -> None:
-        self.backend = backend
-        self.pin_memory = pin_memory
+        super().__init__(backend, pin_memory)
         self.prefetch = prefetch
-        self.counters = Counters()
+        self._spec = [(name, list(members)) for name, members in groups]
+        self._plan()
+        # the group that usually runs next: the declared order first, then what was observed within
+        # a call; the last group has none, so nothing is prefetched only to be released at call end
+        self._next: dict[int, int | None] = {i: i + 1 for i in range(len(self.groups) - 1)}
+        self._active: int | None = None
+        self._calls = 0  # pipeline calls in progress: groups stay on the device until they end
+        self._depth = 0  # component forwards in progress
+        self.peak_weight_bytes = 0
+
+    def _plan(self) -> None:
         self.groups: list[Group] = []
         seen: set[int] = set()
-        for group_name, members in groups:
+        for group_name, members in self._spec:
             components = []
             for name, module in members:
                 if id(module) in seen:
@@ -83,21 +95,21 @@ class ModelLevelOffload:
                 self.groups.append(Group(group_name, components))
         if not self.groups:
             raise ValueError("model-level offload found no module with weights to offload")
-        # the group that usually runs next: the declared order first, then what was observed within
-        # a call; the last group has none, so nothing is prefetched only to be released at call end
-        self._next: dict[int, int | None] = {i: i + 1 for i in range(len(self.groups) - 1)}
-        self._active: int | None = None
-        self._hooks: list = []
-        self._release_after = release_after  # a bare module: swap out when its forward returns
-        self.peak_weight_bytes = 0
+
+    _replan = _plan
 
     @classmethod
     def for_module(cls, module: nn.Module, backend: DeviceBackend, pin_memory: bool = True) -> "ModelLevelOffload":
         """A bare module is one group: it lives on the host between calls, is copied in (one copy
-        per dtype) when it runs, and is dropped when its forward returns, as a pipeline's
-        components are at the end of a pipeline call."""
+        per dtype) when it runs, and is dropped when its forward returns."""
         name = type(module).__name__
-        return cls([(name, [(name, module)])], backend, pin_memory, prefetch=False, release_after=module)
+        return cls([(name, [(name, module)])], backend, pin_memory, prefetch=False)
+
+    def describe(self) -> str:
+        return ", ".join(c.name for g in self.groups for c in g.components)
+
+    def modules(self) -> list[nn.Module]:
+        return [c.module for g in self.groups for c in g.components]
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -121,58 +133,86 @@ class ModelLevelOffload:
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.backend, self.pin_memory, txn, "packing components")
         self.copy_stream = self.backend.new_stream()
-        device = self.backend.device()
-        for index, group in enumerate(self.groups):
+        for group in self.groups:
             group.ready = self.backend.new_event()
-            for c in group.components:
-                hook = functools.partial(self._before_use, index)
-                self._hooks.append(c.module.register_forward_pre_hook(hook))
-                for child in c.module.children():  # encode()/decode() bypass the root's forward
-                    self._hooks.append(child.register_forward_pre_hook(hook))
-                self._hooks.append(c.module.register_forward_pre_hook(inputs_to_device(device), with_kwargs=True))
-        if self._release_after is not None:
-            self._hooks.append(self._release_after.register_forward_hook(lambda *_: self.release_all()))
+        self._instrument()
         txn.on_rollback(self._remove_hooks)
+        self.enabled = True
+        txn.on_rollback(lambda: setattr(self, "enabled", False))
         logger.info(
             "model-level offload: %s",
             ", ".join(f"{g.name} ({g.nbytes / 2**20:.1f} MB)" for g in self.groups),
         )
 
+    def _instrument(self) -> None:
+        convert = move_inputs(self.backend.device())
+        for index, group in enumerate(self.groups):
+            enter = functools.partial(self._enter, index)
+            for c in group.components:
+                self._wrap(c.module, enter, self._exit, convert)
+                for child in c.module.children():  # encode()/decode() bypass the root's forward
+                    self._wrap(child, enter, self._exit)
+
+    def truth(self) -> list:
+        self._settle()
+        return [(c.unit, c.unit.host_views, c.unit.host) for g in self.groups for c in g.components]
+
     def disable(self) -> None:
-        self._remove_hooks()
+        with self.lock:
+            self._remove_hooks()
+            if not self.enabled:
+                return
+            self._settle()
+            for c in (c for g in self.groups for c in g.components):
+                c.unit.unpack()
+            self.enabled = False
+
+    def _settle(self) -> None:
+        """Every group home (changes on the device copied back), no copy in flight."""
         self.copy_stream.synchronize()
-        for group in self.groups:
-            self._swap_out(group)
-        for c in (c for g in self.groups for c in g.components):
-            c.unit.unpack()
+        self.release_all()
+
+    def begin_call(self) -> None:
+        """A pipeline call starts: groups stay on the device until it ends."""
+        self._calls += 1
+
+    def end_call(self) -> None:
+        self._calls -= 1
+        if self._calls == 0:
+            self.release_all()
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
+        self._active = None
         for group in self.groups:
             self._swap_out(group)
-        self._active = None
-
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
     # -- swapping -------------------------------------------------------------------------
-    def _before_use(self, index: int, module: nn.Module, args) -> None:
+    def _enter(self, index: int) -> None:
+        self._depth += 1
+        self._before_use(index)
+
+    def _exit(self, failed: bool) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._calls == 0:
+            self.release_all()
+
+    def _before_use(self, index: int) -> None:
         if self._active == index:
             return
-        previous = self._active
+        previous, self._active = self._active, None
         for i, group in enumerate(self.groups):
             if i != index and group.state != "host":
                 self._swap_out(group)
         group = self.groups[index]
         if group.state == "host":
+            self._reconcile(group)
+            group = self.groups[index]  # re-packing makes new groups
             self._load(group)
         compute = self.backend.current_stream()
         group.ready.wait(compute)
         for c in group.components:
-            c.unit.bind(c.device)
-            c.versions = [p._version for p in c.module.parameters()]
+            c.binding.to_device()
         group.state = "active"
         self._active = index
         if previous is not None:
@@ -181,13 +221,27 @@ class ModelLevelOffload:
         if self.prefetch and following is not None:
             self._maybe_prefetch(following)
 
+    def _reconcile(self, group: Group) -> None:
+        """Before a group goes to the device its tensors must show their host views (see
+        :func:`adopt_foreign`); an added module or tensor, or any other change, re-packs."""
+        structural = self.dirty
+        for c in group.components:
+            structural |= adopt_foreign(self.backend, c.unit, c.unit.host_views)
+        if structural:
+            logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
+            self.dirty = False
+            self.repack()
+
     def _load(self, group: Group) -> None:
-        """Allocate the group's device buffers and queue its copies (one per dtype per component)."""
+        """Allocate the group's device buffers and queue its copies (one per dtype per component).
+        An allocation failure (out of memory) leaves the group on the host, ready to try again."""
+        buffers = [allocate_device(self.backend, c.unit.numel) for c in group.components]
         group.state = "loading"
         self._freed().wait(self.copy_stream)
-        for c in group.components:
-            c.device = allocate_device(self.backend, c.unit.numel)
-            copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
+        for c, device in zip(group.components, buffers):
+            c.device = device
+            c.binding = Binding(c.unit, c.unit.host_views, c.unit.views(device))
+            copy_unit(c.unit, device, self.backend, self.copy_stream, self.counters)
         group.ready.record(self.copy_stream)
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
@@ -205,7 +259,10 @@ class ModelLevelOffload:
         free, total = self.backend.mem_get_info()
         if group.nbytes <= free - RESERVE_FRACTION * total:
             logger.debug("prefetching %s while %s computes", group.name, self.groups[self._active].name)
-            self._load(group)
+            try:
+                self._load(group)
+            except torch.OutOfMemoryError:
+                group.state = "host"  # only an optimisation: the group loads when it is used
 
     def _swap_out(self, group: Group) -> None:
         if group.state == "host":
@@ -213,22 +270,12 @@ class ModelLevelOffload:
         if group.state == "loading":
             group.ready.synchronize()  # its copies still read the host buffers; cheap, rare
         for c in group.components:
-            if group.state == "active":
-                self._keep_inplace_changes(c)
-            c.unit.bind(c.unit.host)
+            if group.state == "active" and c.binding.to_home(functools.partial(self._write_back, c.name)):
+                self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use
             c.device = None
+            c.binding = None
         group.state = "host"
 
-    def _keep_inplace_changes(self, c: Component) -> None:
-        params = list(c.module.parameters())
-        changed = [i for i, (p, v) in enumerate(zip(params, c.versions)) if p._version != v]
-        if not changed:
-            return
-        logger.warning(
-            "%d weights of %s were modified in place while on the device; copying them back to the host "
-            "(offloaded weights are meant to be frozen)", len(changed), c.name,
-        )
-        self.backend.wait_stream(self.copy_stream, self.backend.current_stream())
-        for dtype, buf in c.device.items():
-            self.backend.copy_async(c.unit.host[dtype], buf, self.copy_stream)
-        self.copy_stream.synchronize()
+    def _write_back(self, name: str, pairs) -> None:
+        logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
+        write_back(self.backend, pairs)

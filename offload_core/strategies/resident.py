@@ -1,4 +1,8 @@
-"""Modules kept on the device for the whole run, with a host copy so ``disable`` restores them."""
+"""Modules kept on the device for the whole run, with a host copy so ``disable`` restores them.
+
+The device copy is the truth while they are resident (edits land there, as on a model moved to
+the device); ``disable`` copies it back to the host before giving the tensors back.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +13,25 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
+from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
 
 
-class ResidentModules:
+class ResidentModules(Part):
     """Copies modules to the device once; their inputs are moved to the device on the way in."""
 
     def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend, pin_memory: bool = True) -> None:
-        self.backend = backend
-        self.pin_memory = pin_memory
-        self.counters = Counters()
-        self.modules = list(modules)
-        self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.modules]
-        self._hooks: list = []
+        super().__init__(backend, pin_memory)
+        self.members = list(modules)
+        self._replan()
+
+    def _replan(self) -> None:
+        self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.members]
+
+    def describe(self) -> str:
+        return ", ".join(name for name, _ in self.members)
+
+    def modules(self) -> list[nn.Module]:
+        return [m for _, m in self.members]
 
     @property
     def device_weight_bytes(self) -> int:
@@ -30,25 +40,48 @@ class ResidentModules:
     host_bytes = device_weight_bytes
 
     def enable(self, txn: Transaction) -> None:
-        buffers = [allocate_device(self.backend, u.numel) for u in self.units]
+        self.device = [allocate_device(self.backend, u.numel) for u in self.units]
+        txn.on_rollback(lambda: setattr(self, "device", []))
         pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
         stream = self.backend.new_stream()
-        for unit, buf in zip(self.units, buffers):
+        for unit, buf in zip(self.units, self.device):
             copy_unit(unit, buf, self.backend, stream, self.counters)
         stream.synchronize()
-        for unit, buf in zip(self.units, buffers):
-            unit.bind(buf)
-            txn.on_rollback(lambda unit=unit: unit.bind(unit.host))
-        hook = inputs_to_device(self.backend.device())
-        self._hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in self.modules]
+        self.device_views = [unit.views(buf) for unit, buf in zip(self.units, self.device)]
+        for unit, views in zip(self.units, self.device_views):
+            unit.bind(views)
+            txn.on_rollback(lambda unit=unit: unit.bind(unit.host_views))
+        self._instrument()
         txn.on_rollback(self._remove_hooks)
+        self.enabled = True
+        txn.on_rollback(lambda: setattr(self, "enabled", False))
 
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+    def _instrument(self) -> None:
+        convert = move_inputs(self.backend.device())
+        for _, module in self.members:
+            self._wrap(module, self._before, _nothing, convert)
+
+    def _before(self) -> None:
+        if self.dirty:  # a module or tensor was added (a LoRA layer): take it onto the device too
+            self.dirty = False
+            self.repack()
+
+    def truth(self) -> list:
+        return [(u, views, buf) for u, views, buf in zip(self.units, self.device_views, self.device)]
 
     def disable(self) -> None:
-        self._remove_hooks()
-        for unit in self.units:
-            unit.unpack()
+        with self.lock:
+            self._remove_hooks()
+            if not self.enabled:
+                return
+            for unit, views, buf in zip(self.units, self.device_views, self.device):
+                if unit.host:
+                    adopt_foreign(self.backend, unit, views)  # the user's same-shape tensors
+                    write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
+                    unit.unpack(views)
+            self.device, self.device_views = [], []
+            self.enabled = False
+
+
+def _nothing(failed: bool) -> None:
+    return None

@@ -6,6 +6,11 @@ views of one region: packing works on storage regions, not on tensors. Binding a
 set of per-dtype buffers (a device slot) re-points every owner — parameters through ``.data`` so
 their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
 without copying anything, and moving a unit is then one copy per dtype.
+
+The views owners are bound to see each region as a storage of its own (a slice of the flat
+buffer's storage, sharing its memory): to ``state_dict``, ``safetensors`` and ``copy.deepcopy``
+an offloaded tensor then looks as independent as it was before packing, while copies still move
+whole flat buffers.
 """
 
 from __future__ import annotations
@@ -23,22 +28,38 @@ class UnsupportedTensorError(TypeError):
     """A tensor the packer cannot move faithfully (a subclass, a meta tensor, mixed-dtype aliasing)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Owner:
-    """One place a tensor is reachable from: ``module.<name>`` as a parameter or a buffer."""
+    """One place a tensor is reachable from: ``module.<name>`` as a parameter or a buffer.
+
+    ``param`` is the Parameter object found at packing: rebinding changes that object's data, never
+    a Parameter the user has put in its place since (that one is the user's truth)."""
 
     module: nn.Module
     name: str
-    is_param: bool
+    param: nn.Parameter | None = None  # None for a buffer
 
-    def get(self) -> torch.Tensor:
-        return (self.module._parameters if self.is_param else self.module._buffers)[self.name]
+    @property
+    def is_param(self) -> bool:
+        return self.param is not None
+
+    def get(self) -> torch.Tensor | None:
+        """What the module holds under this name now."""
+        return (self.module._parameters if self.param is not None else self.module._buffers).get(self.name)
 
     def rebind(self, tensor: torch.Tensor) -> None:
-        if self.is_param:
-            self.module._parameters[self.name].data = tensor
+        if self.param is not None:
+            self.param.data = tensor
         else:
             self.module._buffers[self.name] = tensor
+
+    def bound_to(self, view: torch.Tensor) -> bool:
+        """True while this owner still shows ``view`` (the tensor it was last bound to), i.e. the
+        user has neither replaced the Parameter or buffer nor assigned the parameter new data."""
+        current = self.get()
+        if self.param is None:
+            return current is view
+        return current is self.param and current.data_ptr() == view.data_ptr() and current.shape == view.shape
 
 
 @dataclasses.dataclass
@@ -80,7 +101,7 @@ def collect_tensors(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tenso
                 for name, t in table.items():
                     if t is None:
                         continue
-                    found.setdefault(id(t), (t, []))[1].append(Owner(module, name, is_param))
+                    found.setdefault(id(t), (t, []))[1].append(Owner(module, name, t if is_param else None))
     return found
 
 
@@ -105,6 +126,18 @@ class Region:
     start: int  # element offset in the unit's buffer for ``dtype``
 
 
+def region_tensor(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """Elements ``start .. start + numel`` of the flat tensor ``flat`` as a 1-D tensor whose
+    storage is exactly that span: a slice of ``flat``'s storage that shares its memory (and keeps
+    it alive). Meta tensors have no memory to slice and get a plain view."""
+    if flat.is_meta or numel == 0:
+        return flat[start : start + numel]
+    size = flat.element_size()
+    first = (flat.storage_offset() + start) * size
+    storage = flat.untyped_storage()[first : first + numel * size]
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, 0, (numel,), (1,))
+
+
 class WeightUnit:
     """A named group of tensors with a per-dtype layout, packed into host buffers on demand."""
 
@@ -114,6 +147,7 @@ class WeightUnit:
         self.regions: list[Region] = []
         self.numel: dict[torch.dtype, int] = {}
         self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.host_views: list[torch.Tensor] = []  # what owners show while the unit is at home
         by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
         for t, owners in tensors.values():
             check_supported(t, f"{name}: {owners[0].name}")
@@ -142,15 +176,34 @@ class WeightUnit:
     def nbytes(self) -> int:
         return nbytes_of(self.numel)
 
-    def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
-        return [buffers[e.dtype].as_strided(e.size, e.stride, e.offset) for e in self.entries]
+    def owners(self) -> Iterable[Owner]:
+        for entry in self.entries:
+            yield from entry.owners
 
-    def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
-        """Point every owner at its view of ``buffers``. No data moves."""
-        for entry, view in zip(self.entries, self.views(buffers)):
+    def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors), each storage
+        region seen as a storage of its own."""
+        regions = [region_tensor(buffers[r.dtype], r.start, r.numel) for r in self.regions]
+        return [
+            regions[e.region].as_strided(e.size, e.stride, e.offset - self.regions[e.region].start)
+            for e in self.entries
+        ]
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        """Point every owner at its view (from :meth:`views`). No data moves."""
+        for entry, view in zip(self.entries, views):
             for owner in entry.owners:
                 owner.rebind(view)
+
+    def foreign(self, views: list[torch.Tensor]) -> list[tuple[int, Owner]]:
+        """(entry index, owner) of every owner that no longer shows its view in ``views`` (the
+        ones it was last bound to): the user replaced the tensor or the parameter's data."""
+        return [
+            (index, owner)
+            for index, (entry, view) in enumerate(zip(self.entries, views))
+            for owner in entry.owners
+            if not owner.bound_to(view)
+        ]
 
     def pack(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
         """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
@@ -165,24 +218,40 @@ class WeightUnit:
             if r.numel:
                 host[r.dtype][r.start : r.start + r.numel].copy_(r.source.as_strided((r.numel,), (1,), r.first))
         self.host = host
-        self.bind(host)
+        self.host_views = self.views(host)
+        self.bind(self.host_views)
         for r in self.regions:
             r.source = None
 
-    def unpack(self) -> None:
+    def plain(self, source: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry's tensor as an ordinary host tensor with the values in ``source``: one new
+        storage per region, so sharing within a region survives and nothing else is shared."""
+        copies = [source[r.dtype][r.start : r.start + r.numel].to("cpu", copy=True) for r in self.regions]
+        return [
+            copies[e.region].as_strided(e.size, e.stride, e.offset - self.regions[e.region].start)
+            for e in self.entries
+        ]
+
+    def unpack(self, bound: list[torch.Tensor] | None = None, source: Mapping[torch.dtype, torch.Tensor] | None = None) -> None:
         """Give every owner an ordinary host tensor (same values, dtype, strides, sharing).
 
-        Each storage region gets its own storage again, so tensors that did not share memory
-        before packing do not share it afterwards (safetensors refuses shared storage).
+        ``bound`` are the views owners were last bound to (default: the host views) and
+        ``source`` the buffers holding the true values (default: the host buffers). An owner the
+        user has given another tensor keeps it: that tensor is the truth. Each storage region gets
+        its own storage again, so tensors that did not share memory before packing do not share it
+        afterwards (safetensors refuses shared storage). Calling it again does nothing, and an
+        interrupted call can be repeated: owners already given their copy keep it.
         """
-        plain = [
-            self.host[r.dtype][r.start : r.start + r.numel].to("cpu", copy=True) for r in self.regions
-        ]
-        for entry in self.entries:
-            view = plain[entry.region].as_strided(entry.size, entry.stride, entry.offset - self.regions[entry.region].start)
+        if not self.host:
+            return
+        bound = self.host_views if bound is None else bound
+        plain = self.plain(self.host if source is None else source)
+        for entry, view, value in zip(self.entries, bound, plain):
             for owner in entry.owners:
-                owner.rebind(view)
+                if owner.bound_to(view):
+                    owner.rebind(value)
         self.host = {}
+        self.host_views = []
 
     def __repr__(self) -> str:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"

@@ -1,0 +1,101 @@
+"""Switching a unit's owners between its home (host) views and a device copy, keeping changes.
+
+A unit's tensors show their device copy only while the device copy is in use (a block's forward, a
+component's turn on the device) and their home, the truth, the rest of the time. Whatever a
+forward changed in the device copy (buffers updated in place, such as running statistics or step
+counters, a buffer replaced by a new tensor, a parameter edited in place) is copied back home when
+the owners return there, so nothing the model did is lost and nothing stale is read later.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .unit import Owner, WeightUnit
+
+#: copies each (home view, device tensor) pair home and returns once they have landed
+WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
+
+
+class Binding:
+    """One unit's owners, their home views and one set of device views, precomputed so that the
+    switch costs one assignment per tensor."""
+
+    __slots__ = (
+        "params", "params_home", "params_device", "buffers", "buffers_home", "buffers_device", "_versions", "_home_versions",
+    )
+
+    def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
+        self.params: list[torch.nn.Parameter] = []
+        self.params_home: list[torch.Tensor] = []
+        self.params_device: list[torch.Tensor] = []
+        self.buffers: list[Owner] = []
+        self.buffers_home: list[torch.Tensor] = []
+        self.buffers_device: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for entry, h, d in zip(unit.entries, home, device):
+            for owner in entry.owners:
+                if owner.param is None:
+                    self.buffers.append(owner)
+                    self.buffers_home.append(h)
+                    self.buffers_device.append(d)
+                elif id(owner.param) not in seen:  # a Parameter tied into several modules: once
+                    seen.add(id(owner.param))
+                    self.params.append(owner.param)
+                    self.params_home.append(h)
+                    self.params_device.append(d)
+        self._versions: list[int] = []
+        self._home_versions = self._versions_at_home()
+
+    def _versions_at_home(self) -> list[int]:
+        return [p._version for p in self.params] + [v._version for v in self.buffers_home]
+
+    def touched(self) -> bool:
+        """True if a tensor was changed in place (through the parameter or buffer itself) since
+        the unit was last at home."""
+        return self._versions_at_home() != self._home_versions
+
+    def to_device(self) -> None:
+        """Show the device views; remember version counters to see in-place changes later."""
+        for p, view in zip(self.params, self.params_device):
+            p.data = view
+        versions = [p._version for p in self.params]
+        for owner, view in zip(self.buffers, self.buffers_device):
+            owner.module._buffers[owner.name] = view
+            versions.append(view._version)
+        self._versions = versions
+
+    def to_home(self, write_back: WriteBack) -> bool:
+        """Show the home views again, first copying home (``write_back`` of (home, device view)
+        pairs) whatever changed on the device.
+
+        Returns True when a buffer was replaced by a tensor of another shape or dtype: that tensor
+        is left in its module (it is the truth) and the unit must be re-packed."""
+        versions = self._versions
+        changed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p, home, device, version in zip(self.params, self.params_home, self.params_device, versions):
+            if p._version != version:
+                changed.append((home, device))
+        replaced: list[int] = []
+        offset = len(self.params)
+        for k, (owner, home, device) in enumerate(zip(self.buffers, self.buffers_home, self.buffers_device)):
+            current = owner.module._buffers.get(owner.name)
+            if current is device:
+                if device._version != versions[offset + k]:
+                    changed.append((home, device))
+            elif current is not None and current.shape == home.shape and current.dtype == home.dtype:
+                device.copy_(current)  # on the compute stream, like the forward that made it
+                changed.append((home, device))
+            else:
+                replaced.append(k)
+        if changed:
+            write_back(changed)
+        for p, view in zip(self.params, self.params_home):
+            p.data = view
+        for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
+            if not replaced or k not in replaced:
+                owner.module._buffers[owner.name] = view
+        self._home_versions = self._versions_at_home()
+        return bool(replaced)
