@@ -1,0 +1,140 @@
+"""Contract point 8 (docs/design.md): after an exception inside enable, a forward or disable
+(out of memory, Ctrl-C, a raising hook), the handle is in its documented state: an enable left the
+model as it was; after a forward the next forward works; an interrupted disable() can be called
+again and completes, restoring the exact weights. Checked against the same model without offload,
+which gets the same failure."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import offload_core
+from offload_core.tiny import build_pipeline
+from offload_core.weights import WeightUnit
+
+from contract_models import STRATEGIES, assert_same, build, run
+from helpers import assert_same_state, chaos_backend, snapshot
+
+
+def raise_once(error: BaseException):
+    """A forward pre-hook that raises ``error`` the first time only."""
+    state = {"armed": True}
+
+    def hook(module, args):
+        if state["armed"]:
+            state["armed"] = False
+            raise error
+
+    return hook
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("error", [RuntimeError("a raising hook"), KeyboardInterrupt()], ids=["hook", "ctrl-c"])
+def test_after_a_failed_forward_the_next_forward_is_exact(strategy, error):
+    model, reference = build(), build()
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    for m in (model, reference):
+        run(m, 0)
+        # inside block 2's forward: blocks 0 and 1 have run (and updated their buffers)
+        m.blocks[2].layers[1].register_forward_pre_hook(raise_once(error))
+        with pytest.raises(type(error)):
+            run(m, 1)
+    for step in (2, 3):
+        assert torch.equal(run(model, step), run(reference, step))
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ctrl_c_during_a_pipeline_call_leaves_the_pipeline_working(strategy):
+    tiny = build_pipeline("flux2")
+    expected = tiny.run(seed=0)
+    before = snapshot(tiny.pipe.transformer)
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    tiny.pipe.transformer.transformer_blocks[1].register_forward_pre_hook(raise_once(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        tiny.run(seed=0)
+    assert torch.equal(tiny.run(seed=0), expected)
+    handle.disable()
+    assert_same_state(before, snapshot(tiny.pipe.transformer))
+
+
+def test_model_level_out_of_memory_during_a_load_does_not_break_later_calls():
+    model, reference = build(), build()
+    probe = offload_core.enable_offload(model, enable_cpu_offload=True, backend=chaos_backend())
+    nbytes = probe.parts[0].host_bytes  # the packed model: what one call copies in
+    probe.disable()
+    backend = chaos_backend(device_memory=nbytes + 64)
+    handle = offload_core.enable_offload(model, enable_cpu_offload=True, backend=backend)
+    assert torch.equal(run(model, 0), run(reference, 0))
+    blocker = backend.empty_device(128, torch.uint8)  # someone else holds a little of the device
+    with pytest.raises(torch.OutOfMemoryError):
+        run(model, 1)
+    del blocker
+    gc.collect()
+    for step in (1, 2):  # the failed call never ran: the reference skips it too
+        assert torch.equal(run(model, step), run(reference, step))
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ctrl_c_during_enable_leaves_the_model_untouched(strategy):
+    model = build()
+    before = snapshot(model)
+    backend = chaos_backend()
+    allocate = backend.empty_pinned
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return allocate(*args, **kwargs)
+
+    backend.empty_pinned = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    assert_same_state(before, snapshot(model))
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    gc.collect()
+    assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
+    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    handle.disable()
+    assert_same_state(before, snapshot(model))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_interrupted_disable_can_be_called_again(strategy, monkeypatch):
+    tiny = build_pipeline("flux2")
+    expected = tiny.run(seed=0)
+    before = {name: snapshot(module) for name, module in tiny.pipe.components.items() if isinstance(module, torch.nn.Module)}
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    assert torch.equal(tiny.run(seed=0), expected)
+    unpack = WeightUnit.unpack
+    calls = {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # Ctrl-C half-way through giving the weights back
+        return unpack(self, *args, **kwargs)
+
+    monkeypatch.setattr(WeightUnit, "unpack", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        handle.disable()
+    assert handle.enabled
+    with pytest.raises(offload_core.AlreadyEnabledError, match="again"):
+        offload_core.enable_offload(tiny.pipe, enable_cpu_offload=True, backend=chaos_backend())
+    handle.disable()
+    assert not handle.enabled
+    for name, module in tiny.pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            assert_same_state(before[name], snapshot(module))
+    assert torch.equal(tiny.run(seed=0), expected)
+    again = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    assert torch.equal(tiny.run(seed=0), expected)
+    again.disable()
