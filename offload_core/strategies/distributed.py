@@ -17,9 +17,11 @@ ranks are kept honest rather than trusted:
   status). When a pass ends the host checks every header of the pass: a gather that paired
   different blocks on different ranks raises :class:`DistributedOffloadError` instead of returning
   an output computed on mismatched weights.
-* A rank whose forward fails still issues the gathers of the blocks the others will load in that
-  pass, marked as aborted, so the other ranks finish the pass, see the abort and raise too, and the
-  ranks stay in step: the next forward works on every rank.
+* Every pass (and every block called outside a forward) ends with one more header, which says
+  whether the rank got through. A rank whose forward fails still issues the gathers of the blocks
+  the others will load in that pass and its end header, marked as aborted, so the other ranks
+  finish the pass, see the abort and raise too, and the ranks stay in step: the next forward works
+  on every rank.
 * ``disable`` is collective when sharded: it rebuilds the full host weights on every rank, checks
   every header, and only then gives the weights back; if the ranks are out of step it raises and
   changes nothing.
@@ -45,10 +47,11 @@ from .layerwise import LayerwiseOffload
 
 logger = logging.getLogger(__name__)
 
-#: header of one load: magic, the part's serial number, block index, status
+#: header of one load: magic, the part's serial number, block index (END for the end of a pass), status
 HEADER = 4
 MAGIC = 0x0FF10AD
 OK, ABORTED = 0, 1
+END = -1
 
 
 class DistributedOffloadError(RuntimeError):
@@ -134,12 +137,12 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     @property
     def device_weight_bytes(self) -> int:
         staging = 2 * nbytes_of({d: n // self.world for d, n in self.slot_shape.items()}) if self.shard else 0
-        headers = (2 * len(self.units) + self._header_rows * self.world) * HEADER * 8 if self.shard else 0
+        headers = (2 * (len(self.units) + 1) + self._header_rows * self.world) * HEADER * 8 if self.shard else 0
         return super().device_weight_bytes + staging + headers
 
     @property
     def _header_rows(self) -> int:
-        return 2 * len(self.units)
+        return 2 * (len(self.units) + 1)
 
     def layout(self) -> tuple:
         """What every rank must have packed alike (see :class:`Agreement`)."""
@@ -176,7 +179,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 for _ in range(self.num_slots)
             ]
             self._header_out = self.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
-            self._header_in = self.backend.empty_device((len(self.units), 2, HEADER), torch.int64)
+            self._header_in = self.backend.empty_device((len(self.units) + 1, 2, HEADER), torch.int64)
             self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
             self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
 
@@ -219,8 +222,8 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _write_headers(self) -> None:
         if not self.shard:
             return
-        rows = torch.tensor(
-            [[[MAGIC, self.serial, i, status] for status in (OK, ABORTED)] for i in range(len(self.units))],
+        rows = torch.tensor(  # one row per block, then the end of a pass (index -1)
+            [[[MAGIC, self.serial, i, status] for status in (OK, ABORTED)] for i in [*range(len(self.units)), END]],
             dtype=torch.int64,
         )
         stream = self.copy_stream
@@ -243,16 +246,34 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _issue(self, i: int, stream, status: int = OK) -> int:
         if not self.shard:
             return super()._issue(i, stream)
-        if len(self._pending) == self._header_rows:
-            self._check_headers()
-        row = len(self._pending)
-        self.backend.all_gather_into_tensor(self._header_out[row], self._header_in[i, status], self.group, stream).wait(stream)
-        self._pending.append((row, i))
+        self._gather_header(i, status)
         self._loaded_in_pass = max(self._loaded_in_pass, i)
         for staging, shard, out in self._transfers[i]:
             self.backend.copy_async(staging, shard, stream)
             self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
         return len(self._transfers[i])
+
+    def _gather_header(self, i: int, status: int) -> None:
+        """Queue the all-gather of block ``i``'s header (``END``: the end of a pass)."""
+        if len(self._pending) == self._header_rows:
+            self._check_headers()
+        row = len(self._pending)
+        self.backend.all_gather_into_tensor(
+            self._header_out[row], self._header_in[i, status], self.group, self.copy_stream
+        ).wait(self.copy_stream)
+        self._pending.append((row, i))
+
+    def _finish(self, failed: bool) -> None:
+        """End of a pass (or of a block called alone): say whether this rank got through, and
+        check every header since the last check."""
+        self._gather_header(END, ABORTED if failed else OK)
+        if failed:
+            try:
+                self._check_headers()
+            except DistributedOffloadError as exc:
+                logger.warning("after this rank's failure: %s", exc)
+        else:
+            self._check_headers()
 
     def _check_headers(self) -> None:
         """Wait for the queued gathers and compare every rank's header of each: a gather that
@@ -267,22 +288,32 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         seen = torch.empty((len(pending), self.world * HEADER), dtype=torch.int64)
         self.backend.copy_async(seen, self._header_out[: len(pending)], self.copy_stream)
         self.copy_stream.synchronize()
-        for (row, block), headers in zip(pending, seen.view(len(pending), self.world, HEADER).tolist()):
-            expected = [MAGIC, self.serial, block]
-            for rank, header in enumerate(headers):
-                if header[:3] != expected:
-                    theirs = f"block {self.block_names[header[2]]}" if header[0] == MAGIC and 0 <= header[2] < len(self.units) and header[1] == self.serial else "another model's block or unrelated data"
+        headers = seen.view(len(pending), self.world, HEADER).tolist()
+        for (_, block), row in zip(pending, headers):
+            for rank, header in enumerate(row):
+                if header[:3] != [MAGIC, self.serial, block]:
                     raise DistributedOffloadError(
-                        f"ranks out of step in {self.describe()}: this rank (rank {self.rank}) loaded block "
-                        f"{self.block_names[block]} while rank {rank} loaded {theirs} in the same gather; "
-                        "the output of this pass was computed on mismatched weights and is discarded. Every rank "
-                        "must run the same forwards in the same order"
+                        f"ranks out of step in {self.describe()}: this rank (rank {self.rank}) was at "
+                        f"{self._label(block)} while rank {rank} was at {self._label_of(header)} in the same gather; "
+                        "the output of this call is discarded (gathers that pair different blocks would mix their "
+                        "weights). Every rank must run the same forwards in the same order"
                     )
+        for row in headers:
+            for rank, header in enumerate(row):
                 if header[3] == ABORTED:
                     raise DistributedOffloadError(
                         f"rank {rank} failed during this forward of {self.describe()}; its output is discarded on "
                         "every rank. The ranks are still in step: the next forward can run"
                     )
+
+    def _label(self, block: int) -> str:
+        return "the end of a forward" if block == END else f"block {self.block_names[block]}"
+
+    def _label_of(self, header: list[int]) -> str:
+        magic, serial, block, _ = header
+        if magic != MAGIC or serial != self.serial or not END <= block < len(self.units):
+            return "another model's gather or unrelated data"
+        return self._label(block)
 
     def _write_back_block(self, i: int):
         if not self.shard:
@@ -292,7 +323,9 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _write_back_shard(self, i: int, pairs) -> None:
         """A forward changed block ``i``'s tensors (a buffer updated in place; the slot holds the
         new values): copy this rank's slice of the slot into its shard. Every rank runs the same
-        forward, so every rank updates its own slice alike."""
+        forward, so every rank updates its own slice alike. The headers are checked first, so that
+        values computed on mismatched weights are never kept."""
+        self._check_headers()
         slot = self.slots[i % self.num_slots]
         stream = self.backend.current_stream()
         for dtype, shard in self._shards[i].items():
@@ -332,25 +365,26 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _end_pass(self, failed: bool) -> None:
         if not self.shard or self._passes > 1:
             return super()._end_pass(failed)
-        if failed:
-            self._drain()
         try:
-            self._check_headers()
+            if failed:
+                # the others will still load the blocks after the furthest one loaded here
+                for i in range(self._loaded_in_pass + 1, len(self.units)):
+                    self._load_aborted(i)
+            self._finish(failed)
         finally:
             super()._end_pass(failed)
 
-    def _drain(self) -> None:
-        """This rank's forward failed: issue the gathers the other ranks will still run in this
-        pass (the blocks after the furthest one loaded), marked as aborted, so that they finish the
-        pass and raise as well, instead of waiting for a partner that never comes."""
-        for i in range(self._loaded_in_pass + 1, len(self.units)):
-            self._load_aborted(i)
+    def _after_block(self, i: int, failed: bool) -> None:
+        alone = self.shard and self._passes == 0 and self._bound == i
         try:
-            self._check_headers()
-        except DistributedOffloadError as exc:
-            logger.warning("after this rank's failure: %s", exc)
+            super()._after_block(i, failed)
+        finally:
+            if alone:
+                self._finish(failed)
 
     def _load_aborted(self, i: int) -> None:
+        """The load the other ranks run for block ``i``, flagged as aborted by this rank, so that
+        they are not left waiting for a partner that never comes."""
         slot = i % self.num_slots
         self._occupant[slot] = -1
         self.freed[slot].wait(self.copy_stream)
@@ -374,11 +408,11 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             super().disable()
 
     def _gather_all(self) -> list[dict[torch.dtype, torch.Tensor]]:
-        self._quiesce()
-        self._check_headers()
         host = self.backend.new_stream()
         rebuilt = []
         try:
+            self._quiesce()
+            self._check_headers()
             for i, unit in enumerate(self.units):
                 self._load(i)
                 self.ready[i].wait(host)
@@ -390,9 +424,11 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 self.freed[i % self.num_slots].record(host)
                 rebuilt.append(buffers)
             self._check_headers()
-        except DistributedOffloadError as exc:
+        except Exception as exc:  # a mismatch, or the collective failed or timed out
+            self._last_load, self._pending = None, []
             raise DistributedOffloadError(
-                f"handle.disable() cannot restore the exact weights of {self.describe()}: {exc}. Nothing was "
+                f"handle.disable() cannot restore the exact weights of {self.describe()}: rank {self.rank} holds "
+                f"only a shard of each block and rebuilding them with the other ranks failed ({exc}). Nothing was "
                 "changed: the model is still offloaded; call disable() again on every rank once they are in step"
             ) from exc
         finally:

@@ -90,12 +90,14 @@ class Binding:
                 changed.append((home, device))
             else:
                 replaced.append(k)
-        if changed:
-            write_back(changed)
-        for p, view in zip(self.params, self.params_home):
-            p.data = view
-        for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
-            if not replaced or k not in replaced:
-                owner.module._buffers[owner.name] = view
-        self._home_versions = self._versions_at_home()
+        try:
+            if changed:
+                write_back(changed)
+        finally:  # home again even if copying home failed: the home views are still the truth
+            for p, view in zip(self.params, self.params_home):
+                p.data = view
+            for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
+                if not replaced or k not in replaced:
+                    owner.module._buffers[owner.name] = view
+            self._home_versions = self._versions_at_home()
         return bool(replaced)
