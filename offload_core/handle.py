@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -95,6 +96,23 @@ class OffloadHandle:
             self.enabled = False
             ownership.unregister(self)
         logger.info("offload (%s) disabled on %s", self.strategy, type(self.target).__name__)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """A promise that the weights do not change between forwards while inside: layerwise
+        offload then copies the first blocks of the next forward while the previous one ends, so
+        those copies overlap whatever runs in between (a scheduler step). Every pipeline call
+        without step callbacks runs inside it. Changes the handle can see (new data given to a
+        parameter, a replaced buffer, an added module, a dtype change) are still taken in; an
+        in-place write through ``.data`` is what the promise excludes."""
+        parts = [p for p in self.parts if hasattr(p, "freeze")]
+        for part in parts:
+            part.freeze()
+        try:
+            yield
+        finally:
+            for part in parts:
+                part.thaw()
 
     # -- what users do to the model (routed here by offload_core.ownership) ------------------
     def refresh(self) -> None:

@@ -13,6 +13,7 @@ done by giving the pipeline instance a same-named subclass, restored by ``disabl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -78,12 +79,18 @@ def model_level_groups(pipe: Any, modules: list[tuple[str, nn.Module]]) -> list[
     return list(groups.items())
 
 
+#: call arguments through which user code runs between denoising steps (and may change weights)
+STEP_CALLBACKS = ("callback_on_step_end", "callback")
+
+
 def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list) -> type:
     device = handle.backend.device()
 
     def __call__(self, *args, **kwargs):
-        # one call at a time per handle; components stay on the device until the call ends
-        with handle.lock:
+        # one call at a time per handle; components stay on the device until the call ends; without
+        # step callbacks no user code runs between steps, so the weights stay as they are
+        callbacks = any(kwargs.get(name) is not None for name in STEP_CALLBACKS)
+        with handle.lock, (contextlib.nullcontext() if callbacks else handle.frozen()):
             staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
             for part in staged:
                 part.begin_call()

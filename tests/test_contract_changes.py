@@ -145,3 +145,40 @@ def test_copies_are_ordinary_models_with_the_true_weights(strategy, tmp_path):
     assert torch.equal(run(model, 1), expected), "the original still works after being copied"
     handle.disable()
     assert_same(model, reference)
+
+
+def test_inside_frozen_the_next_forward_loads_early_and_visible_changes_still_count():
+    """handle.frozen() (what a pipeline call without step callbacks runs in): the end of a forward
+    queues the first blocks of the next; a change the handle can see still reaches the next forward."""
+    model, reference = build(), build()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    part = handle.parts[0]
+    with handle.frozen():
+        assert torch.equal(run(model, 0), run(reference, 0))
+        assert part._occupant == list(range(part.num_slots)), "the next forward's first blocks are queued"
+        for m in (model, reference):
+            m.blocks[0].layers[0].weight.data = torch.full((D, D), 0.3)
+        assert torch.equal(run(model, 1), run(reference, 1))
+        assert torch.equal(run(model, 2), run(reference, 2))
+    assert part._last_load is None and part._occupant == [-1] * part.num_slots
+    assert handle.stats()["prefetch_misses"] == 0
+    handle.disable()
+    assert_same(model, reference)
+
+
+def test_weights_changed_in_place_by_a_step_callback_count_from_the_next_step():
+    """A step callback is user code between steps: a pipeline call with one is not frozen, so an
+    in-place write through .data (which the handle cannot see) still reaches the next step."""
+    from offload_core.tiny import build_pipeline
+
+    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
+    backend = chaos_backend()
+
+    def callback(pipe, step, timestep, kwargs):
+        backend.synchronize()  # any copy queued early has landed: a stale one would be used next step
+        pipe.transformer.transformer_blocks[0].attn.to_q.weight.data.mul_(1.5)
+        return kwargs
+
+    handle = offload_core.enable_offload(ours.pipe, enable_layerwise_offload=True, backend=backend)
+    assert torch.equal(ours.run(seed=0, callback_on_step_end=callback), theirs.run(seed=0, callback_on_step_end=callback))
+    handle.disable()

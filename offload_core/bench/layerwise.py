@@ -115,7 +115,8 @@ def step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_to_comput
             per_block = interleaved({"resident": lambda: resident(x)}, 3)["resident"] / blocks
             options["h2d_bandwidth"] = block_bytes / (copy_to_compute * per_block)
         handle = enable_offload(offloaded, enable_layerwise_offload=True, backend=get_backend("fake", **options))
-        times = interleaved({"resident": lambda: resident(x), "offloaded": lambda: offloaded(x)}, repeats)
+        with handle.frozen():  # successive steps, as a pipeline call runs them
+            times = interleaved({"resident": lambda: resident(x), "offloaded": lambda: offloaded(x)}, repeats)
         misses = handle.stats()["prefetch_misses"]
         handle.disable()
     finally:

@@ -357,11 +357,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         self._placeholders = []
         self._header_in = self._header_out = None
 
-    def _begin_pass(self) -> None:
-        if self.shard and self._passes == 0:
-            self._loaded_in_pass = -1
-        super()._begin_pass()
-
     def _end_pass(self, failed: bool) -> None:
         if not self.shard or self._passes > 1:
             return super()._end_pass(failed)
@@ -372,6 +367,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                     self._load_aborted(i)
             self._finish(failed)
         finally:
+            self._loaded_in_pass = -1  # loads queued from here on belong to the next pass
             super()._end_pass(failed)
 
     def _after_block(self, i: int, failed: bool) -> None:

@@ -18,6 +18,13 @@ is never written while a copy still reads it, and nothing stays in a slot across
 loaded afresh in every pass, from the host as it is then.
 
 A block called outside a model forward is loaded synchronously (a miss) and dropped after.
+
+Inside ``handle.frozen()`` (every pipeline call without step callbacks is), the user promises not
+to change weights between forwards: the end of a pass then queues the first blocks of the next, so
+that their copies overlap whatever runs between two forwards (a scheduler step, the embeddings). A
+change the handle can see (a parameter given new data, a buffer replaced, a module added, a dtype
+change) still drops those copies and loads afresh; an in-place write through ``.data`` it cannot
+see, which is what the promise is about.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class LayerwiseOffload(Part):
         self.block_names = [name for name, _ in blocks]
         self.prefetch_depth = prefetch_depth
         self._passes = 0  # nesting depth of model forwards
+        self._frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
         self._bound = -1  # the block whose tensors show its slot
         self._occupant: list[int] = []
         self._plan([block for _, block in blocks])
@@ -219,7 +227,9 @@ class LayerwiseOffload(Part):
         same way too; any other change, or a module or tensor added (``dirty``), re-packs."""
         structural = self.dirty
         for i in blocks:
-            structural |= adopt_foreign(self.backend, self.units[i], self._home_views(i))
+            if not self._bindings[i].at_home():
+                self._quiesce()  # copies queued earlier read the host as it was
+                structural |= adopt_foreign(self.backend, self.units[i], self._home_views(i))
         if structural:
             logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
             self.dirty = False
@@ -257,6 +267,24 @@ class LayerwiseOffload(Part):
         self._quiesce()
         if not failed:
             self._warn_grad()
+            if self._frozen:
+                self._load_first()
+
+    def _load_first(self) -> None:
+        """Queue the first blocks of the next pass now, so that their copies overlap what runs
+        between two forwards; only inside ``handle.frozen()``, where weights do not change."""
+        for j in range(self.num_slots):
+            self._load(j)
+
+    def freeze(self) -> None:
+        with self.lock:
+            self._frozen += 1
+
+    def thaw(self) -> None:
+        with self.lock:
+            self._frozen -= 1
+            if not self._frozen and self.enabled and self._passes == 0:
+                self._quiesce()
 
     def _before_block(self, i: int) -> None:
         if self._bound >= 0:

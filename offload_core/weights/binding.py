@@ -24,7 +24,7 @@ class Binding:
     switch costs one assignment per tensor."""
 
     __slots__ = (
-        "params", "params_home", "params_device", "buffers", "buffers_home", "buffers_device", "_versions", "_home_versions",
+        "params", "params_home", "params_device", "buffers", "buffers_home", "buffers_device", "_versions", "_home_ptrs",
     )
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
@@ -46,16 +46,21 @@ class Binding:
                     self.params.append(owner.param)
                     self.params_home.append(h)
                     self.params_device.append(d)
-        self._versions: list[int] = []
-        self._home_versions = self._versions_at_home()
+        self._versions = [p._version for p in self.params]
+        self._home_ptrs = [v.data_ptr() for v in self.params_home]
 
-    def _versions_at_home(self) -> list[int]:
-        return [p._version for p in self.params] + [v._version for v in self.buffers_home]
+    def at_home(self) -> bool:
+        """True while every owner still shows its home view (the user has not given a parameter
+        new data nor replaced a buffer); cheap enough to ask before every use."""
+        if [p.data_ptr() for p in self.params] != self._home_ptrs:
+            return False
+        buffers = self.buffers_home
+        return all(o.module._buffers.get(o.name) is v for o, v in zip(self.buffers, buffers))
 
     def touched(self) -> bool:
-        """True if a tensor was changed in place (through the parameter or buffer itself) since
-        the unit was last at home."""
-        return self._versions_at_home() != self._home_versions
+        """True if a parameter was changed in place (through the parameter itself) since the unit
+        last went to the device."""
+        return [p._version for p in self.params] != self._versions[: len(self.params)]
 
     def to_device(self) -> None:
         """Show the device views; remember version counters to see in-place changes later."""
@@ -99,5 +104,4 @@ class Binding:
             for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
                 if not replaced or k not in replaced:
                     owner.module._buffers[owner.name] = view
-            self._home_versions = self._versions_at_home()
         return bool(replaced)
