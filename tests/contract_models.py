@@ -103,3 +103,13 @@ class Scaled(nn.Module):
         return self.inner(x) * self.gain.to(x.dtype)
 
 
+def raise_once(error: BaseException):
+    """A forward pre-hook that raises ``error`` the first time only."""
+    state = {"armed": True}
+
+    def hook(module, args):
+        if state["armed"]:
+            state["armed"] = False
+            raise error
+
+    return hook

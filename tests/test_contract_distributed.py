@@ -78,9 +78,8 @@ def _alone(model, block: int):
 def _sharded_contract(rank: int, port: int) -> None:
     backend = _setup(rank, port)
     import offload_core
-    from contract_models import assert_same
+    from contract_models import assert_same, raise_once
     from helpers import assert_same_state, snapshot
-    from test_contract_failures import raise_once
 
     DistributedOffloadError = offload_core.DistributedOffloadError
 

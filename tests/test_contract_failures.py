@@ -15,20 +15,8 @@ import offload_core
 from offload_core.tiny import build_pipeline
 from offload_core.weights import WeightUnit
 
-from contract_models import STRATEGIES, assert_same, build, run
+from contract_models import STRATEGIES, assert_same, build, raise_once, run
 from helpers import assert_same_state, chaos_backend, snapshot
-
-
-def raise_once(error: BaseException):
-    """A forward pre-hook that raises ``error`` the first time only."""
-    state = {"armed": True}
-
-    def hook(module, args):
-        if state["armed"]:
-            state["armed"] = False
-            raise error
-
-    return hook
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
