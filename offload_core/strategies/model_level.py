@@ -28,7 +28,7 @@ from torch import nn
 
 from ..backend import DeviceBackend, Event
 from ..weights import WeightUnit
-from ..weights.binding import Binding
+from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
 from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
 
@@ -45,6 +45,7 @@ class Component:
     unit: WeightUnit
     device: dict[torch.dtype, torch.Tensor] | None = None
     binding: Binding | None = None
+    home: Home | None = None
 
 
 @dataclasses.dataclass
@@ -132,6 +133,8 @@ class ModelLevelOffload(Part):
     def enable(self, txn: Transaction) -> None:
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.backend, self.pin_memory, txn, "packing components")
+        for c in (c for g in self.groups for c in g.components):
+            c.home = Home(c.unit, c.unit.host_views)
         self.copy_stream = self.backend.new_stream()
         for group in self.groups:
             group.ready = self.backend.new_event()
@@ -226,7 +229,8 @@ class ModelLevelOffload(Part):
         :func:`adopt_foreign`); an added module or tensor, or any other change, re-packs."""
         structural = self.dirty
         for c in group.components:
-            structural |= adopt_foreign(self.backend, c.unit, c.unit.host_views)
+            if not c.home.at_home():
+                structural |= adopt_foreign(self.backend, c.unit, c.unit.host_views)
         if structural:
             logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
             self.dirty = False

@@ -19,43 +19,49 @@ from .unit import Owner, WeightUnit
 WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 
 
-class Binding:
-    """One unit's owners, their home views and one set of device views, precomputed so that the
-    switch costs one assignment per tensor."""
+class Home:
+    """A unit's owners and the home views they show outside the device, with a check cheap
+    enough to run before every use (one pointer comparison per parameter)."""
 
-    __slots__ = (
-        "params", "params_home", "params_device", "buffers", "buffers_home", "buffers_device", "_versions", "_home_ptrs",
-    )
+    __slots__ = ("params", "params_home", "buffers", "buffers_home", "_home_ptrs")
 
-    def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
+    def __init__(self, unit: WeightUnit, home: list[torch.Tensor]) -> None:
         self.params: list[torch.nn.Parameter] = []
         self.params_home: list[torch.Tensor] = []
-        self.params_device: list[torch.Tensor] = []
         self.buffers: list[Owner] = []
         self.buffers_home: list[torch.Tensor] = []
-        self.buffers_device: list[torch.Tensor] = []
         seen: set[int] = set()
-        for entry, h, d in zip(unit.entries, home, device):
+        for entry, h in zip(unit.entries, home):
             for owner in entry.owners:
                 if owner.param is None:
                     self.buffers.append(owner)
                     self.buffers_home.append(h)
-                    self.buffers_device.append(d)
                 elif id(owner.param) not in seen:  # a Parameter tied into several modules: once
                     seen.add(id(owner.param))
                     self.params.append(owner.param)
                     self.params_home.append(h)
-                    self.params_device.append(d)
-        self._versions = [p._version for p in self.params]
         self._home_ptrs = [v.data_ptr() for v in self.params_home]
 
     def at_home(self) -> bool:
         """True while every owner still shows its home view (the user has not given a parameter
-        new data nor replaced a buffer); cheap enough to ask before every use."""
+        new data nor replaced a buffer)."""
         if [p.data_ptr() for p in self.params] != self._home_ptrs:
             return False
-        buffers = self.buffers_home
-        return all(o.module._buffers.get(o.name) is v for o, v in zip(self.buffers, buffers))
+        return all(o.module._buffers.get(o.name) is v for o, v in zip(self.buffers, self.buffers_home))
+
+
+class Binding(Home):
+    """One unit's owners, their home views and one set of device views, precomputed so that the
+    switch costs one assignment per tensor."""
+
+    __slots__ = ("params_device", "buffers_device", "_versions")
+
+    def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
+        super().__init__(unit, home)
+        by_home = {id(h): d for h, d in zip(home, device)}
+        self.params_device = [by_home[id(h)] for h in self.params_home]
+        self.buffers_device = [by_home[id(h)] for h in self.buffers_home]
+        self._versions = [p._version for p in self.params]
 
     def touched(self) -> bool:
         """True if a parameter was changed in place (through the parameter itself) since the unit
