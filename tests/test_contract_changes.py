@@ -182,3 +182,20 @@ def test_weights_changed_in_place_by_a_step_callback_count_from_the_next_step():
     handle = offload_core.enable_offload(ours.pipe, enable_layerwise_offload=True, backend=backend)
     assert torch.equal(ours.run(seed=0, callback_on_step_end=callback), theirs.run(seed=0, callback_on_step_end=callback))
     handle.disable()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_deep_copy_of_an_offloaded_pipeline_is_an_ordinary_pipeline(strategy):
+    from offload_core.tiny import build_pipeline
+
+    tiny = build_pipeline("flux2")
+    original = type(tiny.pipe)
+    expected = tiny.run(seed=0)
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    clone = copy.deepcopy(tiny)
+    assert type(clone.pipe) is original and not hasattr(clone.pipe, "_offload_core_handle")
+    assert not any("forward" in m.__dict__ for c in clone.pipe.components.values() if isinstance(c, nn.Module) for m in c.modules())
+    assert torch.equal(clone.run(seed=0), expected)
+    assert torch.equal(tiny.run(seed=0), expected), "the original still works after being copied"
+    offload_core.enable_offload(clone.pipe, enable_cpu_offload=True, backend=chaos_backend()).disable()  # not owned twice
+    handle.disable()

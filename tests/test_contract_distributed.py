@@ -174,7 +174,7 @@ def _replicated_contract(rank: int, port: int) -> None:
     import offload_core
     from contract_models import assert_same
 
-    model, reference = _model(), _model()
+    model, reference = _model(counting=True), _model(counting=True)
     handle = offload_core.enable_offload(
         model, enable_distributed_layerwise_offload=True, backend=backend, shard_host_weights=False
     )
