@@ -175,8 +175,11 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         super()._allocate_device()
         if self.shard:
             self._staging = [
-                allocate_device(self.backend, {d: n // self.world for d, n in self.slot_shape.items()})
-                for _ in range(self.num_slots)
+                allocate_device(
+                    self.backend, {d: n // self.world for d, n in self.slot_shape.items()},
+                    f"all-gather staging buffer {s} of {self._name}",
+                )
+                for s in range(self.num_slots)
             ]
             self._header_out = self.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
             self._header_in = self.backend.empty_device((len(self.units) + 1, 2, HEADER), torch.int64)

@@ -239,7 +239,10 @@ class ModelLevelOffload(Part):
     def _load(self, group: Group) -> None:
         """Allocate the group's device buffers and queue its copies (one per dtype per component).
         An allocation failure (out of memory) leaves the group on the host, ready to try again."""
-        buffers = [allocate_device(self.backend, c.unit.numel) for c in group.components]
+        buffers = [
+            allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
+            for c in group.components
+        ]
         group.state = "loading"
         self._freed().wait(self.copy_stream)
         for c, device in zip(group.components, buffers):
