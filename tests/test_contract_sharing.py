@@ -107,9 +107,9 @@ def test_two_threads_calling_one_offloaded_pipeline_are_serialised():
 def test_enabling_inside_or_around_an_offloaded_pipeline_is_refused():
     tiny = build_pipeline("flux2")
     expected = tiny.run(seed=0)
-    handle = offload_core.enable_offload(tiny.pipe, enable_layerwise_offload=True, backend=chaos_backend())
     transformer = tiny.pipe.transformer
     before = snapshot(transformer)
+    handle = offload_core.enable_offload(tiny.pipe, enable_layerwise_offload=True, backend=chaos_backend())
     named = r"already enabled.*<OffloadHandle layerwise on Flux2Pipeline"
     for target in (transformer, transformer.transformer_blocks[0], nn.Sequential(transformer)):
         with pytest.raises(offload_core.AlreadyEnabledError, match=named):

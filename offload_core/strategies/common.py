@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..labels import Label, label
+from ..weights.unit import region_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,51 @@ class Counters:
         return dataclasses.asdict(self)
 
 
+class StateDictAliases:
+    """Gives ``state_dict()`` entries that view a unit's flat buffer a storage of their own: a
+    slice of the buffer's storage spanning just the entry's region, sharing its memory (no copy).
+    To safetensors (which refuses views that do not cover their storage) and ``torch.save`` an
+    offloaded tensor then looks as independent as it was before packing, while the tensors the
+    model computes with stay plain views of the flat buffers, which the fake backend's race
+    sanitizer tracks."""
+
+    def __init__(self) -> None:
+        # (device, storage address) -> sorted [(first byte, end byte, flat buffer, region start, numel)]
+        self._spans: dict[tuple, list[tuple[int, int, torch.Tensor, int, int]]] = {}
+
+    def add(self, unit: Any, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        for r in unit.regions:
+            flat = buffers[r.dtype]
+            size = flat.element_size()
+            start = (flat.storage_offset() + r.start) * size
+            spans = self._spans.setdefault((flat.device, _storage_address(flat)), [])
+            spans.append((start, start + r.numel * size, flat, r.start, r.numel))
+            spans.sort(key=lambda span: span[0])
+
+    def clear(self) -> None:
+        self._spans.clear()
+
+    def hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and type(value) is torch.Tensor:  # keep_vars=True: leave Parameters be
+                state_dict[key] = self.alias(value)
+
+    def alias(self, t: torch.Tensor) -> torch.Tensor:
+        spans = self._spans.get((t.device, _storage_address(t))) if t.numel() else None
+        if not spans:
+            return t
+        offset = t.storage_offset() * t.element_size()
+        for start, end, flat, region, numel in spans:
+            if start <= offset < end:
+                elements = (offset - start) // t.element_size()
+                return region_tensor(flat, region, numel).as_strided(t.shape, t.stride(), elements)
+        return t
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 class Part:
     """What every strategy instance inside a handle shares: counters, the handle's lock, the
     ``dirty`` flag set when the model's structure changes, instrumentation that can be taken off
@@ -70,6 +116,7 @@ class Part:
         self.dirty = False  # the structure changed (a module or tensor added): re-pack before use
         self.enabled = False
         self._hooks: list = []
+        self.aliases = StateDictAliases()
 
     def truth(self) -> list[tuple[Any, list[torch.Tensor], dict]]:
         """(unit, views its owners show, buffers holding its true values) per packed unit."""
@@ -80,6 +127,7 @@ class Part:
 
     def _wrap(self, module: nn.Module, before, after, convert=None) -> None:
         self._hooks.append(ForwardWrapper(module, before, after, self.lock, convert))
+        self._hooks.append(module.register_state_dict_post_hook(functools.partial(StateDictAliases.hook, self.aliases)))
         if self.owner is not None:
             self._hooks.append(CopyGuard(module, self.owner.plain_copy))
 

@@ -41,6 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..backend import DeviceBackend
+from ..labels import label
 from ..weights import nbytes_of
 from .common import Transaction, allocate_device, pack_units
 from .layerwise import LayerwiseOffload
@@ -158,7 +159,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         return self._placeholders[i]
 
     def truth(self) -> list:
-        if self.shard:
+        if self.shard:  # a rank has only shards of the blocks
             raise DistributedOffloadError(
                 "this rank holds only a shard of each block: copying or pickling the model needs the "
                 "collective handle.disable() first, which rebuilds the full weights on every rank"
@@ -183,6 +184,8 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             ]
             self._header_out = self.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
             self._header_in = self.backend.empty_device((len(self.units) + 1, 2, HEADER), torch.int64)
+            label(self._header_out, f"gathered load headers of {self._name}")
+            label(self._header_in, f"load headers of {self._name}")
             self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
             self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
 

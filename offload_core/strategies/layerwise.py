@@ -134,6 +134,9 @@ class LayerwiseOffload(Part):
         self.resident_views = self.resident.views(resident_device)
         self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
+        self.aliases.clear()
+        for unit, _, buffers in self.truth_buffers():
+            self.aliases.add(unit, buffers)
         self._plan_transfers()
         self._bindings = [
             Binding(unit, self._home_views(i), unit.views(self.slots[i % self.num_slots]))
@@ -159,7 +162,11 @@ class LayerwiseOffload(Part):
         return self.units[i].host_views
 
     def truth(self) -> list:
-        found = [(u, self._home_views(i), u.host) for i, u in enumerate(self.units)]
+        return self.truth_buffers()
+
+    def truth_buffers(self) -> list:
+        """(unit, views its owners show, buffers holding its true values) per unit that has them."""
+        found = [(u, self._home_views(i), u.host) for i, u in enumerate(self.units) if u.host]
         return [(self.resident, self.resident_views, self.resident_device), *found]
 
     def _new_copy_stream(self):
@@ -217,6 +224,7 @@ class LayerwiseOffload(Part):
             self.enabled = False
 
     def _release(self) -> None:
+        self.aliases.clear()
         self.slots = []
         self._transfers = []
         self._bindings = []

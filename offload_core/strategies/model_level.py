@@ -133,8 +133,10 @@ class ModelLevelOffload(Part):
     def enable(self, txn: Transaction) -> None:
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.backend, self.pin_memory, txn, "packing components")
+        self.aliases.clear()
         for c in (c for g in self.groups for c in g.components):
             c.home = Home(c.unit, c.unit.host_views)
+            self.aliases.add(c.unit, c.unit.host)
         self.copy_stream = self.backend.new_stream()
         for group in self.groups:
             group.ready = self.backend.new_event()
@@ -168,6 +170,7 @@ class ModelLevelOffload(Part):
             self._settle()
             for c in (c for g in self.groups for c in g.components):
                 c.unit.unpack()
+            self.aliases.clear()
             self.enabled = False
 
     def _settle(self) -> None:
@@ -274,8 +277,9 @@ class ModelLevelOffload(Part):
     def _swap_out(self, group: Group) -> None:
         if group.state == "host":
             return
-        if group.state == "loading":
-            group.ready.synchronize()  # its copies still read the host buffers; cheap, rare
+        # its copies read the host buffers, which the user may write once the group is home:
+        # the host waits for them (long finished when the group was in use; cheap either way)
+        group.ready.synchronize()
         for c in group.components:
             if group.state == "active" and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use

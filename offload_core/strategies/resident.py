@@ -50,6 +50,9 @@ class ResidentModules(Part):
             copy_unit(unit, buf, self.backend, stream, self.counters)
         stream.synchronize()
         self.device_views = [unit.views(buf) for unit, buf in zip(self.units, self.device)]
+        self.aliases.clear()
+        for unit, buf in zip(self.units, self.device):
+            self.aliases.add(unit, buf)
         for unit, views in zip(self.units, self.device_views):
             unit.bind(views)
             txn.on_rollback(lambda unit=unit: unit.bind(unit.host_views))
@@ -82,6 +85,7 @@ class ResidentModules(Part):
                     write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
                     unit.unpack(views)
             self.device, self.device_views = [], []
+            self.aliases.clear()
             self.enabled = False
 
 

@@ -60,7 +60,9 @@ class Binding(Home):
         super().__init__(unit, home)
         by_home = {id(h): d for h, d in zip(home, device)}
         self.params_device = [by_home[id(h)] for h in self.params_home]
-        self.buffers_device = [by_home[id(h)] for h in self.buffers_home]
+        # a buffer's device view gets a version counter of its own (``.data``), so that copies into
+        # the rest of the device buffer do not look like the forward changing the buffer
+        self.buffers_device = [by_home[id(h)].data for h in self.buffers_home]
         self._versions = [p._version for p in self.params]
 
     def touched(self) -> bool:

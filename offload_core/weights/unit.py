@@ -6,11 +6,6 @@ views of one region: packing works on storage regions, not on tensors. Binding a
 set of per-dtype buffers (a device slot) re-points every owner — parameters through ``.data`` so
 their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
 without copying anything, and moving a unit is then one copy per dtype.
-
-The views owners are bound to see each region as a storage of its own (a slice of the flat
-buffer's storage, sharing its memory): to ``state_dict``, ``safetensors`` and ``copy.deepcopy``
-an offloaded tensor then looks as independent as it was before packing, while copies still move
-whole flat buffers.
 """
 
 from __future__ import annotations
@@ -181,13 +176,8 @@ class WeightUnit:
             yield from entry.owners
 
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors), each storage
-        region seen as a storage of its own."""
-        regions = [region_tensor(buffers[r.dtype], r.start, r.numel) for r in self.regions]
-        return [
-            regions[e.region].as_strided(e.size, e.stride, e.offset - self.regions[e.region].start)
-            for e in self.entries
-        ]
+        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
+        return [buffers[e.dtype].as_strided(e.size, e.stride, buffers[e.dtype].storage_offset() + e.offset) for e in self.entries]
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Point every owner at its view (from :meth:`views`). No data moves."""
