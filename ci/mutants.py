@@ -37,7 +37,10 @@ LAYERWISE_MODELS = "tests/test_layerwise_models.py"
 PIPELINES = "tests/test_pipelines.py"
 DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_ranks"
 CONFIG = "tests/test_config_and_priority.py"
-IN_PLACE = "tests/test_config_and_priority.py::test_in_place_changes_to_swapped_weights_are_kept_and_logged"
+CHANGES = "tests/test_contract_changes.py::test_a_change_between_forwards_acts_as_without_offload"
+LORA = "tests/test_contract_lora.py"
+CALLBACK_DISABLE = "tests/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
+SHARDED = "tests/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +54,11 @@ class Mutant:
     occurrences: int = 1
 
 
+C = "offload_core/strategies/common.py"
 L = "offload_core/strategies/layerwise.py"
 M = "offload_core/strategies/model_level.py"
 D = "offload_core/strategies/distributed.py"
 R = "offload_core/strategies/resident.py"
-P = "offload_core/pipelines.py"
 
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
@@ -63,7 +66,8 @@ MUTANTS = [
            "backend.wait_stream(self.copy_stream, backend.current_stream())", (PIPELINES,)),
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
-    Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
+    Mutant("layerwise: the host waits for queued copies before it may write host memory (end of a forward, "
+           "disable)", L, "self._last_load.synchronize()", (CHANGES,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),
@@ -71,27 +75,36 @@ MUTANTS = [
            (LIFECYCLE,)),
     Mutant("layerwise: compute waits for the block's ready event", L,
            "self.ready[i].wait(self.backend.current_stream())", (LIFECYCLE,)),
-    Mutant("layerwise: the slot of the block that ran is marked free", L,
-           "self.freed[last % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
-    Mutant("layerwise: the running block is remembered", L, "self._running = i", (STRATEGIES, LIFECYCLE)),
-    Mutant("layerwise: a prefetch onto the running block's slot is deferred", L, "self._deferred = True",
-           (PROPERTIES,)),
-    Mutant("layerwise: a deferred prefetch is issued once the block is done", L,
-           "self._prefetch(last, running=False)", (PROPERTIES,)),
-    Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,), occurrence=1,
-           occurrences=2),
+    Mutant("layerwise: the slot of a block that ran is marked free", L,
+           "self.freed[i % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
+    Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,)),
+    Mutant("layerwise: a block shows its slot only while it runs", L, "self._bindings[i].to_device()", (LIFECYCLE,)),
+    # -- changes copied home ------------------------------------------------------------------
+    Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
+    Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
     # -- distributed --------------------------------------------------------------------------
     Mutant("distributed: the slot is used only after its all-gather", D,
            "self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)", (DISTRIBUTED,),
            replacement="self.backend.all_gather_into_tensor(out, staging, self.group, stream)"),
+    Mutant("distributed: a load's header is gathered before its data", D, "gathered.wait(stream)", (SHARDED,)),
+    Mutant("distributed: the host waits for the gathered headers before reading them", D,
+           "self.copy_stream.synchronize()", (SHARDED,)),
+    Mutant("distributed: a shard takes a forward's buffer changes only once they have landed", D,
+           "done.synchronize()", (SHARDED,)),
+    Mutant("distributed: the event after a shard's update is recorded", D, "done.record(stream)", (SHARDED,)),
     Mutant("distributed disable: the read-back waits for the block's gather", D, "self.ready[i].wait(host)",
            (DISTRIBUTED,)),
     Mutant("distributed disable: host waits for the read-back", D, "host.synchronize()", (DISTRIBUTED,)),
     Mutant("distributed disable: the slot is freed after its read-back", D,
            "self.freed[i % self.num_slots].record(host)", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------
-    Mutant("model-level: disable waits for queued copies", M, "self.copy_stream.synchronize()", (PIPELINES,),
-           occurrence=0, occurrences=2),
+    Mutant("model-level: disable waits for queued copies", M, "self.copy_stream.synchronize()", (PIPELINES,)),
+    Mutant("model-level: disable swaps every group home, also in the middle of a call", M, "self.release_all()",
+           (CALLBACK_DISABLE,), occurrence=0, occurrences=3),
+    Mutant("model-level: a pipeline call's groups leave the device when it ends", M, "self.release_all()",
+           (PIPELINES, LORA), occurrence=1, occurrences=3),
+    Mutant("model-level: a component called on its own leaves the device after its forward", M,
+           "self.release_all()", (CONFIG,), occurrence=2, occurrences=3),
     Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES,)),
     Mutant("model-level: a group's copies wait for earlier compute (the free wait)", M,
            "self._freed().wait(self.copy_stream)", (STRATEGIES,)),
@@ -99,22 +112,14 @@ MUTANTS = [
            "group.ready.record(self.copy_stream)", (PIPELINES,)),
     Mutant("model-level: the free event is recorded after all compute issued", M,
            "event.record(self.backend.current_stream())", (STRATEGIES,)),
-    Mutant("model-level: swapping out a loading group waits for its copies", M, "group.ready.synchronize()",
-           (PIPELINES,)),
-    Mutant("model-level: copy-back of in-place changes waits for compute", M,
-           "self.backend.wait_stream(self.copy_stream, self.backend.current_stream())", (IN_PLACE,)),
-    Mutant("model-level: host waits for the copy-back", M, "self.copy_stream.synchronize()", (IN_PLACE,),
-           occurrence=1, occurrences=2),
-    Mutant("model-level: a bare module's weights leave the device after its forward", M,
-           "self._hooks.append(self._release_after.register_forward_hook(lambda *_: self.release_all()))",
-           (CONFIG,)),
+    Mutant("model-level: swapping a group out waits for its copies before the host may write its home", M,
+           "group.ready.synchronize()", (PIPELINES, LORA)),
     Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES,)),
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
     # -- resident modules and pipelines ------------------------------------------------------
     Mutant("resident: copies wait for earlier compute", R,
            "self.backend.wait_stream(stream, self.backend.current_stream())", (PIPELINES,)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
-    Mutant("pipeline: staged components are released at the end of a call", P, "part.release_all()", (PIPELINES,)),
 ]
 
 

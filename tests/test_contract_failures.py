@@ -126,3 +126,23 @@ def test_an_interrupted_disable_can_be_called_again(strategy, monkeypatch):
     again = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
     assert torch.equal(tiny.run(seed=0), expected)
     again.disable()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_disable_from_a_step_callback_finishes_the_call_without_offload(strategy):
+    """disable() in the middle of a pipeline call (components on the device) gives every tensor
+    back and frees the device; the rest of the call runs on the ordinary model."""
+    tiny = build_pipeline("flux2")
+    expected = tiny.run(seed=0)
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **STRATEGIES[strategy])
+
+    def disable(pipe, step, timestep, kwargs):
+        handle.disable()
+        return kwargs
+
+    assert torch.equal(tiny.run(seed=0, callback_on_step_end=disable), expected)
+    assert not handle.enabled
+    gc.collect()
+    assert backend.memory_allocated() == 0, "device buffers still referenced after disable"
+    assert torch.equal(tiny.run(seed=0), expected)

@@ -114,6 +114,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         self._shards: list[dict[torch.dtype, torch.Tensor]] = []
         self.fingerprints: list[tuple[int, ...]] = []
         self.serial = -1
+        self._aborting = False  # loads issued now carry an aborted header
         super().__init__(model, blocks, backend, prefetch_depth=1, pin_memory=pin_memory)
 
     def _plan(self, blocks: list[nn.Module]) -> None:
@@ -232,9 +233,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             [[[MAGIC, self.serial, i, status] for status in (OK, ABORTED)] for i in [*range(len(self.units)), END]],
             dtype=torch.int64,
         )
-        stream = self.copy_stream
-        self.backend.copy_async(self._header_in, rows, stream)
-        stream.synchronize()
+        self.backend.copy_async(self._header_in, rows, self.copy_stream)  # the gathers follow on this stream
 
     def _plan_transfers(self) -> None:
         if not self.shard:
@@ -249,10 +248,10 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             ])
         self._transfer_bytes = [sum(s.numel() * s.element_size() for s in shards.values()) for shards in self._shards]
 
-    def _issue(self, i: int, stream, status: int = OK) -> int:
+    def _issue(self, i: int, stream) -> int:
         if not self.shard:
             return super()._issue(i, stream)
-        self._gather_header(i, status)
+        self._gather_header(i, ABORTED if self._aborting else OK)
         self._loaded_in_pass = max(self._loaded_in_pass, i)
         for staging, shard, out in self._transfers[i]:
             self.backend.copy_async(staging, shard, stream)
@@ -263,10 +262,10 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         """Queue the all-gather of block ``i``'s header (``END``: the end of a pass)."""
         if len(self._pending) == self._header_rows:
             self._check_headers()
-        row = len(self._pending)
-        self.backend.all_gather_into_tensor(
-            self._header_out[row], self._header_in[i, status], self.group, self.copy_stream
-        ).wait(self.copy_stream)
+        row, stream = len(self._pending), self.copy_stream
+        header, out = self._header_in[i, status], self._header_out[row]
+        gathered = self.backend.all_gather_into_tensor(out, header, self.group, stream)
+        gathered.wait(stream)
         self._pending.append((row, i))
 
     def _finish(self, failed: bool) -> None:
@@ -287,13 +286,10 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         pending, self._pending = self._pending, []
         if not pending:
             return
-        done = self.backend.new_event()
-        done.record(self.copy_stream)
-        done.synchronize()
-        self._last_load = None
         seen = torch.empty((len(pending), self.world * HEADER), dtype=torch.int64)
-        self.backend.copy_async(seen, self._header_out[: len(pending)], self.copy_stream)
+        self.backend.copy_async(seen, self._header_out[: len(pending)], self.copy_stream)  # after the gathers
         self.copy_stream.synchronize()
+        self._last_load = None  # every load queued so far has landed
         headers = seen.view(len(pending), self.world, HEADER).tolist()
         for (_, block), row in zip(pending, headers):
             for rank, header in enumerate(row):
@@ -387,12 +383,11 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _load_aborted(self, i: int) -> None:
         """The load the other ranks run for block ``i``, flagged as aborted by this rank, so that
         they are not left waiting for a partner that never comes."""
-        slot = i % self.num_slots
-        self._occupant[slot] = -1
-        self.freed[slot].wait(self.copy_stream)
-        self._issue(i, self.copy_stream, ABORTED)
-        self.ready[i].record(self.copy_stream)
-        self._last_load = self.ready[i]
+        self._aborting = True
+        try:
+            self._load(i)
+        finally:
+            self._aborting = False
 
     def disable(self) -> None:
         """Collective when sharded: rebuild every block's full weights from the shards on every

@@ -271,8 +271,8 @@ class ModelLevelOffload(Part):
             logger.debug("prefetching %s while %s computes", group.name, self.groups[self._active].name)
             try:
                 self._load(group)
-            except torch.OutOfMemoryError:
-                group.state = "host"  # only an optimisation: the group loads when it is used
+            except torch.OutOfMemoryError:  # only an optimisation: the group loads when it is used
+                logger.debug("no room to prefetch %s after all", group.name)
 
     def _swap_out(self, group: Group) -> None:
         if group.state == "host":
