@@ -41,6 +41,8 @@ CHANGES = "tests/test_contract_changes.py::test_a_change_between_forwards_acts_a
 LORA = "tests/test_contract_lora.py"
 CALLBACK_DISABLE = "tests/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
 SHARDED = "tests/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
+REUSE = "tests/test_layerwise_lifecycle.py::test_first_copies_are_ordered_after_compute_on_reused_device_memory"
+WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +65,14 @@ R = "offload_core/strategies/resident.py"
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
     Mutant("layerwise: first copies wait for earlier compute (new buffers may reuse its memory)", L,
-           "backend.wait_stream(self.copy_stream, backend.current_stream())", (PIPELINES,)),
+           "backend.wait_stream(self.copy_stream, backend.current_stream())", (REUSE,)),
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: the host waits for queued copies before it may write host memory (end of a forward, "
-           "disable)", L, "self._last_load.synchronize()", (CHANGES,)),
+           "disable)", L, "self._last_load.synchronize()", (WRITE_AFTER_FORWARD,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
-    Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),
+    Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (PROPERTIES,)),
     Mutant("layerwise: the block's ready event is recorded after its copies", L, "self.ready[i].record(stream)",
            (LIFECYCLE,)),
     Mutant("layerwise: compute waits for the block's ready event", L,
@@ -98,7 +100,6 @@ MUTANTS = [
     Mutant("distributed disable: the slot is freed after its read-back", D,
            "self.freed[i % self.num_slots].record(host)", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------
-    Mutant("model-level: disable waits for queued copies", M, "self.copy_stream.synchronize()", (PIPELINES,)),
     Mutant("model-level: disable swaps every group home, also in the middle of a call", M, "self.release_all()",
            (CALLBACK_DISABLE,), occurrence=0, occurrences=3),
     Mutant("model-level: a pipeline call's groups leave the device when it ends", M, "self.release_all()",

@@ -81,6 +81,24 @@ def test_a_change_between_forwards_acts_as_without_offload(strategy, change):
     assert torch.equal(run(model, 3), run(reference, 3))
 
 
+def test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host():
+    """A forward's copies read the host buffers; a state dict loaded right after it (by a model
+    whose forward copies nothing home, so nothing else waits for them) is written after them."""
+    from stacks import StackSpec, build_stack
+
+    spec = StackSpec(d=D, layer_dtypes=[[torch.float32, torch.bfloat16]] * 4, transposed=True)
+    model, reference = build_stack(spec), build_stack(spec)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        for m in (model, reference):
+            m.load_state_dict(new_state(m, 1))
+        assert torch.equal(model(x), reference(x))
+    handle.disable()
+    assert_same(model, reference)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_moving_the_weights_elsewhere_is_refused_before_anything_changes(strategy):
     model, reference = build(), build()

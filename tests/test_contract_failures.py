@@ -145,4 +145,6 @@ def test_disable_from_a_step_callback_finishes_the_call_without_offload(strategy
     assert not handle.enabled
     gc.collect()
     assert backend.memory_allocated() == 0, "device buffers still referenced after disable"
+    modules = [m for m in tiny.pipe.components.values() if isinstance(m, torch.nn.Module)]
+    assert not any(backend.is_pinned(t) for m in modules for t in [*m.parameters(), *m.buffers()])
     assert torch.equal(tiny.run(seed=0), expected)

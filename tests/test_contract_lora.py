@@ -61,6 +61,8 @@ def test_lora_on_an_offloaded_pipeline_equals_lora_without_offload(strategy):
         step(ours.pipe)
         step(theirs.pipe)
         assert torch.equal(ours.run(seed=0), theirs.run(seed=0)), label
+        if strategy == "model":
+            assert handle.backend.memory_allocated() == 0, "model-level holds no weights between calls"
         if label == "adapter loaded after enable":
             assert_offloaded(handle, lora_parameters(ours.pipe.transformer))
     handle.disable()

@@ -93,6 +93,20 @@ def test_pinned_oom_midway_through_packing_rolls_back():
     _assert_untouched(model, before, backend)
 
 
+def test_first_copies_are_ordered_after_compute_on_reused_device_memory():
+    """Device memory that earlier compute touched and then freed may back the new slots and the
+    resident copy (a caching allocator reuses it at once): their first copies wait for that compute."""
+    model = mixed_stack()
+    expected = run(model, X)
+    backend = chaos_backend()
+    scratch = backend.empty_device(4096, torch.float32)
+    scratch.fill_(1.0)  # compute on the default stream touches device memory ...
+    del scratch  # ... which is freed while that compute may still run
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    assert torch.equal(run(model, X), expected)
+    handle.disable()
+
+
 def test_unknown_block_attribute_is_a_clear_error():
     model = mixed_stack()
     before = snapshot(model)

@@ -174,8 +174,8 @@ class ModelLevelOffload(Part):
             self.enabled = False
 
     def _settle(self) -> None:
-        """Every group home (changes on the device copied back), no copy in flight."""
-        self.copy_stream.synchronize()
+        """Every group home (changes on the device copied back), no copy in flight (swapping a
+        group out waits for its copies)."""
         self.release_all()
 
     def begin_call(self) -> None:
