@@ -107,6 +107,21 @@ def test_first_copies_are_ordered_after_compute_on_reused_device_memory():
     handle.disable()
 
 
+def test_resident_components_copies_are_ordered_after_compute_on_reused_memory():
+    """The same for a pipeline's resident components (layerwise streams the DiT only)."""
+    from offload_core.tiny import build_pipeline
+
+    tiny = build_pipeline("flux2")
+    expected = tiny.run(seed=0)
+    backend = chaos_backend()
+    scratch = backend.empty_device(4096, torch.float32)
+    scratch.fill_(1.0)
+    del scratch
+    handle = offload_core.enable_offload(tiny.pipe, enable_layerwise_offload=True, backend=backend)
+    assert torch.equal(tiny.run(seed=0), expected)
+    handle.disable()
+
+
 def test_unknown_block_attribute_is_a_clear_error():
     model = mixed_stack()
     before = snapshot(model)

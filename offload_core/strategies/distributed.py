@@ -417,8 +417,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
                 for dtype, buf in buffers.items():
                     self.backend.copy_async(buf, slot[dtype][: buf.numel()], host)
-                host.synchronize()
-                self.freed[i % self.num_slots].record(host)
+                host.synchronize()  # later copies into this slot are queued after this: ordered
                 rebuilt.append(buffers)
             self._check_headers()
         except Exception as exc:  # a mismatch, or the collective failed or timed out
