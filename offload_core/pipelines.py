@@ -155,7 +155,7 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
     return parts
 
 
-def _component_blocks(name: str, module: nn.Module, attrs) -> list:
+def _component_blocks(name: str, module: nn.Module, attrs: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
     """The component's blocks; none (with one logged line) when its stack cannot be found. Block
     attributes the user passed explicitly (``blocks=``) must exist: a typo there is an error."""
     try:

@@ -5,12 +5,13 @@ Lookup order: a ``offload_core_blocks`` class attribute (for model authors), the
 subclasses inherit), then a fallback that picks the module lists holding most parameters and
 logs what it picked. Blocks run in the order the attributes are listed.
 
-The fallback looks first next to the model's token (or patch) embeddings when the model exposes
-them (``get_input_embeddings()``, as every transformers model does): wrapper classes such as
-``Mistral3ForConditionalGeneration`` or ``T5EncoderModel`` nest their decoder / encoder layer
-stack a few modules down, beside a vision tower that a text prompt never runs, and the stack that
-consumes the embeddings is the one every call runs. Finding nothing is not an error here: the
-caller keeps a model without blocks whole (see ``docs/layerwise.md``).
+Before it goes by size, the fallback knows two layouts. Diffusers' U-Nets run their down, mid and
+up blocks in that order. Models that expose their token (or patch) embeddings
+(``get_input_embeddings()``, as every transformers model does) run the layer stack beside them on
+every call: wrapper classes such as ``Mistral3ForConditionalGeneration`` or ``T5EncoderModel`` nest
+that decoder / encoder stack a few modules down, beside a vision tower a text prompt never runs.
+Finding nothing is not an error here: the caller keeps a model without blocks whole (see
+``docs/layerwise.md``).
 """
 
 from __future__ import annotations
