@@ -25,6 +25,9 @@ that their copies overlap whatever runs between two forwards (a scheduler step, 
 change the handle can see (a parameter given new data, a buffer replaced, a module added, a dtype
 change) still drops those copies and loads afresh; an in-place write through ``.data`` it cannot
 see, which is what the promise is about.
+
+A model with one block gets one slot: nothing can be copied while the block computes, so its copy
+at the start of each forward cannot overlap (the enable log says so).
 """
 
 from __future__ import annotations
@@ -59,10 +62,8 @@ class LayerwiseOffload(Part):
         prefetch_depth: int = 1,
         pin_memory: bool = True,
     ) -> None:
-        if len(blocks) < 2:
-            raise ValueError(
-                f"layerwise offload of {type(model).__name__} needs at least two blocks, found {len(blocks)}"
-            )
+        if not blocks:
+            raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         super().__init__(backend, pin_memory)
@@ -147,9 +148,10 @@ class LayerwiseOffload(Part):
         self.enabled = True
         txn.on_rollback(lambda: setattr(self, "enabled", False))
         logger.info(
-            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
+            "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
 
     def _instrument(self) -> None:
