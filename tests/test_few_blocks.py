@@ -57,7 +57,8 @@ def test_one_block_streams_through_one_slot(caplog, depth):
         assert torch.equal(run(model, X + i), expected[i])
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
-    assert stats["h2d_copies"] == copies, "the only block stays in its slot: nothing to copy again"
+    # loaded afresh at every forward, one copy per dtype (the host may have changed in between)
+    assert stats["h2d_copies"] == copies + 3 * len(part.units[0].numel)
     assert stats["device_peak_bytes"] == part.resident_bytes + part.slot_bytes
     handle.disable()
     assert_same_state(before, snapshot(model))

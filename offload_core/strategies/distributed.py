@@ -289,7 +289,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         seen = torch.empty((len(pending), self.world * HEADER), dtype=torch.int64)
         self.backend.copy_async(seen, self._header_out[: len(pending)], self.copy_stream)  # after the gathers
         self.copy_stream.synchronize()
-        self._last_load = None  # every load queued so far has landed
+        self._queued = False  # every load queued so far has landed
         headers = seen.view(len(pending), self.world, HEADER).tolist()
         for (_, block), row in zip(pending, headers):
             for rank, header in enumerate(row):
@@ -421,7 +421,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 rebuilt.append(buffers)
             self._check_headers()
         except Exception as exc:  # a mismatch, or the collective failed or timed out
-            self._last_load, self._pending = None, []
+            self._queued, self._pending = False, []
             raise DistributedOffloadError(
                 f"handle.disable() cannot restore the exact weights of {self.describe()}: rank {self.rank} holds "
                 f"only a shard of each block and rebuilding them with the other ranks failed ({exc}). Nothing was "

@@ -125,7 +125,7 @@ class LayerwiseOffload(Part):
         self.ready = [backend.new_event() for _ in self.units]
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots
-        self._last_load = None  # the ready event of the last load queued
+        self._queued = False  # copies were queued since the host last waited for the copy stream
         self._warned_grad = False
         copy_unit(self.resident, resident_device, backend, self.copy_stream, self.counters)
         done = backend.new_event()
@@ -233,13 +233,13 @@ class LayerwiseOffload(Part):
         self._occupant = []
         self.resident_device = {}
         self.resident_views = []
-        self._last_load = None
+        self._queued = False
 
     def _quiesce(self) -> None:
         """Wait until no queued copy reads host memory any more; forget what the slots hold."""
-        if self._last_load is not None:
-            self._last_load.synchronize()
-            self._last_load = None
+        if self._queued:  # the whole stream: a load interrupted half-way recorded no event
+            self.copy_stream.synchronize()
+            self._queued = False
         self._occupant = [-1] * self.num_slots
 
     # -- keeping the model and its packing in step ------------------------------------------
@@ -262,11 +262,11 @@ class LayerwiseOffload(Part):
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
         self._occupant[slot] = -1  # an interrupted load leaves the slot empty, not stale
+        self._queued = True
         stream = self.copy_stream
         self.freed[slot].wait(stream)
         copies = self._issue(i, stream)
         self.ready[i].record(stream)
-        self._last_load = self.ready[i]
         self._occupant[slot] = i
         counters = self.counters
         counters.loads += 1

@@ -248,11 +248,13 @@ class ModelLevelOffload(Part):
         ]
         group.state = "loading"
         self._freed().wait(self.copy_stream)
-        for c, device in zip(group.components, buffers):
-            c.device = device
-            c.binding = Binding(c.unit, c.unit.host_views, c.unit.views(device))
-            copy_unit(c.unit, device, self.backend, self.copy_stream, self.counters)
-        group.ready.record(self.copy_stream)
+        try:
+            for c, device in zip(group.components, buffers):
+                c.device = device
+                c.binding = Binding(c.unit, c.unit.host_views, c.unit.views(device))
+                copy_unit(c.unit, device, self.backend, self.copy_stream, self.counters)
+        finally:  # also after a failure half-way: swapping the group out waits for what was queued
+            group.ready.record(self.copy_stream)
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
 
