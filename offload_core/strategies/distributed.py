@@ -234,6 +234,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             dtype=torch.int64,
         )
         self.backend.copy_async(self._header_in, rows, self.copy_stream)  # the gathers follow on this stream
+        self.copy_stream.synchronize()  # landed before an enable that rolls back drops the buffer
 
     def _plan_transfers(self) -> None:
         if not self.shard:
