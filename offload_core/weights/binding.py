@@ -54,7 +54,7 @@ class Binding(Home):
     """One unit's owners, their home views and one set of device views, precomputed so that the
     switch costs one assignment per tensor."""
 
-    __slots__ = ("params_device", "buffers_device", "_versions")
+    __slots__ = ("params_device", "buffers_device", "_versions", "_buffer_versions")
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
         super().__init__(unit, home)
@@ -64,21 +64,22 @@ class Binding(Home):
         # the rest of the device buffer do not look like the forward changing the buffer
         self.buffers_device = [by_home[id(h)].data for h in self.buffers_home]
         self._versions = [p._version for p in self.params]
+        self._buffer_versions: list[int] = []
 
     def touched(self) -> bool:
         """True if a parameter was changed in place (through the parameter itself) since the unit
         last went to the device."""
-        return [p._version for p in self.params] != self._versions[: len(self.params)]
+        return [p._version for p in self.params] != self._versions
 
     def to_device(self) -> None:
         """Show the device views; remember version counters to see in-place changes later."""
         for p, view in zip(self.params, self.params_device):
             p.data = view
-        versions = [p._version for p in self.params]
-        for owner, view in zip(self.buffers, self.buffers_device):
-            owner.module._buffers[owner.name] = view
-            versions.append(view._version)
-        self._versions = versions
+        self._versions = [p._version for p in self.params]
+        if self.buffers:
+            for owner, view in zip(self.buffers, self.buffers_device):
+                owner.module._buffers[owner.name] = view
+            self._buffer_versions = [v._version for v in self.buffers_device]
 
     def to_home(self, write_back: WriteBack) -> bool:
         """Show the home views again, first copying home (``write_back`` of (home, device view)
@@ -86,30 +87,43 @@ class Binding(Home):
 
         Returns True when a buffer was replaced by a tensor of another shape or dtype: that tensor
         is left in its module (it is the truth) and the unit must be re-packed."""
-        versions = self._versions
+        params = self.params
         changed: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for p, home, device, version in zip(self.params, self.params_home, self.params_device, versions):
-            if p._version != version:
-                changed.append((home, device))
+        if [p._version for p in params] != self._versions:  # rare: a forward edited a weight in place
+            changed = [
+                (home, device)
+                for p, home, device, version in zip(params, self.params_home, self.params_device, self._versions)
+                if p._version != version
+            ]
         replaced: list[int] = []
-        offset = len(self.params)
-        for k, (owner, home, device) in enumerate(zip(self.buffers, self.buffers_home, self.buffers_device)):
+        if self.buffers:
+            changed += self._buffer_changes(replaced)
+        try:
+            if changed:
+                write_back(changed)
+        finally:  # home again even if copying home failed: the home views are still the truth
+            for p, view in zip(params, self.params_home):
+                p.data = view
+            for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
+                if k not in replaced:
+                    owner.module._buffers[owner.name] = view
+        return bool(replaced)
+
+    def _buffer_changes(self, replaced: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(home, device view) of each buffer the forward changed in place or replaced by a tensor
+        of the same shape and dtype (copied into the device view first); the index of each
+        replaced by anything else goes to ``replaced``."""
+        changed = []
+        for k, (owner, home, device, version) in enumerate(
+            zip(self.buffers, self.buffers_home, self.buffers_device, self._buffer_versions)
+        ):
             current = owner.module._buffers.get(owner.name)
             if current is device:
-                if device._version != versions[offset + k]:
+                if device._version != version:
                     changed.append((home, device))
             elif current is not None and current.shape == home.shape and current.dtype == home.dtype:
                 device.copy_(current)  # on the compute stream, like the forward that made it
                 changed.append((home, device))
             else:
                 replaced.append(k)
-        try:
-            if changed:
-                write_back(changed)
-        finally:  # home again even if copying home failed: the home views are still the truth
-            for p, view in zip(self.params, self.params_home):
-                p.data = view
-            for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
-                if not replaced or k not in replaced:
-                    owner.module._buffers[owner.name] = view
-        return bool(replaced)
+        return changed
