@@ -56,7 +56,7 @@ class Mutant:
     occurrences: int = 1
 
 
-C = "offload_core/strategies/common.py"
+C = "offload_core/strategies/part.py"
 L = "offload_core/strategies/layerwise.py"
 M = "offload_core/strategies/model_level.py"
 D = "offload_core/strategies/distributed.py"

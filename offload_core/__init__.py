@@ -10,7 +10,7 @@ from .hookspecs import hookimpl
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, register_blocks
 from .handle import AlreadyEnabledError, OffloadedModelError, OffloadHandle
-from .strategies.common import RepackError
+from .strategies.part import RepackError
 from .strategies.distributed import DistributedOffloadError
 from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
 from .weights import UnsupportedTensorError

@@ -14,7 +14,8 @@ from .discovery.blocks import no_blocks_hint
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
-from .strategies.common import Transaction, attach
+from .strategies.common import Transaction
+from .strategies.part import attach
 from .strategies import streaming_part
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload

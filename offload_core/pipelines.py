@@ -17,7 +17,6 @@ import contextlib
 import logging
 from typing import Any
 
-import torch
 from torch import nn
 
 from .backend import DeviceBackend
@@ -25,7 +24,8 @@ from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, find_blocks
 from .discovery.blocks import no_blocks_hint
 from .handle import OffloadHandle
-from .strategies.common import CopyGuard, Transaction, attach
+from .strategies.common import Transaction
+from .strategies.part import CopyGuard, attach
 from .strategies import streaming_part
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload

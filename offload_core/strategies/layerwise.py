@@ -44,7 +44,8 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
-from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
+from .common import Transaction, allocate_device, copy_unit, move_inputs, pack_units
+from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
 

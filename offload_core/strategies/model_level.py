@@ -30,7 +30,8 @@ from ..backend import DeviceBackend, Event
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
-from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
+from .common import Transaction, allocate_device, copy_unit, move_inputs, pack_units
+from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Part, Transaction, adopt_foreign, allocate_device, copy_unit, move_inputs, pack_units, write_back
+from .common import Transaction, allocate_device, copy_unit, move_inputs, pack_units
+from .part import Part, adopt_foreign, write_back
 
 
 class ResidentModules(Part):

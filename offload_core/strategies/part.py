@@ -1,0 +1,206 @@
+"""What every strategy instance ("part") of a handle shares beyond the transport: the handle's
+lock, instrumentation that can be taken off and put back (plain copies), re-packing after a
+structural change, changes copied home, and state dicts whose tensors look independent."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..weights.unit import region_tensor
+from .common import Counters, ForwardWrapper, Transaction
+
+class Part:
+    """What every strategy instance inside a handle shares: counters, the handle's lock, the
+    ``dirty`` flag set when the model's structure changes, instrumentation that can be taken off
+    and put back (for plain copies), and re-packing.
+
+    Subclasses implement ``enable(txn)``, ``disable()`` (resumable: an interrupted call can be
+    repeated), ``modules()`` (the roots they cover), ``truth()`` and ``_instrument()``."""
+
+    def __init__(self, backend, pin_memory: bool) -> None:
+        self.backend = backend
+        self.pin_memory = pin_memory
+        self.counters = Counters()
+        self.lock = threading.RLock()  # the handle's lock, set before enable
+        self.owner: Any = None  # the handle, set before enable; gives plain copies
+        self.dirty = False  # the structure changed (a module or tensor added): re-pack before use
+        self.enabled = False
+        self._hooks: list = []
+        self.aliases = StateDictAliases()
+
+    def truth(self) -> list[tuple[Any, list[torch.Tensor], dict]]:
+        """(unit, views its owners show, buffers holding its true values) per packed unit."""
+        raise NotImplementedError
+
+    def _instrument(self) -> None:
+        raise NotImplementedError
+
+    def _wrap(self, module: nn.Module, before, after, convert=None) -> None:
+        self._hooks.append(ForwardWrapper(module, before, after, self.lock, convert))
+        self._hooks.append(module.register_state_dict_post_hook(functools.partial(StateDictAliases.hook, self.aliases)))
+        if self.owner is not None:
+            self._hooks.append(CopyGuard(module, self.owner.plain_copy))
+
+    def _remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+
+    def instrumented(self, on: bool) -> None:
+        """Take the wrappers off (False) or put them back (True), nothing else changing."""
+        if on and not self._hooks:
+            self._instrument()
+        elif not on:
+            self._remove_hooks()
+
+    def repack(self, apply: Callable[[], None] | None = None) -> None:
+        """Disable, run ``apply`` on the ordinary model (a dtype change), pack again from what the
+        model holds now. If packing again fails, the part stays disabled and the error says so."""
+        owner = self.owner
+        if owner is not None:
+            owner._busy += 1  # the handle's hooks let this part's own changes through
+        try:
+            self.disable()
+            try:
+                if apply is not None:
+                    apply()
+            finally:
+                self._replan()
+                try:
+                    with Transaction() as txn:
+                        self.enable(txn)
+                except BaseException as exc:
+                    raise RepackError(
+                        f"re-packing {self.describe()} after its structure changed failed ({exc!r}); its "
+                        "offloading is now off and its weights are ordinary host tensors"
+                    ) from exc
+        finally:
+            if owner is not None:
+                owner._busy -= 1
+                owner.refresh()
+
+    def _replan(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def attach(part: Part, handle: Any) -> None:
+    """Before ``enable``: the part shares the handle's lock and makes plain copies through it."""
+    part.lock = handle.lock
+    part.owner = handle
+
+
+class RepackError(RuntimeError):
+    """Packing a model again after a structural change failed; that part is no longer offloaded."""
+
+
+def write_back(backend, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``(host, device)`` pair to the host once the compute issued so far is done, and
+    return when the copies have landed. Rare (only when a forward changed weights or buffers), so
+    the host waits rather than tracking the copies."""
+    stream = backend.current_stream()
+    host_only = backend.device().type != "cpu"
+    for dst, src in pairs:
+        if host_only and dst.device.type == src.device.type == "cpu":
+            dst.copy_(src)  # a tensor the user put on the host: no device involved
+        else:
+            backend.copy_async(dst, src, stream)
+    done = backend.new_event()
+    done.record(stream)
+    done.synchronize()
+
+
+def adopt_foreign(backend, unit, views: list[torch.Tensor]) -> bool:
+    """Owners of ``unit`` that no longer show their view in ``views``: a parameter given new data
+    or a buffer replaced, of the same shape and dtype, has the value copied into the view and shows
+    the view again. Returns True if an owner holds anything else (a new Parameter object, another
+    shape or dtype): the unit must be packed again, from what the model holds."""
+    structural = False
+    adopted = []
+    for index, owner in unit.foreign(views):
+        current, view = owner.get(), views[index]
+        if owner.param is not None and current is not owner.param:
+            structural = True
+        elif current is not None and current.shape == view.shape and current.dtype == view.dtype:
+            adopted.append((view, current.data if owner.param is not None else current, owner))
+        else:
+            structural = True
+    if adopted:
+        write_back(backend, [(view, value) for view, value, _ in adopted])
+        for view, _, owner in adopted:
+            owner.rebind(view)
+    return structural
+
+
+class CopyGuard:
+    """Makes ``copy.deepcopy`` and pickling of an instrumented module (or pipeline) produce an
+    ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``: otherwise
+    the copy would share this library's wrappers, whose closures point at the original model.
+    Instance attributes, so the object's class stays untouched; ``remove()`` takes them away."""
+
+    def __init__(self, obj: Any, copier: Callable[[Any, dict], Any]) -> None:
+        self.obj = obj
+
+        def deepcopy(memo: dict) -> Any:
+            return copier(obj, memo)
+
+        def reduce_ex(protocol: int) -> Any:
+            return copier(obj, {}).__reduce_ex__(protocol)
+
+        obj.__dict__["__deepcopy__"] = deepcopy
+        obj.__dict__["__reduce_ex__"] = reduce_ex
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop("__deepcopy__", None)
+        self.obj.__dict__.pop("__reduce_ex__", None)
+
+
+class StateDictAliases:
+    """Gives ``state_dict()`` entries that view a unit's flat buffer a storage of their own: a
+    slice of the buffer's storage spanning just the entry's region, sharing its memory (no copy).
+    To safetensors (which refuses views that do not cover their storage) and ``torch.save`` an
+    offloaded tensor then looks as independent as it was before packing, while the tensors the
+    model computes with stay plain views of the flat buffers, which the fake backend's race
+    sanitizer tracks."""
+
+    def __init__(self) -> None:
+        # (device, storage address) -> sorted [(first byte, end byte, flat buffer, region start, numel)]
+        self._spans: dict[tuple, list[tuple[int, int, torch.Tensor, int, int]]] = {}
+
+    def add(self, unit: Any, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        for r in unit.regions:
+            flat = buffers[r.dtype]
+            size = flat.element_size()
+            start = (flat.storage_offset() + r.start) * size
+            spans = self._spans.setdefault((flat.device, _storage_address(flat)), [])
+            spans.append((start, start + r.numel * size, flat, r.start, r.numel))
+            spans.sort(key=lambda span: span[0])
+
+    def clear(self) -> None:
+        self._spans.clear()
+
+    def hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and type(value) is torch.Tensor:  # keep_vars=True: leave Parameters be
+                state_dict[key] = self.alias(value)
+
+    def alias(self, t: torch.Tensor) -> torch.Tensor:
+        spans = self._spans.get((t.device, _storage_address(t))) if t.numel() else None
+        if not spans:
+            return t
+        offset = t.storage_offset() * t.element_size()
+        for start, end, flat, region, numel in spans:
+            if start <= offset < end:
+                elements = (offset - start) // t.element_size()
+                return region_tensor(flat, region, numel).as_strided(t.shape, t.stride(), elements)
+        return t
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    return t.data_ptr() - t.storage_offset() * t.element_size()
