@@ -14,6 +14,7 @@ from torch import nn
 from ..weights.unit import region_tensor
 from .common import Counters, ForwardWrapper, Transaction
 
+
 class Part:
     """What every strategy instance inside a handle shares: counters, the handle's lock, the
     ``dirty`` flag set when the model's structure changes, instrumentation that can be taken off
@@ -170,7 +171,7 @@ class StateDictAliases:
     sanitizer tracks."""
 
     def __init__(self) -> None:
-        # (device, storage address) -> sorted [(first byte, end byte, flat buffer, region start, numel)]
+        # (device, storage address) -> [(first byte, end byte, flat buffer, region start, numel)]
         self._spans: dict[tuple, list[tuple[int, int, torch.Tensor, int, int]]] = {}
 
     def add(self, unit: Any, buffers: dict[torch.dtype, torch.Tensor]) -> None:
@@ -180,7 +181,6 @@ class StateDictAliases:
             start = (flat.storage_offset() + r.start) * size
             spans = self._spans.setdefault((flat.device, _storage_address(flat)), [])
             spans.append((start, start + r.numel * size, flat, r.start, r.numel))
-            spans.sort(key=lambda span: span[0])
 
     def clear(self) -> None:
         self._spans.clear()
