@@ -41,6 +41,10 @@ class Capability:
     TRACE = "trace"
     #: ``all_gather_into_tensor`` and ``init_process_group`` work across processes
     COLLECTIVES = "collectives"
+    #: ``new_event(timing=True)`` gives an event with ``elapsed_time(end)``: the milliseconds
+    #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
+    #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
+    TIMING = "timing"
 
 
 @runtime_checkable
@@ -146,8 +150,9 @@ class DeviceBackend(abc.ABC):
 
     # -- events -----------------------------------------------------------------------------
     @abc.abstractmethod
-    def new_event(self) -> Event:
-        """A new, unrecorded event. Waiting on an unrecorded event does not wait."""
+    def new_event(self, timing: bool = False) -> Event:
+        """A new, unrecorded event. Waiting on an unrecorded event does not wait. ``timing=True``
+        is only passed to backends with :data:`Capability.TIMING` (see there)."""
 
     # -- host memory ------------------------------------------------------------------------
     @abc.abstractmethod

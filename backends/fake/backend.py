@@ -18,7 +18,7 @@ from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
 
 from .memory import Pool
-from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos, pause
+from .streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent, _Chaos, pause
 from .trace import Timeline, now_ns
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,10 @@ class FakeBackend(DeviceBackend):
     priority = 0
     is_accelerator = False
     capabilities = frozenset(
-        {Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES}
+        {
+            Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES,
+            Capability.TIMING,
+        }
     )
 
     def __init__(
@@ -171,7 +174,9 @@ class FakeBackend(DeviceBackend):
             stream.synchronize()
 
     # -- events ---------------------------------------------------------------------------
-    def new_event(self) -> FakeEvent:
+    def new_event(self, timing: bool = False) -> FakeEvent:
+        if timing:
+            return FakeTimingEvent(self.current_stream, self.timeline)
         return FakeEvent(self.current_stream, self.timeline)
 
     # -- memory ---------------------------------------------------------------------------

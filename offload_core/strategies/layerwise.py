@@ -39,6 +39,8 @@ class LayerwiseOffload:
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
     strategy = "layerwise"
+    #: set while ``handle.trace()`` records; names spans "<label>.<block name>"
+    timeline = None
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class LayerwiseOffload:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
+        self.label = type(model).__name__
         self.block_names = [name for name, _ in blocks]
         self.blocks = [block for _, block in blocks]
         self.backend = backend
@@ -201,7 +204,11 @@ class LayerwiseOffload:
         slot = i % self.num_slots
         stream = self.copy_stream
         self.freed[slot].wait(stream)
-        copies = self._issue(i, stream)
+        if self.timeline is None:
+            copies = self._issue(i, stream)
+        else:
+            issue = functools.partial(self._issue, i, stream)
+            copies = self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
         self.ready[i].record(stream)
         self._occupant[slot] = i
         counters = self.counters
@@ -228,7 +235,12 @@ class LayerwiseOffload:
             self._load(j)
 
     def _wait_ready(self, i: int) -> None:
+        if self.timeline is not None:
+            return self.timeline.wait_then_compute(self.backend.current_stream(), self.ready[i], self._span_name(i))
         self.ready[i].wait(self.backend.current_stream())
+
+    def _span_name(self, i: int) -> str:
+        return f"{self.label}.{self.block_names[i]}"
 
     def _finish_running(self) -> None:
         """Mark the slot of the block that ran last as free: its compute has all been issued."""
@@ -237,6 +249,8 @@ class LayerwiseOffload:
             return
         self._running = -1
         self.freed[last % self.num_slots].record(self.backend.current_stream())
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         if self._deferred:
             self._deferred = False
             self._prefetch(last, running=False)
@@ -246,6 +260,8 @@ class LayerwiseOffload:
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            if self.timeline is not None:
+                self.timeline.prefetch_miss(self._span_name(i))
             self._load(i)
         self._prefetch(i, running=True)
         self._wait_ready(i)
