@@ -1,6 +1,6 @@
 """Backend registry: entry-point loading, listing and selection.
 
-Selection order (DESIGN §2): an explicit name, then ``OFFLOAD_CORE_BACKEND``, then the available
+Selection order (docs/backends.md): an explicit name, then ``OFFLOAD_CORE_BACKEND``, then the available
 backend of the highest tier and priority, where third-party accelerators outrank in-tree ones,
 which outrank simulators. A plugin that fails to import is logged and skipped.
 """

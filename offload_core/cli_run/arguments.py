@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from ..backend import DeviceBackend
-from ..cli_common import UsageError, available_backend
+from ..cli_common import UsageError, available_backend, check_writable
 from ..tiny import DEMOS, PIPELINES
 
 STRATEGIES = ("none", "model", "layerwise")
@@ -148,24 +146,6 @@ def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
         raise UsageError('--timeline needs matplotlib, which is not installed: pip install "offload-core[plot]"')
     if args.strategy != "none" and backend is None:
         available_backend(args.backend)
-
-
-def check_writable(flag: str, value: str) -> None:
-    """``value`` can be created or replaced as a file: its directory exists and takes a new file
-    (tried, not inferred from permission bits, which a superuser or a read-only mount make lie)."""
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"{flag} {value!r} is a directory; name a file")
-    folder = path.resolve().parent
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {value!r}: the directory {str(folder)!r} does not exist")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".offload-core-", suffix=".tmp"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"{flag} {value!r}: cannot write in {str(folder)!r} ({exc.strerror or exc})") from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UsageError(f"{flag} {value!r}: the file exists and is not writable")
 
 
 def check_applies(cls: type, overrides: dict[str, Any]) -> None:

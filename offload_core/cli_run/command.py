@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from ..backend import DeviceBackend
-from ..cli_common import UsageError, columns
+from ..cli_common import UsageError, Writer, columns, write_all
 from ..timeline import Timeline
 from . import arguments, loading, outputs
 from .report import make_report, render, weight_bytes
@@ -82,7 +82,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return 0
     result = run_pipeline(args)
     try:
-        writers: list[outputs.Writer] = []
+        writers: list[Writer] = []
         if args.trace:
             writers.append((Path(args.trace), result.timeline.export_chrome_trace))
         if args.timeline:
@@ -91,7 +91,7 @@ def _run_command(args: argparse.Namespace) -> int:
             title = f"{result.report['pipeline']}: {result.report['verdict']}"
             writers.append((Path(args.timeline), lambda to: draw_timeline(result.timeline, to, title)))
         images = outputs.png_writers(result.output, Path(args.output)) if args.output else []
-        written = outputs.write_all([*writers, *images])
+        written = write_all([*writers, *images])
     finally:
         result.close()
     report = result.report

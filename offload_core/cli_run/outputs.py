@@ -1,23 +1,16 @@
-"""``offload-core run``'s files: the image or frames, the Chrome trace, the timeline picture.
+"""``offload-core run``'s pixels as files: the output as frames, and one PNG writer per frame.
 
-A run writes all of its files or none: each is written under a temporary name in its final
-directory, and all are renamed into place only once every one has been written, so a failure
-(a full disk, an image that cannot be encoded) leaves no partial file and no file of a run that
-did not finish. The paths were checked before the run (:func:`.arguments.check_writable`).
+The command writes them together with the trace and the timeline picture through
+:func:`~offload_core.cli_common.write_all`, all or none; the paths were checked before the run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
-#: (final path, function writing the file to the path it is given)
-Writer = tuple[Path, Callable[[Path], None]]
-
+from ..cli_common import Writer
 
 def frames_of(output: torch.Tensor) -> torch.Tensor:
     """The output as (N, C, H, W) frames: videos (B, F, C, H, W) flattened, channels-last moved."""
@@ -46,23 +39,3 @@ def png_writers(output: torch.Tensor, path: Path) -> list[Writer]:
     else:
         paths = [path.with_name(f"{path.stem}_{i:04d}{path.suffix}") for i in range(len(pixels))]
     return [(p, lambda to, image=image: Image.fromarray(image).save(to, format="PNG")) for p, image in zip(paths, pixels)]
-
-
-def write_all(writers: Sequence[Writer]) -> list[Path]:
-    """Run every writer into a temporary file beside its target, then rename them all into place;
-    on any failure remove the temporary files and re-raise. Returns the final paths."""
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for final, write in writers:
-            # a name of this process only (the targets are distinct), created with the usual mode
-            temporary = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-            staged.append((temporary, final))
-            write(temporary)
-        for temporary, final in staged:
-            os.replace(temporary, final)
-    except BaseException:
-        for temporary, _ in staged:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
-        raise
-    return [final for _, final in staged]
