@@ -104,8 +104,6 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
     parts: list = []
     with Transaction() as txn:
         if config.strategy == "model":
-            if config.components is not None:
-                raise OffloadConfigError("components= applies to layerwise offload; model-level swaps every component")
             parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))

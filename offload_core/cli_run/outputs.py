@@ -38,4 +38,6 @@ def png_writers(output: torch.Tensor, path: Path) -> list[Writer]:
         paths = [path]
     else:
         paths = [path.with_name(f"{path.stem}_{i:04d}{path.suffix}") for i in range(len(pixels))]
-    return [(p, lambda to, image=image: Image.fromarray(image).save(to, format="PNG")) for p, image in zip(paths, pixels)]
+    return [
+        (p, lambda to, image=image: Image.fromarray(image).save(to, format="PNG")) for p, image in zip(paths, pixels)
+    ]
