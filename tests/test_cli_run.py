@@ -189,6 +189,24 @@ def test_trace_has_a_copy_lane_per_copy_stream(capsys, tmp_path):
     assert loaded == {"load WanTransformer3DModel"}
 
 
+def test_a_backend_without_timing_events_reports_the_overlap_as_unknown():
+    """The trace still has both lanes (in host time), but host times cannot say what was hidden."""
+    from offload_core import Capability
+    from offload_core_fake import FakeBackend
+
+    class Untimed(FakeBackend):
+        capabilities = FakeBackend.capabilities - {Capability.TIMING}
+
+    result = run_pipeline(parse("--pipeline", "flux2", "--json"), backend=Untimed(chaos=True, chaos_delay=0.001))
+    try:
+        report = result.report
+        assert report["device_timed"] is False and report["overlap"] is None and report["copy_time_s"] is None
+        assert report["verdict"].endswith("copy overlap unknown (fake has no device timing)")
+        assert {s.kind for s in result.timeline.spans()} == {"compute", "wait", "copy"}
+    finally:
+        result.close()
+
+
 def test_timeline_without_matplotlib_is_bad_input(capsys, tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
