@@ -135,6 +135,7 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
         if kind in ("dit", "text_encoder") and kind in streamed:
             blocks = find_blocks(module, config.blocks if kind == "dit" else None)
             parts.append(streaming_part(module, blocks, config, backend))
+            parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
         elif kind == "vae" and "vae" in streamed:
             staged.append((name, [(name, module)]))
         else:

@@ -166,8 +166,8 @@ def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tm
     assert {"compute", "copy"} <= set(by_lane)
     blocks = {e["name"] for e in by_lane["compute"] if e["cat"] == "compute"}
     # a compute span per block, named after it: 8 double and 16 single blocks
-    assert {f"Flux2Transformer2DModel.transformer_blocks.{i}" for i in range(8)} <= blocks
-    assert {f"Flux2Transformer2DModel.single_transformer_blocks.{i}" for i in range(16)} <= blocks
+    assert {f"transformer.transformer_blocks.{i}" for i in range(8)} <= blocks
+    assert {f"transformer.single_transformer_blocks.{i}" for i in range(16)} <= blocks
     assert all(e["name"].startswith("load ") and e["args"]["bytes"] > 0 for e in by_lane["copy"])
     from PIL import Image
 
@@ -186,7 +186,7 @@ def test_trace_has_a_copy_lane_per_copy_stream(capsys, tmp_path):
     copy_rows = {rows[e["tid"]]: e for e in events if e["ph"] == "X" and e["cat"] == "copy"}
     assert set(copy_rows) == {"copy", "copy 2"}
     loaded = {e["name"].split(".")[0] for e in events if e["ph"] == "X" and e["cat"] == "copy"}
-    assert loaded == {"load WanTransformer3DModel"}
+    assert loaded == {"load transformer", "load transformer_2"}  # blocks named after their component
 
 
 def test_a_backend_without_timing_events_reports_the_overlap_as_unknown():

@@ -39,7 +39,8 @@ class LayerwiseOffload:
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
     strategy = "layerwise"
-    #: set while ``handle.trace()`` records; names spans "<label>.<block name>"
+    #: set while ``handle.trace()`` records; spans are named "<label>.<block name>", the label being
+    #: the model's class name, or its component name in a pipeline
     timeline = None
 
     def __init__(

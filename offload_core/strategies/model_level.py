@@ -166,6 +166,8 @@ class ModelLevelOffload:
     def _before_use(self, index: int, module: nn.Module, args) -> None:
         if self._active == index:
             return
+        if self.timeline is not None:  # the active group's compute has all been issued
+            self.timeline.end_compute(self.backend.current_stream())
         previous = self._active
         for i, group in enumerate(self.groups):
             if i != index and group.state != "host":
