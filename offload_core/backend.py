@@ -91,7 +91,8 @@ class DeviceBackend(abc.ABC):
     registered through the ``offload_core_register_backends`` hook (see :mod:`offload_core.hookspecs`)
     and instantiated by :func:`offload_core.get_backend`, with keyword options the subclass
     documents. ``probe()`` must be cheap and initialise nothing, because it is called on every
-    registered backend during auto-detection, possibly before a process forks.
+    registered backend at the first auto-detection or listing of a process (once: the answer is
+    kept), possibly before the process forks.
     """
 
     #: the name users pass to ``get_backend`` and ``--backend``

@@ -162,3 +162,20 @@ def test_chrome_trace_has_a_named_row_per_lane(tmp_path):
     assert len(spans) == len(timeline.spans())
     assert {(rows[e["tid"]], e["cat"]) for e in spans} == {("compute", "compute"), ("compute", "wait"), ("copy", "copy")}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+@pytest.mark.parametrize("blocks, depth", [(2, 1), (3, 1), (5, 1), (4, 2), (5, 3)])
+def test_only_a_block_with_a_slot_to_itself_is_never_copied_again(blocks, depth):
+    """docs/layerwise.md: with n blocks and s slots, block i keeps its slot when n - s <= i < s."""
+    model, x = _stack(blocks)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         prefetch_depth=depth)
+    with torch.no_grad():
+        model(x)
+        with handle.trace() as timeline:
+            model(x)
+            model(x)
+    handle.disable()
+    slots = min(depth, blocks - 1) + 1
+    loaded = {int(s.name.rsplit(".", 1)[1]) for s in timeline.spans() if s.kind == "copy"}
+    assert set(range(blocks)) - loaded == {i for i in range(blocks) if blocks - slots <= i < slots}
