@@ -41,6 +41,10 @@ def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
     with torch.no_grad():
         expected = [model(x + i) for i in range(3)]
     before = snapshot(model)
+    import torch.distributed as dist
+
+    with pytest.raises(offload_core.OffloadConfigError, match="process_group= applies to distributed layerwise"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend, process_group=dist.group.WORLD)
     model_bytes, block_bytes, tensors = _measured_bytes(model)
     pinned_before = backend.pinned_memory_allocated()
     with pytest.warns(UserWarning, match="ignoring enable_layerwise_offload"):
