@@ -45,6 +45,9 @@ class Capability:
     #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
     #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
     TIMING = "timing"
+    #: ``sanitize=True``: accesses to the backend's memory from streams that no event orders, and
+    #: buffers dropped while work touching them may still run, raise an error naming both sides
+    SANITIZE = "sanitize"
 
 
 @runtime_checkable

@@ -205,7 +205,7 @@ class ModelLevelOffload:
 
     def _copy_in(self, group: Group) -> None:
         for c in group.components:
-            c.device = allocate_device(self.backend, c.unit.numel)
+            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
 
     def _freed(self) -> Event:
