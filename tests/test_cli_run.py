@@ -23,7 +23,7 @@ from offload_core.cli_run import loading
 from offload_core.cli_run.arguments import DEFAULT_PIPELINE, EMBEDDED, MAX_STEPS
 from offload_core.cli_run.report import render
 from offload_core.overlap import copy_overlap
-from offload_core.plugins import ENV_BACKEND
+from offload_core.plugins import ENV_BACKEND, registry
 from offload_core.tiny import PIPELINES, build_pipeline
 
 from helpers import chaos_backend
@@ -348,6 +348,17 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, tmp_path, save
         if "--backend" in argv and "nope" in argv:
             assert "fake" in lines[0]  # the registered names are listed
     assert sorted(tmp_path.rglob("*")) == before  # no file was written
+
+
+def test_a_backend_variable_that_does_not_parse_is_bad_input_before_any_work(capsys, monkeypatch):
+    import offload_core.tiny
+
+    monkeypatch.setattr(offload_core.tiny, "build_pipeline", _no_work)
+    monkeypatch.setattr(registry(), "_instances", {})  # as in a fresh process: no shared fake made yet
+    monkeypatch.setenv("OFFLOAD_CORE_FAKE_DEVICE_MEMORY", "abc")
+    code, out, err = main(capsys, "--backend", "fake")
+    assert (code, out, err.count("\n")) == (2, "", 1)
+    assert "invalid environment variable OFFLOAD_CORE_FAKE_DEVICE_MEMORY='abc'" in err
 
 
 @pytest.mark.parametrize(

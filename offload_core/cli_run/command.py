@@ -34,6 +34,7 @@ import torch
 
 from ..backend import DeviceBackend
 from ..cli_common import UsageError, Writer, columns, write_all
+from ..config import OffloadConfigError
 from ..timeline import Timeline
 from . import arguments, loading, outputs
 from .report import make_report, render, weight_bytes
@@ -136,6 +137,8 @@ def run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None = None)
     ``backend`` (an instance) replaces ``--backend``: tests pass a chaos-mode fake backend.
     """
     arguments.check(args, backend)
+    if args.strategy != "none" and backend is None:
+        backend = _backend(args.backend)
     overrides = arguments.overrides(args)
     arguments.check_applies(loading.pipeline_class(args), overrides)
     target = loading.load(args)
@@ -202,12 +205,23 @@ def _check_output_size(target: loading.Target, overrides: dict[str, Any], output
             )
 
 
+def _backend(name: str | None) -> DeviceBackend:
+    """The backend, made before any model is loaded: an option of it that does not parse (an
+    ``OFFLOAD_CORE_FAKE_*`` variable) is bad input, and must not cost a model load."""
+    from ..plugins import get_backend
+
+    try:
+        return get_backend(name)
+    except OffloadConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     if args.strategy == "none":
         return None
     from ..api import enable_offload
 
-    options: dict[str, Any] = {"backend": backend if backend is not None else args.backend}
+    options: dict[str, Any] = {"backend": backend}
     if args.strategy == "model":
         options["enable_cpu_offload"] = True
     else:
