@@ -35,6 +35,14 @@ def test_unknown_section_is_a_usage_error(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_bench_reports_what_the_sanitizer_costs(capsys):
+    assert cli.main(["bench", "--only", "sanitizer", "--quick", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]["sanitizer"]
+    times = results["seconds_per_call"]
+    assert times["sanitized"] > 0 and times["unsanitized"] > 0
+    assert results["sanitized_to_unsanitized"] == times["sanitized"] / times["unsanitized"]
+
+
 def test_an_unwritable_out_is_bad_input_before_any_benchmark_runs(tmp_path, capsys, monkeypatch):
     def no_run(*args, **kwargs):
         raise AssertionError("the benchmarks ran before --out was checked")

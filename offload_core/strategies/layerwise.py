@@ -8,6 +8,10 @@ and counts a miss), queues the prefetch of the next ``prefetch_depth`` blocks, a
 compute stream wait for ``i``'s ready event. A copy into a slot always waits for the slot's free
 event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of one
 forward prefetches the start of the next.
+
+A model with one block gets one slot: nothing can be copied while the block computes, so the
+copy cannot overlap (the enable log says so). The block stays in its slot between forwards, and a
+reload (a miss) waits for the slot's free event, recorded when the block's last forward ended.
 """
 
 from __future__ import annotations
@@ -52,10 +56,8 @@ class LayerwiseOffload:
         prefetch_depth: int = 1,
         pin_memory: bool = True,
     ) -> None:
-        if len(blocks) < 2:
-            raise ValueError(
-                f"layerwise offload of {type(model).__name__} needs at least two blocks, found {len(blocks)}"
-            )
+        if not blocks:
+            raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
@@ -129,9 +131,10 @@ class LayerwiseOffload:
         for i in range(self.num_slots):
             self._load(i)
         logger.info(
-            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
+            "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
 
     def _state_dict_hook(self, i: int):
