@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [ROOT / "offload_core" / "pipelines.py"]
 #: statements that order work or hand memory over; each must be the target of a mutant
-SYNC = re.compile(r"\.(wait|record|synchronize)\(|wait_stream\(|release_all\(\)$")
+SYNC = re.compile(r"\.(wait|record|synchronize)\b|wait_stream\(|release_all\(\)$")
 
 LIFECYCLE = "tests/test_layerwise_lifecycle.py"
 STRATEGIES = "tests/test_sanitizer_strategies.py"
@@ -38,6 +38,7 @@ LAYERWISE_MODELS = "tests/test_layerwise_models.py"
 PIPELINES = "tests/test_pipelines.py"
 DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_ranks"
 CONFIG = "tests/test_config_and_priority.py"
+ROLLBACK = "tests/test_config_and_priority.py::test_failure_in_a_later_component_rolls_back_the_earlier_ones"
 IN_PLACE = "tests/test_config_and_priority.py::test_in_place_changes_to_swapped_weights_are_kept_and_logged"
 
 
@@ -65,6 +66,8 @@ MUTANTS = [
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
+    Mutant("layerwise: a rolled-back enable waits for its queued copies", L,
+           "txn.on_rollback(self.copy_stream.synchronize)", (ROLLBACK,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),

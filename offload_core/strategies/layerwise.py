@@ -130,7 +130,7 @@ class LayerwiseOffload:
         txn.on_rollback(self._remove_hooks)
         for i in range(self.num_slots):
             self._load(i)
-        # undone first: a later part's failure must not drop slots and host buffers under these copies
+        # undone first: a later failure must not free slots and host buffers under queued copies
         txn.on_rollback(self.copy_stream.synchronize)
         logger.info(
             "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
