@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from .common import (
     Counters,
@@ -253,9 +254,9 @@ class LayerwiseOffload:
             self._load(j)
 
     def _wait_ready(self, i: int) -> None:
-        if self.timeline is not None:
-            return self.timeline.wait_then_compute(self.backend.current_stream(), self.ready[i], self._span_name(i))
-        self.ready[i].wait(self.backend.current_stream())
+        stream = self.backend.current_stream()
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
+            self.ready[i].wait(stream)
 
     def _span_name(self, i: int) -> str:
         return f"{self.label}.{self.block_names[i]}"

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend, Event
+from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
@@ -176,10 +177,8 @@ class ModelLevelOffload:
         if group.state == "host":
             self._load(group)
         compute = self.backend.current_stream()
-        if self.timeline is None:
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(compute, group.name):
             group.ready.wait(compute)
-        else:
-            self.timeline.wait_then_compute(compute, group.ready, group.name)
         for c in group.components:
             c.unit.bind(c.device)
             c.versions = [p._version for p in c.module.parameters()]
@@ -227,10 +226,8 @@ class ModelLevelOffload:
         if group.state == "host":
             return
         if group.state == "loading":  # its copies still read the host buffers; cheap, rare
-            if self.timeline is None:
+            with UNTRACED if self.timeline is None else self.timeline.host_wait(f"unload {group.name} (still loading)"):
                 group.ready.synchronize()
-            else:
-                self.timeline.host_wait(f"unload {group.name} (still loading)", group.ready.synchronize)
         for c in group.components:
             if group.state == "active":
                 self._keep_inplace_changes(c)
