@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Sequence
+
+from .hostmem.budget import Budget, parse_budget
 
 #: strategy flags, highest priority first, and the strategy each selects
 FLAG_PRIORITY = (
@@ -27,6 +30,12 @@ class OffloadConfig:
     ``components`` (pipelines, layerwise only): the groups whose weights stream, of
     ``"dit"``, ``"text_encoder"``, ``"vae"``; default ``("dit",)``. ``blocks``: block attribute
     names overriding discovery for a bare module.
+
+    ``pinned_memory`` / ``host_memory``: budgets for page-locked memory and for weights in RAM at
+    all (bytes, ``"12GiB"``, a fraction of RAM, or None / ``"auto"``); blocks beyond
+    ``host_memory`` are read from disk, from the checkpoint (``from_pretrained``) or from
+    ``offload_folder``, where an already-loaded model's blocks are spilled. See
+    ``docs/bigger-than-ram.md``.
     """
 
     enable_cpu_offload: bool = False
@@ -39,6 +48,9 @@ class OffloadConfig:
     shard_host_weights: bool = True
     components: Sequence[str] | None = None
     blocks: Sequence[str] | None = None
+    pinned_memory: Any = None
+    host_memory: Any = None
+    offload_folder: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         for flag, _ in FLAG_PRIORITY:
@@ -57,6 +69,33 @@ class OffloadConfig:
             self.components = tuple(dict.fromkeys(self.components))
         if self.blocks is not None:
             self.blocks = (self.blocks,) if isinstance(self.blocks, str) else tuple(self.blocks)
+        self._check_host_memory()
+
+    def _check_host_memory(self) -> None:
+        for option in ("pinned_memory", "host_memory"):
+            try:
+                parse_budget(getattr(self, option), option)
+            except ValueError as exc:
+                raise OffloadConfigError(str(exc)) from None
+        if not self.pin_memory and not self.pinned_budget.auto:
+            raise OffloadConfigError(
+                f"pinned_memory={self.pinned_memory!r} is a budget for pinned memory, but pin_memory=False pins "
+                "nothing; set one or the other"
+            )
+        if not self.host_budget.auto and self.strategy in ("model", "distributed"):
+            raise OffloadConfigError(
+                f"host_memory= (blocks read from disk) applies to layerwise offload, not to {self.strategy} offload"
+            )
+        if self.offload_folder is not None and not isinstance(self.offload_folder, (str, os.PathLike)):
+            raise OffloadConfigError(f"offload_folder must be a path, got {type(self.offload_folder).__name__}")
+
+    @property
+    def pinned_budget(self) -> Budget:
+        return parse_budget(self.pinned_memory, "pinned_memory")
+
+    @property
+    def host_budget(self) -> Budget:
+        return parse_budget(self.host_memory, "host_memory")
 
     @property
     def strategy(self) -> str | None:
