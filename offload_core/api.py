@@ -10,6 +10,7 @@ from torch import nn
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
+from .hostmem.placement import plan_placement
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
 from .strategies.common import Transaction
@@ -25,20 +26,7 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     Options are the fields of :class:`OffloadConfig`, given as keywords or as ``config=``
     (not both). ``enable`` is a transaction: on any error the target is left as it was.
     """
-    if config is not None and options:
-        raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
-    if config is None:
-        try:
-            config = OffloadConfig(**options)
-        except TypeError as exc:
-            valid = ", ".join(f.name for f in OffloadConfig.__dataclass_fields__.values())
-            raise OffloadConfigError(f"{exc}; valid options: {valid}") from None
-    strategy = config.strategy
-    if strategy is None:
-        raise OffloadConfigError(
-            "no strategy selected: set enable_cpu_offload, enable_layerwise_offload or "
-            "enable_distributed_layerwise_offload"
-        )
+    config = resolve_config(config, options)
     config.warn_ignored()
     if getattr(target, HANDLE_ATTRIBUTE, None) is not None:
         raise AlreadyEnabledError(
@@ -62,6 +50,24 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     return handle
 
 
+def resolve_config(config: OffloadConfig | None, options: dict[str, Any]) -> OffloadConfig:
+    """The validated config of ``config=`` or keyword ``options``, with a strategy selected."""
+    if config is not None and options:
+        raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
+    if config is None:
+        try:
+            config = OffloadConfig(**options)
+        except TypeError as exc:
+            valid = ", ".join(f.name for f in OffloadConfig.__dataclass_fields__.values())
+            raise OffloadConfigError(f"{exc}; valid options: {valid}") from None
+    if config.strategy is None:
+        raise OffloadConfigError(
+            "no strategy selected: set enable_cpu_offload, enable_layerwise_offload or "
+            "enable_distributed_layerwise_offload"
+        )
+    return config
+
+
 def _foreign_offload(target: Any) -> str | None:
     """The other offloading library whose hooks are on ``target``, if any: two libraries moving
     the same weights would fight over them."""
@@ -82,7 +88,9 @@ def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> Offl
     if config.strategy in ("layerwise", "distributed"):
         part = streaming_part(module, find_blocks(module, config.blocks), config, backend)
     else:
-        part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
+        part = ModelLevelOffload.for_module(module, backend)
+    placement = plan_placement([part], config, backend)
     with Transaction() as txn:
+        placement.attach([part], txn)
         part.enable(txn)
-    return OffloadHandle(module, config.strategy, backend, [part], baseline)
+    return OffloadHandle(module, config.strategy, backend, [part], baseline, placement=placement)

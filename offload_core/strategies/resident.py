@@ -9,19 +9,25 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
+from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units, unpack_units
 
 
 class ResidentModules:
     """Copies modules to the device once; their inputs are moved to the device on the way in."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend, pin_memory: bool = True) -> None:
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend) -> None:
         self.backend = backend
-        self.pin_memory = pin_memory
         self.counters = Counters()
         self.modules = list(modules)
         self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.modules]
         self._hooks: list = []
+        self.placement = None  # set by the enabling code (plan_placement) before enable
+
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: each is copied once, at enable."""
+        from ..hostmem.placement import ONCE, HostUnit
+
+        return [HostUnit(u, ONCE, u.nbytes) for u in self.units]
 
     @property
     def device_weight_bytes(self) -> int:
@@ -31,10 +37,10 @@ class ResidentModules:
 
     def enable(self, txn: Transaction) -> None:
         buffers = [allocate_device(self.backend, u.numel) for u in self.units]
-        pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
+        pack_units(self.units, self.placement, txn, "resident modules")
         stream = self.backend.new_stream()
         for unit, buf in zip(self.units, buffers):
-            copy_unit(unit, buf, self.backend, stream, self.counters)
+            self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))
         stream.synchronize()
         for unit, buf in zip(self.units, buffers):
             unit.bind(buf)
@@ -50,5 +56,4 @@ class ResidentModules:
 
     def disable(self) -> None:
         self._remove_hooks()
-        for unit in self.units:
-            unit.unpack()
+        unpack_units(self.units)
