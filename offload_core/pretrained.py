@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .api import enable_offload, resolve_config
-from .config import OffloadConfigError
+from .config import OffloadConfig, OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
 from .hostmem.disk import read_index
@@ -48,18 +48,23 @@ def from_pretrained(path: str | os.PathLike, *, torch_dtype: Any = None, **optio
     ``handle.target`` is the loaded pipeline or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
-    (or ``"default"``) to dtype. With ``host_memory`` left to "auto", weights may use up to
-    90 % of the memory available when loading starts; the blocks beyond it stay on disk and are
+    (or ``"default"``) to dtype. For a pipeline, a keyword naming one of its components replaces
+    that component, as in diffusers (``text_encoder=None`` loads no text encoder: pass
+    ``prompt_embeds`` to the pipeline). With ``host_memory`` left to "auto", weights may use up
+    to 90 % of the memory available when loading starts; the blocks beyond it stay on disk and are
     read from the checkpoint when they run. See ``docs/bigger-than-ram.md``.
     """
+    folder = os.fspath(path)
+    index = _model_index(folder)
+    fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    replaced = {k: options.pop(k) for k in list(options) if k not in fields and index is not None and k in index}
     config = resolve_config(None, options)
     if torch_dtype is not None and not isinstance(torch_dtype, (torch.dtype, dict)):
         raise OffloadConfigError(f"torch_dtype must be a torch.dtype (or, for a pipeline, a dict), got {torch_dtype!r}")
-    folder = os.fspath(path)
     if config.strategy == "layerwise" and config.host_budget.auto:
         config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
-    if os.path.isfile(os.path.join(folder, "model_index.json")):
-        target = _load_pipeline(folder, torch_dtype)
+    if index is not None:
+        target = _load_pipeline(folder, index, torch_dtype, replaced)
     elif os.path.isfile(os.path.join(folder, "config.json")):
         if isinstance(torch_dtype, dict):
             raise OffloadConfigError("torch_dtype as a dict applies to pipelines; a single model takes a torch.dtype")
@@ -72,18 +77,25 @@ def from_pretrained(path: str | os.PathLike, *, torch_dtype: Any = None, **optio
     return enable_offload(target, config=config)
 
 
-def _load_pipeline(folder: str, torch_dtype: Any) -> Any:
+def _model_index(folder: str) -> dict | None:
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[str, Any]) -> Any:
     import diffusers
 
-    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
-        index = json.load(f)
     pipeline_cls = getattr(diffusers, index.get("_class_name", ""), None)
     if pipeline_cls is None:
         raise ValueError(f"{folder}/model_index.json names pipeline class {index.get('_class_name')!r}, "
                          "which diffusers does not have")
-    prebuilt = {}
+    prebuilt = dict(replaced)
     for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 or spec[0] != "diffusers":
+        if name in replaced or name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 \
+                or spec[0] != "diffusers":
             continue
         cls = getattr(diffusers, spec[1] or "", None)
         if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
@@ -94,7 +106,7 @@ def _load_pipeline(folder: str, torch_dtype: Any) -> Any:
         if model is not None:
             prebuilt[name] = model
     logger.info("%s: %s read straight from the checkpoint; diffusers loads the rest",
-                pipeline_cls.__name__, ", ".join(prebuilt) or "no component")
+                pipeline_cls.__name__, ", ".join(n for n in prebuilt if n not in replaced) or "no component")
     return pipeline_cls.from_pretrained(folder, dtype=torch_dtype, **prebuilt)
 
 
@@ -149,6 +161,8 @@ def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn
     if not sharded:
         model._fix_state_dict_keys_on_load(slices)
     state = model.state_dict(keep_vars=True)
+    if not any(isinstance(t, nn.Parameter) for t in state.values()):
+        return None  # enable_offload packs modules with parameters only: nothing would read the buffers
     missing = [key for key, t in state.items() if key not in slices and t.is_meta]
     mismatched = [key for key, t in state.items() if key in slices and tuple(slices[key].shape) != tuple(t.shape)]
     if missing or mismatched:

@@ -460,3 +460,31 @@ def test_host_peaks_stay_within_one_copy_of_the_model(tmp_path):
     assert disk["disk_bytes"] >= model // 2
     ring = disk["bounce_bytes"]
     assert max(disk["load"], disk["forward"]) <= model // 4 + ring + block + 16 * MiB
+
+
+def test_from_pretrained_replaces_a_component_like_diffusers(tmp_path):
+    """``text_encoder=None``: the pipeline loads without its encoder and runs on prompt embeddings
+    computed elsewhere, the DiT's blocks read from the checkpoint (host_memory=0)."""
+    import diffusers
+    from offload_core.tiny import as_tensor, build_pipeline
+
+    tiny = build_pipeline("flux2")
+    tiny.pipe.save_pretrained(tmp_path)
+    call = dict(tiny.call_kwargs)
+    with torch.no_grad():
+        embeds, _ = tiny.pipe.encode_prompt(prompt=call.pop("prompt"), device="cpu",
+                                            max_sequence_length=call.pop("max_sequence_length"),
+                                            text_encoder_out_layers=call.pop("text_encoder_out_layers"))
+    reference = diffusers.Flux2Pipeline.from_pretrained(tmp_path, text_encoder=None)
+    reference.set_progress_bar_config(disable=True)
+    expected = as_tensor(reference(prompt_embeds=embeds, generator=torch.Generator().manual_seed(0), **call).images)
+    handle = offload_core.from_pretrained(tmp_path, text_encoder=None, enable_layerwise_offload=True,
+                                          backend=chaos_backend(), host_memory=0)
+    pipe = handle.target
+    assert pipe.text_encoder is None and handle.stats()["disk_bytes"] > 0
+    pipe.set_progress_bar_config(disable=True)
+    got = as_tensor(pipe(prompt_embeds=embeds, generator=torch.Generator().manual_seed(0), **call).images)
+    assert torch.equal(got, expected)
+    handle.disable()
+    with pytest.raises(offload_core.OffloadConfigError, match="not_a_component"):
+        offload_core.from_pretrained(tmp_path, not_a_component=None, enable_layerwise_offload=True)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..hostmem.budget import Trimmer
+from ..hostmem.placement import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ def pack_units(units, placement, txn: Transaction, desc: str) -> None:
     pinned or pageable memory, or (tier ``disk``) left on disk, spilled there first when the
     model is in RAM. Units read from a checkpoint are loaded straight into their home."""
     from tqdm.auto import tqdm
-
-    from ..hostmem.placement import Tier
 
     total = sum(u.nbytes for u in units)
     trimmer = Trimmer()

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..weights import nbytes_of
 from .common import Transaction, allocate_device, pack_units
 from .layerwise import LayerwiseOffload
@@ -112,8 +113,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def host_units(self) -> list:
         if not self.shard:
             return super().host_units()
-        from ..hostmem.placement import ONCE, STREAM, HostUnit
-
         return [HostUnit(self.resident, ONCE, self.resident.nbytes),
                 *(HostUnit(u, STREAM, self._shard_bytes(u)) for u in self.units)]
 
@@ -146,8 +145,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _plan_transfers(self) -> None:
         if not self.shard:
             return super()._plan_transfers()
-        from ..hostmem.placement import Tier
-
         self._transfers = []
         for i, (unit, shards) in enumerate(zip(self.units, self._shards)):
             slot, staging = self.slots[i % self.num_slots], self._staging[i % self.num_slots]

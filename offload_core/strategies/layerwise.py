@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..weights import nbytes_of, slot_numel, split_units
 from .common import (
     Counters,
@@ -75,8 +76,6 @@ class LayerwiseOffload:
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step."""
-        from ..hostmem.placement import ONCE, STREAM, HostUnit
-
         return [HostUnit(self.resident, ONCE, self.resident.nbytes),
                 *(HostUnit(u, STREAM, u.nbytes) for u in self.units)]
 
@@ -132,6 +131,7 @@ class LayerwiseOffload:
         self._hooks.append(self.model.register_forward_hook(self._after_model))
         self._hooks.append(self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True))
         txn.on_rollback(self._remove_hooks)
+        txn.on_rollback(self._settle)
         for i in range(self.num_slots):
             self._load(i)
         logger.info(
@@ -193,11 +193,15 @@ class LayerwiseOffload:
         references the homes, goes first), so host memory stays near one copy of the model."""
         self._remove_hooks()
         if self._occupant:
-            self.placement.drain()
-            self.copy_stream.synchronize()
+            self._settle()
         self._transfers = self._images = []
         unpack_units([self.resident, *self.units])
         self._release()
+
+    def _settle(self) -> None:
+        """Let every queued load finish: their copies read the homes that a rollback frees."""
+        self.placement.drain()
+        self.copy_stream.synchronize()
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

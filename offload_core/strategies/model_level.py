@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend, Event
+from ..hostmem.placement import SWAP, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units, unpack_units
@@ -93,8 +94,6 @@ class ModelLevelOffload:
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: each swaps in once per call."""
-        from ..hostmem.placement import SWAP, HostUnit
-
         return [HostUnit(c.unit, SWAP, c.unit.nbytes) for g in self.groups for c in g.components]
 
     @classmethod

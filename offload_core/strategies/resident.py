@@ -7,6 +7,7 @@ from typing import Sequence
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units, unpack_units
@@ -25,8 +26,6 @@ class ResidentModules:
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: each is copied once, at enable."""
-        from ..hostmem.placement import ONCE, HostUnit
-
         return [HostUnit(u, ONCE, u.nbytes) for u in self.units]
 
     @property
