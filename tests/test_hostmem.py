@@ -293,6 +293,23 @@ def test_from_pretrained_model_reads_each_tensor_once_into_its_home(tmp_path, mo
     handle.disable()
 
 
+def test_from_pretrained_reads_a_sharded_checkpoint_and_streams_its_blocks_from_the_shards(tmp_path):
+    from diffusers import WanTransformer3DModel
+    from offload_core.tiny import build_transformer
+
+    model, inputs = build_transformer("wan-t2v")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    expected = forward(WanTransformer3DModel.from_pretrained(tmp_path), inputs)
+    handle = offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, backend=chaos_backend(),
+                                          host_memory=0)
+    assert handle.stats()["disk_bytes"] == sum(u.nbytes for u in handle.parts[0].units)
+    for _ in range(2):
+        assert torch.equal(forward(handle.target, inputs), expected)
+    handle.disable()
+    assert torch.equal(forward(handle.target, inputs), expected)
+
+
 def test_from_pretrained_leaves_other_weight_formats_to_diffusers(tmp_path):
     from diffusers import WanTransformer3DModel
     from offload_core.tiny import build_transformer
