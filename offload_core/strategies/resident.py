@@ -38,6 +38,8 @@ class ResidentModules:
         buffers = [allocate_device(self.backend, u.numel) for u in self.units]
         pack_units(self.units, self.placement, txn, "resident modules")
         stream = self.backend.new_stream()
+        # the new buffers may reuse memory that earlier compute still reads: copy after it
+        self.backend.wait_stream(stream, self.backend.current_stream())
         for unit, buf in zip(self.units, buffers):
             self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))
         stream.synchronize()
