@@ -4,6 +4,7 @@ checkpoint with ``from_pretrained``, and no second copy of the model anywhere.""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import weakref
@@ -13,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import offload_core
+from offload_core_fake import StreamRaceError
 from offload_core.discovery import find_blocks
 from offload_core.hostmem import budget, staging
 from offload_core.hostmem.disk import FileSlice
@@ -121,6 +123,25 @@ def test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly
     assert backend.pinned_memory_allocated() == 0
 
 
+def test_removing_the_bounce_buffer_wait_is_reported_as_a_race(small_chunks):
+    """The sanitizer sees the stager refill a bounce buffer that a queued copy has yet to read."""
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         pinned_memory=0)
+    for event in handle.placement.ring.read_done:
+        event.synchronize = lambda: None
+    with pytest.raises(staging.StagingError) as failure:
+        for _ in range(2):
+            run(model)
+    race = failure.value.__cause__
+    assert isinstance(race, StreamRaceError) and "write-after-read" in str(race)
+    assert re.search(r"this access: +write by host aten\.copy_.*\n.*at offload_core/weights/unit\.py", str(race))
+    assert re.search(r"earlier access: +read by copy_async \(H2D\).*\n.*at offload_core/hostmem/staging\.py",
+                     str(race))
+    handle.disable()
+
+
+@pytest.mark.unsanitized("shows that chaos mode alone also sees a bounce buffer refilled too early")
 def test_removing_the_bounce_buffer_wait_gives_wrong_output_under_chaos(small_chunks):
     """Proves the tests see a bounce buffer overwritten before the copy that reads it has run."""
     model = mixed_stack()

@@ -177,7 +177,7 @@ def _scenario(name: str, folder: str, config: dict[str, Any], model_bytes: int) 
     import offload_core
     from offload_core.hostmem.budget import return_free_memory
 
-    backend = offload_core.get_backend("fake")
+    backend = offload_core.get_backend("fake", chaos=False, sanitize=False)  # measured, not checked
     allocate = backend.empty_device
     # fake device memory is host memory, taken out of every figure below: touched when allocated,
     # as a device's memory is there once allocated, so that taking it out is exact

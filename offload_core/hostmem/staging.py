@@ -120,8 +120,9 @@ class Stager:
             raise StagingError(f"staging weights failed: {ticket.error}") from ticket.error
 
     def drain(self) -> None:
-        """Block until every task submitted so far has been issued."""
-        self.wait(self.submit(lambda: None))
+        """Block until every task submitted so far has run (or was skipped after a failure, which
+        the waits of the failed loads report): disable and rollback must work after a failure."""
+        self.submit(lambda: None)._done.wait()
 
     def close(self) -> None:
         if self._thread.is_alive():
