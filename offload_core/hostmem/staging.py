@@ -96,6 +96,8 @@ class Ticket:
 
 
 _STAGERS: weakref.WeakSet = weakref.WeakSet()
+_EXITING = threading.Event()
+_exit_hook: list = []  # the exit hook, once registered
 
 
 class Stager:
@@ -106,6 +108,10 @@ class Stager:
         self._thread = threading.Thread(target=_work, args=(self._queue,), name=name, daemon=True)
         self._thread.start()
         weakref.finalize(self, self._queue.put, None)  # the thread holds only the queue
+        if not _exit_hook:
+            # registered on first use, after the backends' own hooks, so that it runs before
+            # them: the task in progress may still wait on their streams
+            _exit_hook.append(atexit.register(_stop_stagers))
         _STAGERS.add(self)
 
     def submit(self, task: Callable[[], None]) -> Ticket:
@@ -136,7 +142,7 @@ def _work(tasks: queue.SimpleQueue) -> None:
     failed: BaseException | None = None
     while True:
         item = tasks.get()
-        if item is None:
+        if item is None or _EXITING.is_set():
             return
         task, ticket = item
         try:
@@ -149,10 +155,11 @@ def _work(tasks: queue.SimpleQueue) -> None:
         ticket._done.set()
 
 
-@atexit.register
 def _stop_stagers() -> None:
     """Let stager threads leave torch code while the interpreter is still whole (a daemon thread
-    returning from a torch call during finalisation aborts the process)."""
+    returning from a torch call during finalisation aborts the process): each finishes the task
+    in progress and drops the rest, as a process exit drops a device's queued work."""
+    _EXITING.set()
     for stager in list(_STAGERS):
         stager._queue.put(None)
     for stager in list(_STAGERS):

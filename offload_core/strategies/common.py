@@ -12,6 +12,7 @@ from torch import nn
 
 from ..hostmem.budget import Trimmer
 from ..hostmem.placement import Tier
+from ..labels import Label, label
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,12 @@ def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, cou
     return placement.run(functools.partial(placement.issue, transfers, stream))
 
 
-def allocate_device(backend, numel: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
-    """One flat device buffer per dtype."""
-    return {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
+def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
+    """One flat device buffer per dtype, named ``name`` in error reports (:mod:`offload_core.labels`)."""
+    buffers = {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
+    for buffer in buffers.values():
+        label(buffer, name)
+    return buffers
 
 
 def pack_units(units, placement, txn: Transaction, desc: str) -> None:
@@ -104,6 +108,8 @@ def pack_units(units, placement, txn: Transaction, desc: str) -> None:
             else:
                 bar.set_description(f"loading {desc}" if unit.from_checkpoint else f"packing {desc}")
                 unit.pack(placement.allocator(unit))
+                for buffer in unit.host.values():
+                    label(buffer, f"host copy of {unit.name}")
             txn.on_rollback(unit.unpack)
             bar.update(unit.nbytes)
             trimmer.add(unit.nbytes)

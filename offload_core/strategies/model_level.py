@@ -194,7 +194,7 @@ class ModelLevelOffload:
         freed = self._freed()
         transfers = []
         for c in group.components:
-            c.device = allocate_device(self.backend, c.unit.numel)
+            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             transfers += self.placement.transfers(c.unit, c.device)
             self.counters.h2d_bytes += c.unit.nbytes
         self.counters.h2d_copies += self.placement.copies(transfers)

@@ -35,7 +35,7 @@ class ResidentModules:
     host_bytes = device_weight_bytes
 
     def enable(self, txn: Transaction) -> None:
-        buffers = [allocate_device(self.backend, u.numel) for u in self.units]
+        buffers = [allocate_device(self.backend, u.numel, f"{u.name} (resident)") for u in self.units]
         pack_units(self.units, self.placement, txn, "resident modules")
         stream = self.backend.new_stream()
         # the new buffers may reuse memory that earlier compute still reads: copy after it
