@@ -10,8 +10,8 @@ this script fail ("not covered"), so adding one is visible in review.
     python ci/mutants.py            # every mutant; prints a table; exit 1 if one survives
     python ci/mutants.py -k freed   # only mutants whose name contains "freed"
 
-The source files are edited in place and restored after each mutant (also on Ctrl-C); run it on a
-clean checkout.
+The source files are edited in place and restored after each mutant (also on Ctrl-C or SIGTERM);
+run it on a clean checkout.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -63,7 +64,7 @@ S = "offload_core/hostmem/staging.py"
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
     Mutant("layerwise: first copies wait for earlier compute (new buffers may reuse its memory)", L,
-           "backend.wait_stream(self.copy_stream, backend.current_stream())", (PIPELINES,)),
+           "backend.wait_stream(self.copy_stream, backend.current_stream())", (STRATEGIES,)),
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
@@ -123,7 +124,7 @@ MUTANTS = [
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
     # -- resident modules and pipelines ------------------------------------------------------
     Mutant("resident: copies wait for earlier compute", R,
-           "self.backend.wait_stream(stream, self.backend.current_stream())", (PIPELINES,)),
+           "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES,)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
     Mutant("resident: a staged copy is issued before the host waits for the stream", R,
            "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_PIPELINE,),
@@ -225,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through run(), which restores the file
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())

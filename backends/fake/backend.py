@@ -305,8 +305,7 @@ class FakeBackend(DeviceBackend):
         stream: FakeStream | DefaultStream | None = None,
     ) -> FakeEvent:
         stream = stream if stream is not None else self.current_stream()
-        if self.sanitizer is not None:
-            self.sanitizer.on_copy(output, input, stream, "all_gather")
+        gathered = self.sanitizer.on_collective(output, input, stream) if self.sanitizer is not None else None
         poison = self._poisoner(output, stream)
         read_done = self._queue_read(input)
 
@@ -325,6 +324,8 @@ class FakeBackend(DeviceBackend):
         )
         done = self.new_event()
         done.record(stream)
+        if gathered is not None:
+            done._vc = gathered  # for the sanitizer, the gather is done only where its waitable says
         return done
 
     # -- fake-only tools ------------------------------------------------------------------

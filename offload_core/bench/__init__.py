@@ -10,6 +10,7 @@ from typing import Any, Callable
 from .hostmem import host_memory
 from .layerwise import copies_per_block, overhead_per_block, step_ratio
 from .pipeline import strategies_side_by_side
+from .sanitizer import sanitizer_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
                                                     repeats=3 if quick else 8),
     "copies_per_block": lambda quick: copies_per_block(),
     "strategies": lambda quick: strategies_side_by_side(repeats=2 if quick else 5),
+    "sanitizer": lambda quick: sanitizer_cost(repeats=2 if quick else 5),
     "host_memory": host_memory,
 }
 
@@ -43,6 +45,8 @@ HEADLINES = [
     Headline("model-level swap cost per call, overlapped / synchronous", "strategies",
              "overlapped_to_sync_swap_cost", 1.0),
     Headline("layerwise pipeline call / resident (bandwidth model)", "strategies", "ratio_to_resident.layerwise", None),
+    Headline("fake backend: layerwise pipeline call, race sanitizer on / off", "sanitizer", "sanitized_to_unsanitized",
+             None),
     Headline("host peak / model: load with from_pretrained", "host_memory", "load", None),
     Headline("  same / its bound, 1.15 x model + 1 GB", "host_memory", "load_over_bound", 1.0),
     Headline("host peak / model: enable on a built model", "host_memory", "enable_built", None),

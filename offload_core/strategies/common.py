@@ -10,8 +10,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..config import OffloadConfig
 from ..hostmem.budget import Trimmer
-from ..hostmem.placement import Tier
+from ..hostmem.placement import Tier, plan_placement
 from ..labels import Label, label
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,13 @@ def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict
     for buffer in buffers.values():
         label(buffer, name)
     return buffers
+
+
+def default_placement(part, txn: Transaction) -> None:
+    """A part enabled on its own, not through ``enable_offload``, gets the default placement
+    (every home pinned within the default budget)."""
+    if part.placement is None:
+        plan_placement([part], OffloadConfig(), part.backend).attach([part], txn)
 
 
 def pack_units(units, placement, txn: Transaction, desc: str) -> None:

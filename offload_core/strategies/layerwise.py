@@ -9,6 +9,10 @@ compute stream wait for ``i``'s ready event. A copy into a slot always waits for
 event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of one
 forward prefetches the start of the next.
 
+A model with one block gets one slot: nothing can be copied while the block computes, so the
+copy cannot overlap (the enable log says so). The block stays in its slot between forwards, and a
+reload (a miss) waits for the slot's free event, recorded when the block's last forward ended.
+
 Blocks whose home is not pinned (a ``pinned_memory`` budget, or on disk with ``host_memory``) are
 loaded by the placement's stager thread through its bounce ring: ``_load`` then hands the whole
 load (slot wait, copies, ready event) to the stager, and the block's ticket is waited before
@@ -35,6 +39,7 @@ from .common import (
     Transaction,
     allocate_device,
     copy_unit,
+    default_placement,
     inputs_to_device,
     pack_units,
     unpack_units,
@@ -55,10 +60,8 @@ class LayerwiseOffload:
         backend: DeviceBackend,
         prefetch_depth: int = 1,
     ) -> None:
-        if len(blocks) < 2:
-            raise ValueError(
-                f"layerwise offload of {type(model).__name__} needs at least two blocks, found {len(blocks)}"
-            )
+        if not blocks:
+            raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
@@ -101,6 +104,7 @@ class LayerwiseOffload:
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
         backend = self.backend
+        default_placement(self, txn)
         self._allocate_device()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self._name}")
         txn.on_rollback(self._release)
@@ -139,9 +143,10 @@ class LayerwiseOffload:
         for i in range(self.num_slots):
             self._load(i)
         logger.info(
-            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
+            "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
 
     def _state_dict_hook(self, i: int):

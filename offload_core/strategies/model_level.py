@@ -27,7 +27,9 @@ from ..backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, inputs_to_device, pack_units, unpack_units
+from .common import (
+    Counters, Transaction, allocate_device, default_placement, inputs_to_device, pack_units, unpack_units,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class ModelLevelOffload:
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
+        default_placement(self, txn)
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.placement, txn, "components")
         self.copy_stream = self.backend.new_stream()
@@ -198,16 +201,17 @@ class ModelLevelOffload:
             transfers += self.placement.transfers(c.unit, c.device)
             self.counters.h2d_bytes += c.unit.nbytes
         self.counters.h2d_copies += self.placement.copies(transfers)
-        stream = self.copy_stream
-
-        def queue() -> None:
-            freed.wait(stream)
-            self.placement.issue(transfers, stream)
-            group.ready.record(stream)
-
-        group.ticket = self.placement.run(queue)
+        group.ticket = self.placement.run(functools.partial(self._queue_load, group, freed, transfers))
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
+
+    def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
+        """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
+        the stager thread when some component is staged)."""
+        stream = self.copy_stream
+        freed.wait(stream)
+        self.placement.issue(transfers, stream)
+        group.ready.record(stream)
 
     def _issued(self, group: Group) -> None:
         """Block until the stager has queued ``group``'s load, so its ready event is recorded."""

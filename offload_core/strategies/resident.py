@@ -10,7 +10,9 @@ from ..backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units, unpack_units
+from .common import (
+    Counters, Transaction, allocate_device, copy_unit, default_placement, inputs_to_device, pack_units, unpack_units,
+)
 
 
 class ResidentModules:
@@ -35,6 +37,7 @@ class ResidentModules:
     host_bytes = device_weight_bytes
 
     def enable(self, txn: Transaction) -> None:
+        default_placement(self, txn)
         buffers = [allocate_device(self.backend, u.numel, f"{u.name} (resident)") for u in self.units]
         pack_units(self.units, self.placement, txn, "resident modules")
         stream = self.backend.new_stream()
