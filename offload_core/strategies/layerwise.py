@@ -202,7 +202,11 @@ class LayerwiseOffload:
 
     def _issue(self, i: int, stream) -> None:
         """Queue on ``stream`` the transfers that fill block ``i``'s slot."""
-        self.placement.issue(self._transfers[i], stream)
+        if self._stager is None:  # every source is a host buffer: the hot path, plain copies
+            for dst, src in self._transfers[i]:
+                self.backend.copy_async(dst, src, stream)
+        else:
+            self.placement.issue(self._transfers[i], stream)
 
     def disable(self) -> None:
         """Wait for queued copies, give every tensor back an ordinary host copy, free the device.
