@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [ROOT / "offload_core" / "pipelines.py"]
 #: statements that order work or hand memory over; each must be the target of a mutant
-SYNC = re.compile(r"\.(wait|record|synchronize)\(|wait_stream\(|release_all\(\)$")
+SYNC = re.compile(r"\.(wait|record|synchronize)\b|wait_stream\(|release_all\(\)$")
 
 LIFECYCLE = "tests/test_layerwise_lifecycle.py"
 STRATEGIES = "tests/test_sanitizer_strategies.py"
@@ -38,6 +38,7 @@ LAYERWISE_MODELS = "tests/test_layerwise_models.py"
 PIPELINES = "tests/test_pipelines.py"
 DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_ranks"
 CONFIG = "tests/test_config_and_priority.py"
+ROLLBACK = "tests/test_config_and_priority.py::test_failure_in_a_later_component_rolls_back_the_earlier_ones"
 IN_PLACE = "tests/test_config_and_priority.py::test_in_place_changes_to_swapped_weights_are_kept_and_logged"
 STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
@@ -68,13 +69,17 @@ MUTANTS = [
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
+    Mutant("layerwise: a rolled-back enable waits for its queued copies", L,
+           "txn.on_rollback(self._settle)", (ROLLBACK,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),
     Mutant("layerwise: the block's ready event is recorded after its copies", L, "self.ready[i].record(stream)",
            (LIFECYCLE,)),
     Mutant("layerwise: compute waits for the block's ready event", L,
-           "self.ready[i].wait(stream if stream is not None else self.backend.current_stream())", (LIFECYCLE,)),
+           "self.ready[i].wait(self.backend.current_stream())", (LIFECYCLE,)),
+    Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
+           "self.ready[i].wait(stream)", (DISTRIBUTED,)),
     Mutant("layerwise: the slot of the block that ran is marked free", L,
            "self.freed[last % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("layerwise: the running block is remembered", L, "self._running = i", (STRATEGIES, LIFECYCLE)),

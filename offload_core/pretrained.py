@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .api import enable_offload, resolve_config
+from .api import enable_checked, resolve_config
 from .config import OffloadConfig, OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
@@ -61,20 +61,20 @@ def from_pretrained(path: str | os.PathLike, *, torch_dtype: Any = None, **optio
     config = resolve_config(None, options)
     if torch_dtype is not None and not isinstance(torch_dtype, (torch.dtype, dict)):
         raise OffloadConfigError(f"torch_dtype must be a torch.dtype (or, for a pipeline, a dict), got {torch_dtype!r}")
-    if config.strategy == "layerwise" and config.host_budget.auto:
-        config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
-    if index is not None:
-        target = _load_pipeline(folder, index, torch_dtype, replaced)
-    elif os.path.isfile(os.path.join(folder, "config.json")):
-        if isinstance(torch_dtype, dict):
-            raise OffloadConfigError("torch_dtype as a dict applies to pipelines; a single model takes a torch.dtype")
-        target = _load_model(folder, torch_dtype)
-    else:
+    kind = "pipeline" if index is not None else "module"
+    if kind == "module" and not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(
             f"{folder} is not a local diffusers folder: it has neither model_index.json (a pipeline) nor "
             "config.json (a model)"
         )
-    return enable_offload(target, config=config)
+    if kind == "module" and isinstance(torch_dtype, dict):
+        raise OffloadConfigError("torch_dtype as a dict applies to pipelines; a single model takes a torch.dtype")
+    config.warn_ignored()
+    config.check_applies(kind)
+    if config.strategy == "layerwise" and config.host_budget.auto:
+        config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
+    target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
+    return enable_checked(target, kind, config)
 
 
 def _model_index(folder: str) -> dict | None:

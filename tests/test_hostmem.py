@@ -77,11 +77,11 @@ def kib_chunks(monkeypatch):
     (None, None),
 ])
 def test_budget_forms(value, nbytes):
-    assert budget.parse_budget(value, "pinned_memory").resolve() == nbytes
+    assert budget.parse_budget(value).resolve() == nbytes
 
 
 def test_a_fraction_is_a_share_of_physical_ram():
-    assert budget.parse_budget(0.25, "host_memory").resolve() == int(0.25 * budget.physical_memory())
+    assert budget.parse_budget(0.25).resolve() == int(0.25 * budget.physical_memory())
 
 
 @pytest.mark.parametrize("options, match", [

@@ -61,10 +61,16 @@ class Budget:
         return f"Budget({self.nbytes} bytes)" if self.nbytes is not None else f"Budget({self.fraction:g} of RAM)"
 
 
-def parse_budget(value: object, option: str) -> Budget:
-    """``value`` as a :class:`Budget`; ``ValueError`` naming ``option`` and the accepted forms."""
-    accepted = (f"{option} must be bytes (an int >= 0), a size string such as '12GiB' or '512MB', "
-                f"a fraction of RAM in (0, 1] such as 0.5, or None / 'auto'")
+def budget(value: object) -> object:
+    """The option parser of a budget: ``value`` itself, once :func:`parse_budget` accepts it."""
+    parse_budget(value)
+    return value
+
+
+def parse_budget(value: object) -> Budget:
+    """``value`` as a :class:`Budget`; ``ValueError`` saying what is accepted."""
+    accepted = ("expected bytes (an int >= 0), a size string such as '12GiB' or '512MB', "
+                "a fraction of RAM in (0, 1] such as 0.5, or None / 'auto'")
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return Budget()
     if isinstance(value, bool):

@@ -77,8 +77,8 @@ def inputs_to_device(device: torch.device) -> Callable:
 
 def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, counters: Counters):
     """Queue ``unit``'s home into the per-dtype buffers ``dst`` on ``stream``: one copy per dtype
-    (one per bounce chunk for a home outside pinned memory). Returns the load's ticket for
-    :meth:`Placement.wait`, None when it was issued at once."""
+    (one per bounce chunk for a home outside pinned memory). Returns the load's ticket (see
+    ``Placement.run``), None when it was issued at once."""
     transfers = placement.transfers(unit, dst)
     counters.h2d_copies += placement.copies(transfers)
     counters.h2d_bytes += unit.nbytes

@@ -52,6 +52,9 @@ class LayerwiseOffload:
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
     strategy = "layerwise"
+    #: set while ``handle.trace()`` records; spans are named "<label>.<block name>", the label being
+    #: the model's class name, or its component name in a pipeline
+    timeline = None
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class LayerwiseOffload:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
+        self.label = type(model).__name__
         self.block_names = [name for name, _ in blocks]
         self.blocks = [block for _, block in blocks]
         self.backend = backend
@@ -139,9 +143,10 @@ class LayerwiseOffload:
         self._hooks.append(self.model.register_forward_hook(self._after_model))
         self._hooks.append(self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True))
         txn.on_rollback(self._remove_hooks)
-        txn.on_rollback(self._settle)
         for i in range(self.num_slots):
             self._load(i)
+        # undone first: a later failure must not free slots and host buffers under queued copies
+        txn.on_rollback(self._settle)
         logger.info(
             "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
@@ -257,7 +262,11 @@ class LayerwiseOffload:
     def _queue_load(self, i: int, slot: int) -> None:
         stream = self.copy_stream
         self.freed[slot].wait(stream)
-        self._issue(i, stream)
+        if self.timeline is None:
+            self._issue(i, stream)
+        else:
+            issue = functools.partial(self._issue, i, stream)
+            self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
         self.ready[i].record(stream)
 
     def _prefetch(self, i: int, running: bool) -> None:
@@ -279,10 +288,19 @@ class LayerwiseOffload:
             self._load(j)
 
     def _wait_ready(self, i: int, stream=None) -> None:
-        """Make ``stream`` (default: compute) wait until block ``i`` is in its slot."""
+        """Make ``stream`` (default: compute, where a trace records the wait) wait until block
+        ``i`` is in its slot."""
         if self._tickets:
             self.placement.wait(self._tickets.pop(i, None))
-        self.ready[i].wait(stream if stream is not None else self.backend.current_stream())
+        if stream is not None:
+            self.ready[i].wait(stream)
+        elif self.timeline is not None:
+            self.timeline.wait_then_compute(self.backend.current_stream(), self.ready[i], self._span_name(i))
+        else:
+            self.ready[i].wait(self.backend.current_stream())
+
+    def _span_name(self, i: int) -> str:
+        return f"{self.label}.{self.block_names[i]}"
 
     def _finish_running(self) -> None:
         """Mark the slot of the block that ran last as free: its compute has all been issued."""
@@ -291,6 +309,8 @@ class LayerwiseOffload:
             return
         self._running = -1
         self.freed[last % self.num_slots].record(self.backend.current_stream())
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         if self._deferred:
             self._deferred = False
             self._prefetch(last, running=False)
@@ -300,6 +320,8 @@ class LayerwiseOffload:
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            if self.timeline is not None:
+                self.timeline.prefetch_miss(self._span_name(i))
             self._load(i)
         self._prefetch(i, running=True)
         self._wait_ready(i)

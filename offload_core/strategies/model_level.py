@@ -62,6 +62,9 @@ class Group:
 class ModelLevelOffload:
     """Swaps named groups of modules; the order hint is the groups' usual order of use."""
 
+    #: set while ``handle.trace()`` records; spans are named after the groups
+    timeline = None
+
     def __init__(
         self,
         groups: Sequence[tuple[str, Sequence[tuple[str, nn.Module]]]],
@@ -156,6 +159,8 @@ class ModelLevelOffload:
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         for group in self.groups:
             self._swap_out(group)
         self._active = None
@@ -169,6 +174,8 @@ class ModelLevelOffload:
     def _before_use(self, index: int, module: nn.Module, args) -> None:
         if self._active == index:
             return
+        if self.timeline is not None:  # the active group's compute has all been issued
+            self.timeline.end_compute(self.backend.current_stream())
         previous = self._active
         for i, group in enumerate(self.groups):
             if i != index and group.state != "host":
@@ -178,7 +185,10 @@ class ModelLevelOffload:
             self._load(group)
         compute = self.backend.current_stream()
         self._issued(group)
-        group.ready.wait(compute)
+        if self.timeline is None:
+            group.ready.wait(compute)
+        else:
+            self.timeline.wait_then_compute(compute, group.ready, group.name)
         for c in group.components:
             c.unit.bind(c.device)
             c.versions = [p._version for p in c.module.parameters()]
@@ -210,7 +220,11 @@ class ModelLevelOffload:
         the stager thread when some component is staged)."""
         stream = self.copy_stream
         freed.wait(stream)
-        self.placement.issue(transfers, stream)
+        issue = functools.partial(self.placement.issue, transfers, stream)
+        if self.timeline is None:
+            issue()
+        else:
+            self.timeline.copy(stream, group.name, group.nbytes, issue)
         group.ready.record(stream)
 
     def _issued(self, group: Group) -> None:
@@ -236,9 +250,12 @@ class ModelLevelOffload:
     def _swap_out(self, group: Group) -> None:
         if group.state == "host":
             return
-        if group.state == "loading":
+        if group.state == "loading":  # its copies still read the host buffers; cheap, rare
             self._issued(group)
-            group.ready.synchronize()  # its copies still read the host buffers; cheap, rare
+            if self.timeline is None:
+                group.ready.synchronize()
+            else:
+                self.timeline.host_wait(f"unload {group.name} (still loading)", group.ready.synchronize)
         for c in group.components:
             if group.state == "active":
                 self._keep_inplace_changes(c)
