@@ -24,13 +24,14 @@ Recording costs nothing when no timeline is attached: the strategies test one at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from .backend import Capability, DeviceBackend, Stream, Waitable
+from .backend import Capability, DeviceBackend, Stream
 
 COMPUTE_LANE = "compute"
 COPY_LANE = "copy"
@@ -38,6 +39,8 @@ HOST_LANE = "host"
 KINDS = ("compute", "copy", "wait")
 
 T = TypeVar("T")
+#: what strategies enter instead of a recording context when nothing is traced (reusable)
+UNTRACED = contextlib.nullcontext()
 now_ns = time.perf_counter_ns
 
 
@@ -67,7 +70,7 @@ class Instant:
 class Timeline:
     """Spans and instants of one traced stretch of work on ``backend``.
 
-    Strategies call :meth:`copy`, :meth:`wait_then_compute`, :meth:`end_compute`,
+    Strategies call :meth:`copy`, :meth:`compute_after`, :meth:`end_compute`,
     :meth:`host_wait` and :meth:`prefetch_miss`; readers call :meth:`close` (done by
     ``handle.trace()`` on exit) and then :meth:`spans` / :meth:`instants`. ``max_spans`` bounds the
     memory of long runs; spans past it are counted in :attr:`dropped`.
@@ -101,12 +104,14 @@ class Timeline:
         self._add(self._copy_lane(stream), f"load {name}", "copy", start, self._mark(stream), nbytes)
         return result
 
-    def wait_then_compute(self, stream: Stream, ready: Waitable, name: str) -> None:
-        """Make the compute ``stream`` wait for ``ready`` (a copy's event), recorded as a ``wait``
-        span, then open the compute span ``name``; it lasts until :meth:`end_compute`."""
+    @contextlib.contextmanager
+    def compute_after(self, stream: Stream, name: str) -> Iterator[None]:
+        """Around the strategy's wait of the compute ``stream`` for a copy: recorded as a ``wait``
+        span, after which the compute span ``name`` opens; it lasts until :meth:`end_compute`.
+        The strategy waits itself, so that each wait is one statement whether traced or not."""
         self.end_compute(stream)
         before = self._mark(stream)
-        ready.wait(stream)
+        yield
         after = self._mark(stream)
         self._add(COMPUTE_LANE, f"wait {name}", "wait", before, after, 0)
         self._open = (name, after)
@@ -118,11 +123,12 @@ class Timeline:
             self._open = None
             self._add(COMPUTE_LANE, name, "compute", start, self._mark(stream), 0)
 
-    def host_wait(self, name: str, wait: Callable[[], T]) -> T:
-        """Run ``wait()``, a host-blocking wait, and record it as an instant with its duration."""
+    @contextlib.contextmanager
+    def host_wait(self, name: str) -> Iterator[None]:
+        """Around a host-blocking wait of the strategy's: an instant with its duration."""
         start = now_ns()
         try:
-            return wait()
+            yield
         finally:
             self._instant(Instant(HOST_LANE, name, "host wait", start - self._origin_ns, now_ns() - start))
 

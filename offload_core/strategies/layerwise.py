@@ -32,6 +32,7 @@ from torch import nn
 
 from ..backend import DeviceBackend
 from ..hostmem.placement import ONCE, STREAM, HostUnit
+from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from .common import (
     Counters,
@@ -287,17 +288,17 @@ class LayerwiseOffload:
                 continue  # the occupant runs before j: a later hook queues j
             self._load(j)
 
-    def _wait_ready(self, i: int, stream=None) -> None:
-        """Make ``stream`` (default: compute, where a trace records the wait) wait until block
+    def _wait_ready(self, i: int, reader=None) -> None:
+        """Make compute (a trace records the wait), or the stream ``reader``, wait until block
         ``i`` is in its slot."""
         if self._tickets:
             self.placement.wait(self._tickets.pop(i, None))
-        if stream is not None:
+        if reader is not None:  # not compute: the distributed read-back at disable
+            self.ready[i].wait(reader)
+            return
+        stream = self.backend.current_stream()
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
             self.ready[i].wait(stream)
-        elif self.timeline is not None:
-            self.timeline.wait_then_compute(self.backend.current_stream(), self.ready[i], self._span_name(i))
-        else:
-            self.ready[i].wait(self.backend.current_stream())
 
     def _span_name(self, i: int) -> str:
         return f"{self.label}.{self.block_names[i]}"

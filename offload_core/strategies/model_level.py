@@ -25,6 +25,7 @@ from torch import nn
 
 from ..backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
+from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import (
@@ -185,10 +186,8 @@ class ModelLevelOffload:
             self._load(group)
         compute = self.backend.current_stream()
         self._issued(group)
-        if self.timeline is None:
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(compute, group.name):
             group.ready.wait(compute)
-        else:
-            self.timeline.wait_then_compute(compute, group.ready, group.name)
         for c in group.components:
             c.unit.bind(c.device)
             c.versions = [p._version for p in c.module.parameters()]
@@ -252,10 +251,8 @@ class ModelLevelOffload:
             return
         if group.state == "loading":  # its copies still read the host buffers; cheap, rare
             self._issued(group)
-            if self.timeline is None:
+            with UNTRACED if self.timeline is None else self.timeline.host_wait(f"unload {group.name} (still loading)"):
                 group.ready.synchronize()
-            else:
-                self.timeline.host_wait(f"unload {group.name} (still loading)", group.ready.synchronize)
         for c in group.components:
             if group.state == "active":
                 self._keep_inplace_changes(c)
