@@ -43,6 +43,8 @@ LORA = "tests/test_contract_lora.py"
 CALLBACK_DISABLE = "tests/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
 SHARDED = "tests/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
 WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
+STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
+STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ L = "offload_core/strategies/layerwise.py"
 M = "offload_core/strategies/model_level.py"
 D = "offload_core/strategies/distributed.py"
 R = "offload_core/strategies/resident.py"
+S = "offload_core/hostmem/staging.py"
 
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
@@ -75,8 +78,9 @@ MUTANTS = [
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (PROPERTIES,)),
     Mutant("layerwise: the block's ready event is recorded after its copies", L, "self.ready[i].record(stream)",
            (LIFECYCLE,)),
-    Mutant("layerwise: compute waits for the block's ready event", L,
-           "self.ready[i].wait(self.backend.current_stream())", (LIFECYCLE,)),
+    Mutant("layerwise: compute waits for the block's ready event", L, "self.ready[i].wait(stream)", (LIFECYCLE,)),
+    Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
+           "self.ready[i].wait(reader)", (DISTRIBUTED,)),
     Mutant("layerwise: the slot of a block that ran is marked free", L,
            "self.freed[i % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,)),
@@ -84,6 +88,12 @@ MUTANTS = [
     # -- changes copied home ------------------------------------------------------------------
     Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
     Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
+    Mutant("layerwise: the resident copy is issued (by the stager) before its done event", L,
+           "self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, "
+           "self.counters))", (STAGED,),
+           replacement="copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters)"),
+    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
+           "self.placement.wait(self._tickets.pop(i, None))", (STAGED,)),
     # -- distributed --------------------------------------------------------------------------
     Mutant("distributed: the slot is used only after its all-gather", D,
            "self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)", (DISTRIBUTED,),
@@ -96,7 +106,7 @@ MUTANTS = [
     Mutant("distributed: a shard takes a forward's buffer changes only once they have landed", D,
            "done.synchronize()", (SHARDED,)),
     Mutant("distributed: the event after a shard's update is recorded", D, "done.record(stream)", (SHARDED,)),
-    Mutant("distributed disable: the read-back waits for the block's gather", D, "self.ready[i].wait(host)",
+    Mutant("distributed disable: the read-back waits for the block's gather", D, "self._wait_ready(i, host)",
            (DISTRIBUTED,)),
     Mutant("distributed disable: host waits for the read-back", D, "host.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------
@@ -107,10 +117,12 @@ MUTANTS = [
     Mutant("model-level: a component called on its own leaves the device after its forward", M,
            "self.release_all()", (CONFIG,), occurrence=2, occurrences=3),
     Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES,)),
+    Mutant("model-level: a staged group's ticket is waited before its ready event", M,
+           "self.placement.wait(ticket)", (STAGED_PIPELINE,)),
     Mutant("model-level: a group's copies wait for earlier compute (the free wait)", M,
-           "self._freed().wait(self.copy_stream)", (STRATEGIES,)),
+           "freed.wait(stream)", (STRATEGIES,)),
     Mutant("model-level: the group's ready event is recorded after its copies", M,
-           "group.ready.record(self.copy_stream)", (PIPELINES,)),
+           "group.ready.record(stream)", (PIPELINES,)),
     Mutant("model-level: the free event is recorded after all compute issued", M,
            "event.record(self.backend.current_stream())", (STRATEGIES,)),
     Mutant("model-level: swapping a group out waits for its copies before the host may write its home", M,
@@ -121,6 +133,13 @@ MUTANTS = [
     Mutant("resident: copies wait for earlier compute", R,
            "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES,)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
+    Mutant("resident: a staged copy is issued before the host waits for the stream", R,
+           "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_PIPELINE,),
+           replacement="copy_unit(unit, buf, self.placement, stream, self.counters)"),
+    # -- the bounce ring ----------------------------------------------------------------------
+    Mutant("bounce ring: a buffer is refilled only after the copy that read it", S,
+           "self.read_done[k].synchronize()", (STAGED,)),
+    Mutant("bounce ring: the read of a buffer is marked by an event", S, "self.read_done[k].record(stream)", (STAGED,)),
 ]
 
 

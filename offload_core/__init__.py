@@ -13,6 +13,7 @@ from .handle import AlreadyEnabledError, OffloadedModelError, OffloadHandle
 from .strategies.part import RepackError
 from .strategies.distributed import DistributedOffloadError
 from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
+from .pretrained import from_pretrained
 from .weights import UnsupportedTensorError
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "RepackError",
     "UnsupportedTensorError",
     "enable_offload",
+    "from_pretrained",
     "register_blocks",
     "BackendNotFoundError",
     "Capability",

@@ -12,13 +12,14 @@ from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
+from .hostmem.placement import plan_placement
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
 from .strategies.common import Transaction
-from .strategies.part import attach
 from .strategies import streaming_part
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
+from .strategies.part import attach
 from .strategies.resident import ResidentModules
 
 logger = logging.getLogger(__name__)
@@ -31,31 +32,43 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     (not both). ``enable`` is a transaction: on any error the target is left as it was. What an
     offloaded model does when it is changed, shared or fails is in ``docs/design.md``.
     """
+    kind = "pipeline" if is_pipeline(target) else "module" if isinstance(target, nn.Module) else None
+    if kind is None:
+        raise OffloadConfigError(
+            f"target must be a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}"
+        )
+    config = resolve_config(config, options)
+    config.warn_ignored()
+    config.check_applies(kind)
+    return enable_checked(target, kind, config)
+
+
+def resolve_config(config: OffloadConfig | None, options: dict[str, Any]) -> OffloadConfig:
+    """The validated config of ``config=`` or keyword ``options``, with a strategy selected."""
     if config is not None and options:
         raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
     if config is None:
-        try:
-            config = OffloadConfig(**options)
-        except TypeError as exc:
-            valid = ", ".join(f.name for f in OffloadConfig.__dataclass_fields__.values())
-            raise OffloadConfigError(f"{exc}; valid options: {valid}") from None
-    strategy = config.strategy
-    if strategy is None:
+        config = OffloadConfig.from_options(options)
+    elif not isinstance(config, OffloadConfig):
+        raise OffloadConfigError(f"config must be an offload_core.OffloadConfig, got {type(config).__name__}")
+    if config.strategy is None:
         raise OffloadConfigError(
             "no strategy selected: set enable_cpu_offload, enable_layerwise_offload or "
             "enable_distributed_layerwise_offload"
         )
-    config.warn_ignored()
+    return config
+
+
+def enable_checked(target: Any, kind: str, config: OffloadConfig) -> OffloadHandle:
+    """``enable_offload`` once ``config`` has been checked against ``kind`` of target ("pipeline"
+    or "module"), as ``from_pretrained`` does before it loads anything."""
     existing = getattr(target, HANDLE_ATTRIBUTE, None)
     if existing is not None:
         raise AlreadyEnabledError(
             f"offloading is already enabled on this {type(target).__name__} by {existing!r}; call handle.disable() "
             "first (again, if an earlier disable() was interrupted)"
         )
-    pipeline = is_pipeline(target)
-    if not pipeline and not isinstance(target, nn.Module):
-        raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
-    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if pipeline else [target]
+    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if kind == "pipeline" else [target]
     ownership.check_free(roots, f"this {type(target).__name__}")
     foreign = _foreign_offload(target)
     if foreign:
@@ -64,7 +77,10 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "(pipe.remove_all_hooks() for accelerate, or load the model again)"
         )
     backend = get_backend(config.backend)
-    handle = enable_on_pipeline(target, config, backend) if pipeline else _enable_on_module(target, config, backend)
+    if kind == "pipeline":
+        handle = enable_on_pipeline(target, config, backend)
+    else:
+        handle = _enable_on_module(target, config, backend)
 
     def mark(on: bool) -> None:  # taken off while a plain copy is made, so the copy is not "enabled"
         if on:
@@ -96,7 +112,7 @@ def _foreign_offload(target: Any) -> str | None:
 def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    handle = OffloadHandle(module, config.strategy, backend, baseline=baseline)
+    handle = OffloadHandle(module, config.strategy, backend, baseline=baseline, config=config)
     with Transaction() as txn, agreement(config) as agreed:
         if config.strategy in ("layerwise", "distributed"):
             blocks = find_blocks(module, config.blocks)
@@ -105,10 +121,12 @@ def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> Offl
             else:
                 logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
                             config.strategy, type(module).__name__, no_blocks_hint(module))
-                part = ResidentModules([(type(module).__name__, module)], backend, config.pin_memory)
+                part = ResidentModules([(type(module).__name__, module)], backend)
         else:
-            part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
+            part = ModelLevelOffload.for_module(module, backend)
         agreed.parts = [part]
+        handle.placement = plan_placement([part], config, backend)
+        handle.placement.attach([part], txn)
         attach(part, handle)
         part.enable(txn)
     handle.parts = [part]

@@ -13,6 +13,8 @@ from torch import nn
 
 from . import ownership
 from .backend import DeviceBackend
+from .hostmem.budget import Trimmer
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class OffloadHandle:
         baseline: int = 0,
         undo: Sequence = (),
         lock: Any = None,
+        placement: Any = None,
+        config: Any = None,
     ) -> None:
         self.target = target
         self.strategy = strategy
@@ -58,6 +62,9 @@ class OffloadHandle:
         self._busy = 0  # > 0 while the handle itself re-packs: hooks let its own changes through
         #: pipeline-level instrumentation, taken off while a plain copy is made: set(on: bool)
         self._instruments: list[Callable[[bool], None]] = []
+        self.placement = placement  # where the weights' host homes are (hostmem.placement)
+        self.config = config
+        self._placements: list = []  # more, made when a part was packed again (see place())
 
     @property
     def device_weight_bytes(self) -> int:
@@ -67,8 +74,11 @@ class OffloadHandle:
         """Transfer and memory figures since enable.
 
         ``device_peak_bytes`` is the backend's peak allocation since enable, less what other users
-        of the backend held before it; ``pinned_host_bytes`` the pinned host memory holding the
-        weights; ``device_weight_bytes`` the device memory the strategy itself holds at most.
+        of the backend held before it; ``device_weight_bytes`` the device memory the strategy
+        itself holds at most. Host side: ``pinned_host_bytes`` (weights in pinned memory, and the
+        bounce ring), ``pageable_host_bytes`` (weights in ordinary memory), ``disk_bytes``
+        (weights read from disk), ``bounce_bytes`` (the ring) and ``staged_bytes`` (bytes copied
+        through the ring so far); ``host_bytes`` is the weights held in RAM.
         """
         totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0}
         for part in self.parts:
@@ -76,9 +86,28 @@ class OffloadHandle:
                 totals[key] = totals.get(key, 0) + value
         totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
-        totals["pinned_host_bytes"] = sum(p.host_bytes for p in self.parts if p.pin_memory)
-        totals["host_bytes"] = sum(p.host_bytes for p in self.parts)
+        for placement in (self.placement, *self._placements):
+            for key, value in placement.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    @contextlib.contextmanager
+    def trace(self) -> Iterator[Timeline]:
+        """Record what the strategies do inside the block (per-block compute, copies, waits,
+        misses) into a :class:`~offload_core.timeline.Timeline`, closed on exit so that its spans
+        can be read. One trace at a time; without one, recording costs nothing."""
+        if any(part.timeline is not None for part in self.parts):
+            raise RuntimeError("a trace is already recording on this handle")
+        timeline = Timeline(self.backend)
+        for part in self.parts:
+            part.timeline = timeline
+        try:
+            yield timeline
+        finally:
+            for part in self.parts:
+                part.timeline = None
+            timeline.close()
 
     def disable(self) -> None:
         """Remove every hook, put the weights back in ordinary host tensors, free device memory.
@@ -93,8 +122,13 @@ class OffloadHandle:
             while self._undo:
                 self._undo[-1]()
                 self._undo.pop()
+            for placement in (self.placement, *self._placements):
+                placement.close()
             self.enabled = False
             ownership.unregister(self)
+        trimmer = Trimmer()
+        trimmer.add(sum(p.host_bytes for p in self.parts))  # the homes just freed, device buffers on CPU backends
+        trimmer.flush()
         logger.info("offload (%s) disabled on %s", self.strategy, type(self.target).__name__)
 
     @contextlib.contextmanager
@@ -115,6 +149,19 @@ class OffloadHandle:
                 part.thaw()
 
     # -- what users do to the model (routed here by offload_core.ownership) ------------------
+    def place(self, part: Any, txn: Any) -> None:
+        """Homes for a part packed again (its units are new): planned under the handle's options,
+        for that part alone. A part that had the handle's placement to itself gives it up."""
+        from .hostmem.placement import plan_placement
+
+        placement = plan_placement([part], self.config, self.backend)
+        placement.attach([part], txn)
+        if self.parts == [part] and not self._placements:
+            old, self.placement = self.placement, placement
+            old.close()
+        else:
+            self._placements.append(placement)
+
     def refresh(self) -> None:
         """The parts re-packed: record what the handle owns now."""
         ownership.refresh(self)

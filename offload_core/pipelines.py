@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Any
 
 from torch import nn
@@ -24,6 +25,7 @@ from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, find_blocks
 from .discovery.blocks import no_blocks_hint
 from .handle import OffloadHandle
+from .hostmem.placement import plan_placement
 from .strategies.common import Transaction
 from .strategies.part import CopyGuard, attach
 from .strategies import streaming_part
@@ -45,11 +47,11 @@ PIPELINE_OVERRIDES: dict[str, dict[str, str]] = {
 
 
 def is_pipeline(target: Any) -> bool:
-    try:
-        from diffusers import DiffusionPipeline
-    except ImportError:  # pragma: no cover - diffusers is a dependency
-        return False
-    return isinstance(target, DiffusionPipeline)
+    """True for a diffusers ``DiffusionPipeline``. Asked of every target, so it must not import
+    diffusers' pipelines (over a second): if their base module is not loaded yet, no pipeline
+    can exist."""
+    module = sys.modules.get("diffusers.pipelines.pipeline_utils")
+    return module is not None and isinstance(target, module.DiffusionPipeline)
 
 
 def component_kind(pipe: Any, name: str) -> str:
@@ -118,16 +120,16 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
         raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    handle = OffloadHandle(pipe, config.strategy, backend, baseline=baseline)
+    handle = OffloadHandle(pipe, config.strategy, backend, baseline=baseline, config=config)
     parts: list = []
     with Transaction() as txn, agreement(config) as agreed:
         if config.strategy == "model":
-            if config.components is not None:
-                raise OffloadConfigError("components= applies to layerwise offload; model-level swaps every component")
-            parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
+            parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))
         agreed.parts = parts
+        handle.placement = plan_placement(parts, config, backend)
+        handle.placement.attach(parts, txn)
         for part in parts:
             attach(part, handle)
             part.enable(txn)
@@ -176,6 +178,7 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
             blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
             if blocks:
                 parts.append(streaming_part(module, blocks, config, backend))
+                parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
             else:
                 staged.append((name, [(name, module)]))
         elif kind == "vae" and "vae" in streamed:
@@ -183,9 +186,9 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
         else:
             resident.append((name, module))
     if staged:
-        parts.append(ModelLevelOffload(staged, backend, config.pin_memory, prefetch=False))
+        parts.append(ModelLevelOffload(staged, backend, prefetch=False))
     if resident:
-        parts.append(ResidentModules(resident, backend, config.pin_memory))
+        parts.append(ResidentModules(resident, backend))
     return parts
 
 

@@ -41,10 +41,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..labels import label
 from ..weights import nbytes_of
 from .common import Transaction, allocate_device, pack_units
-from .layerwise import LayerwiseOffload
+from .layerwise import LayerwiseOffload, placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,15 @@ _serials = {"next": 0}
 
 def _rebind_all(originals) -> None:
     for owner, tensor in originals:
-        owner.rebind(tensor)
+        if owner.param is not None and owner.param.is_meta != tensor.is_meta:
+            owner.replace(torch.nn.Parameter(tensor, requires_grad=owner.param.requires_grad))
+        else:
+            owner.rebind(tensor)
+
+
+def _read_flat(source: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:
+    """A pageable shard read into the bounce ring."""
+    out.copy_(source[start : start + count])
 
 
 def fingerprint(buffers: dict[torch.dtype, torch.Tensor]) -> tuple[int, ...]:
@@ -100,7 +109,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         backend: DeviceBackend,
         process_group: Any = None,
         shard_host_weights: bool = True,
-        pin_memory: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -115,7 +123,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         self.fingerprints: list[tuple[int, ...]] = []
         self.serial = -1
         self._aborting = False  # loads issued now carry an aborted header
-        super().__init__(model, blocks, backend, prefetch_depth=1, pin_memory=pin_memory)
+        super().__init__(model, blocks, backend, prefetch_depth=1)
 
     def _plan(self, blocks: list[nn.Module]) -> None:
         super()._plan(blocks)
@@ -131,10 +139,16 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def host_bytes(self) -> int:
         if not self.shard:
             return super().host_bytes
-        return self.resident.nbytes + sum(
-            nbytes_of({dtype: _padded(n, self.world) // self.world for dtype, n in unit.numel.items()})
-            for unit in self.units
-        )
+        return self.resident.nbytes + sum(self._shard_bytes(unit) for unit in self.units)
+
+    def host_units(self) -> list:
+        if not self.shard:
+            return super().host_units()
+        return [HostUnit(self.resident, ONCE, self.resident.nbytes),
+                *(HostUnit(u, STREAM, self._shard_bytes(u)) for u in self.units)]
+
+    def _shard_bytes(self, unit) -> int:
+        return nbytes_of({dtype: _padded(n, self.world) // self.world for dtype, n in unit.numel.items()})
 
     @property
     def device_weight_bytes(self) -> int:
@@ -151,13 +165,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         units = [self.resident, *self.units]
         sizes = tuple(tuple(sorted((str(d), n) for d, n in u.numel.items())) for u in units)
         return (self.strategy, self.shard, self.world, tuple(self.block_names), sizes, tuple(self.fingerprints))
-
-    def _home_views(self, i: int) -> list:
-        """Sharded, a rank has no full host copy of a block: outside its forward a block's tensors
-        are placeholders (see :func:`_placeholders`)."""
-        if not self.shard:
-            return super()._home_views(i)
-        return self._placeholders[i]
 
     def truth(self) -> list:
         if self.shard:  # a rank has only shards of the blocks
@@ -191,29 +198,35 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
 
     def _pack(self, txn: Transaction) -> None:
-        """Keep only this rank's shard of each block; the originals stay referenced by the undo
-        log until enable succeeds, so a failure can put them back untouched."""
+        """Keep only this rank's shard of each block, building one block's padded copy at a time;
+        outside their forward the blocks show placeholders. The undo log keeps the original
+        tensors until enable succeeds, so a failure can put them back untouched."""
         if not self.shard:
             return super()._pack(txn)
-        pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights")
-        allocate = self.backend.empty_pinned if self.pin_memory else (lambda n, dtype: torch.empty(n, dtype=dtype))
-        self._placeholders = []
+        pack_units([self.resident], self.placement, txn, "resident weights")
         for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
             originals = [(owner, owner.get().data) for owner in unit.owners()]
             txn.on_rollback(functools.partial(_rebind_all, originals))
-            unit.pack(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
-            self.fingerprints.append(fingerprint(unit.host))
-            shards = {}
-            for dtype, full in unit.host.items():
-                size = full.numel() // self.world
-                shard = allocate(size, dtype)
-                shard.copy_(full[self.rank * size : (self.rank + 1) * size])
-                shards[dtype] = shard
-            self._shards.append(shards)
-            placeholders = _placeholders(unit)
-            unit.bind(placeholders)
-            self._placeholders.append(placeholders)
-            unit.host, unit.host_views = {}, []  # the full temporary buffer is dropped here
+            self._shards.append(self._shard(unit))
+            unit.host_views = placeholders(unit)
+            unit.bind(unit.host_views)
+
+    def _shard(self, unit) -> dict[torch.dtype, torch.Tensor]:
+        """This rank's shard of ``unit``, per dtype, and its fingerprint; the padded copy they are
+        cut from dies on return."""
+        full = unit.take(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
+        self.fingerprints.append(fingerprint(full))
+        allocate = self.placement.allocator(unit)
+        shards = {}
+        for dtype, buffer in full.items():
+            size = buffer.numel() // self.world
+            shards[dtype] = allocate(size, dtype)
+            shards[dtype].copy_(buffer[self.rank * size : (self.rank + 1) * size])
+        return shards
+
+    def _show_placeholders(self) -> None:
+        if not self.shard:  # sharded blocks were given theirs while packing
+            super()._show_placeholders()
 
     def _instrument(self) -> None:
         super()._instrument()
@@ -241,23 +254,28 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             return super()._plan_transfers()
         self._write_headers()
         self._transfers = []
-        for i, shards in enumerate(self._shards):
+        for i, (unit, shards) in enumerate(zip(self.units, self._shards)):
             slot, staging = self.slots[i % self.num_slots], self._staging[i % self.num_slots]
+            direct = self.placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
             self._transfers.append([
-                (staging[dtype][: shard.numel()], shard, slot[dtype][: shard.numel() * self.world])
+                (staging[dtype][: shard.numel()], shard if direct else functools.partial(_read_flat, shard),
+                 slot[dtype][: shard.numel() * self.world])
                 for dtype, shard in shards.items()
             ])
+        self._transfer_copies = [
+            self.placement.copies([(staging, src) for staging, src, _ in transfers]) for transfers in self._transfers
+        ]
+        self._images = [None] * len(self.units)  # shards are never on disk
         self._transfer_bytes = [sum(s.numel() * s.element_size() for s in shards.values()) for shards in self._shards]
 
-    def _issue(self, i: int, stream) -> int:
+    def _issue(self, i: int, stream) -> None:
         if not self.shard:
             return super()._issue(i, stream)
         self._gather_header(i, ABORTED if self._aborting else OK)
         self._loaded_in_pass = max(self._loaded_in_pass, i)
         for staging, shard, out in self._transfers[i]:
-            self.backend.copy_async(staging, shard, stream)
+            self.placement.issue([(staging, shard)], stream)
             self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
-        return len(self._transfers[i])
 
     def _gather_header(self, i: int, status: int) -> None:
         """Queue the all-gather of block ``i``'s header (``END``: the end of a pass)."""
@@ -344,7 +362,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         changed = [
             f"{self.block_names[i]}:{owner.name}"
             for i in blocks
-            for _, owner in self.units[i].foreign(self._placeholders[i])
+            for _, owner in self.units[i].foreign(self.units[i].host_views)
         ]
         changed += [f"{self.block_names[i]} (changed in place)" for i in blocks if self._bindings[i].touched()]
         if changed or self.dirty:
@@ -357,7 +375,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _release(self) -> None:
         super()._release()
         self._staging = []
-        self._placeholders = []
         self._header_in = self._header_out = None
 
     def _end_pass(self, failed: bool) -> None:
@@ -400,8 +417,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             rebuilt = self._gather_all()
             self._remove_hooks()
             for i, unit in enumerate(self.units):
-                unit.host = rebuilt[i]
-                unit.host_views = self._placeholders[i]
+                unit.host = rebuilt[i]  # unpacked from here; owners still show their placeholders
             self._shards = []
             super().disable()
 
@@ -413,7 +429,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             self._check_headers()
             for i, unit in enumerate(self.units):
                 self._load(i)
-                self.ready[i].wait(host)
+                self._wait_ready(i, host)
                 slot = self.slots[i % self.num_slots]
                 buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
                 for dtype, buf in buffers.items():
@@ -431,23 +447,6 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         finally:
             self._quiesce()
         return rebuilt
-
-
-def _placeholders(unit) -> list[torch.Tensor]:
-    """What a sharded block's tensors show outside its forward: host tensors of the right shape
-    and dtype, every element NaN (integers: their maximum, booleans: True) through one element of
-    memory (all strides 0). Computing with them gives NaN on a CPU and a device-mismatch error on
-    an accelerator; writing into them raises (their elements overlap); ``state_dict`` raises."""
-    poison = {}
-    for dtype in unit.numel:
-        if dtype.is_floating_point or dtype.is_complex:
-            value = float("nan")
-        elif dtype == torch.bool:
-            value = True
-        else:
-            value = torch.iinfo(dtype).max
-        poison[dtype] = torch.full((), value, dtype=dtype)
-    return [poison[e.dtype].expand(e.size) for e in unit.entries]
 
 
 def agreement(config: Any) -> "Agreement | contextlib.AbstractContextManager":

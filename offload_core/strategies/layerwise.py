@@ -28,6 +28,13 @@ see, which is what the promise is about.
 
 A model with one block gets one slot: nothing can be copied while the block computes, so its copy
 at the start of each forward cannot overlap (the enable log says so).
+
+Blocks whose home is not pinned (a ``pinned_memory`` budget, or on disk with ``host_memory``) are
+loaded by the placement's stager thread through its bounce ring: ``_load`` then hands the whole
+load (slot wait, copies, ready event) to the stager, and the block's ticket is waited before
+compute waits on its ready event. A block whose home is on disk has no host memory to show
+outside its forward: its tensors are placeholders then (see :func:`placeholders`); its state dict
+is read from disk, and writing into it is refused.
 """
 
 from __future__ import annotations
@@ -42,9 +49,12 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..handle import OffloadedModelError
+from ..hostmem.placement import ONCE, STREAM, HostUnit
+from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
-from .common import Transaction, allocate_device, copy_unit, move_inputs, pack_units
+from .common import Transaction, allocate_device, copy_unit, default_placement, move_inputs, pack_units
 from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
@@ -61,20 +71,21 @@ class LayerwiseOffload(Part):
         blocks: Sequence[tuple[str, nn.Module]],
         backend: DeviceBackend,
         prefetch_depth: int = 1,
-        pin_memory: bool = True,
     ) -> None:
         if not blocks:
             raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-        super().__init__(backend, pin_memory)
+        super().__init__(backend)
         self.model = model
+        self.label = type(model).__name__  # names timeline spans: "<label>.<block name>"
         self.block_names = [name for name, _ in blocks]
         self.prefetch_depth = prefetch_depth
         self._passes = 0  # nesting depth of model forwards
         self._frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
         self._bound = -1  # the block whose tensors show its slot
         self._occupant: list[int] = []
+        self._tickets: dict[int, object] = {}  # block -> stager ticket of its pending load
         self._plan([block for _, block in blocks])
 
     def _plan(self, blocks: list[nn.Module]) -> None:
@@ -87,6 +98,11 @@ class LayerwiseOffload(Part):
     def _replan(self) -> None:
         # a block replaced by a new module is picked up by its name
         self._plan([self.model.get_submodule(name) for name in self.block_names])
+
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: blocks are streamed every step."""
+        return [HostUnit(self.resident, ONCE, self.resident.nbytes),
+                *(HostUnit(u, STREAM, u.nbytes) for u in self.units)]
 
     def describe(self) -> str:
         return type(self.model).__name__
@@ -115,6 +131,7 @@ class LayerwiseOffload(Part):
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
         backend = self.backend
+        default_placement(self, txn)
         self._allocate_device()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self._name}")
         txn.on_rollback(self._release)
@@ -128,7 +145,8 @@ class LayerwiseOffload(Part):
         self._occupant = [-1] * self.num_slots
         self._queued = False  # copies were queued since the host last waited for the copy stream
         self._warned_grad = False
-        copy_unit(self.resident, resident_device, backend, self.copy_stream, self.counters)
+        self._stager = self.placement.stager
+        self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters))
         done = backend.new_event()
         done.record(self.copy_stream)
         done.synchronize()
@@ -136,8 +154,9 @@ class LayerwiseOffload(Part):
         self.resident_views = self.resident.views(resident_device)
         self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
+        self._show_placeholders()
         self.aliases.clear()
-        for unit, _, buffers in self.truth_buffers():
+        for unit, buffers in [(self.resident, resident_device), *((u, u.host) for u in self.units if u.host)]:
             self.aliases.add(unit, buffers)
         self._plan_transfers()
         self._bindings = [
@@ -155,21 +174,56 @@ class LayerwiseOffload(Part):
             "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
 
+    def _show_placeholders(self) -> None:
+        """Blocks with no home in RAM (on disk) show placeholders outside their forward."""
+        for unit in self.units:
+            if not unit.host:
+                unit.host_views = placeholders(unit)
+                unit.bind(unit.host_views)
+
     def _instrument(self) -> None:
         for i, block in enumerate(self.blocks):
             self._wrap(block, functools.partial(self._before_block, i), functools.partial(self._after_block, i))
+            if not self.units[i].host:  # its home is on disk: its state dict is read from there
+                self._hooks.append(block.register_state_dict_post_hook(self._state_from_disk(i)))
+                self._refuse_writes(i, block)
         self._wrap(self.model, self._begin_pass, self._end_pass, move_inputs(self.backend.device()))
 
+    def _refuse_writes(self, i: int, block: nn.Module) -> None:
+        refuse = functools.partial(_refuse_loading, f"block {self.block_names[i]} of {self.describe()}", "disk")
+        for module in block.modules():
+            self._hooks.append(module.register_load_state_dict_pre_hook(refuse))
+
+    def _state_from_disk(self, i: int):
+        """A state dict hook for block ``i``, whose home is on disk: its entries read from there."""
+        unit = self.units[i]
+        names = {id(m): n for n, m in self.blocks[i].named_modules()}
+        keys = [
+            (f"{names[id(o.module)]}.{o.name}".lstrip("."), index)
+            for index, entry in enumerate(unit.entries)
+            for o in entry.owners
+            if id(o.module) in names
+        ]
+
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+            views = unit.views(unit.home())
+            for key, index in keys:
+                if prefix + key in state_dict:
+                    state_dict[prefix + key] = views[index]
+
+        return hook
+
     def _home_views(self, i: int) -> list:
-        """What block ``i``'s tensors show outside its forward: its host buffer."""
+        """What block ``i``'s tensors show outside its forward: its host buffer, or placeholders."""
         return self.units[i].host_views
 
     def truth(self) -> list:
         return self.truth_buffers()
 
     def truth_buffers(self) -> list:
-        """(unit, views its owners show, buffers holding its true values) per unit that has them."""
-        found = [(u, self._home_views(i), u.host) for i, u in enumerate(self.units) if u.host]
+        """(unit, views its owners show, buffers holding its true values) per unit (read from
+        disk for a home there)."""
+        found = [(u, self._home_views(i), u.home()) for i, u in enumerate(self.units) if u.host or u.image]
         return [(self.resident, self.resident_views, self.resident_device), *found]
 
     def _new_copy_stream(self):
@@ -188,23 +242,25 @@ class LayerwiseOffload(Part):
 
     def _pack(self, txn: Transaction) -> None:
         """Give every unit its host home (here: the whole unit, one buffer per dtype)."""
-        pack_units([self.resident, *self.units], self.backend, self.pin_memory, txn,
-                   f"packing {type(self.model).__name__}")
+        pack_units([self.resident, *self.units], self.placement, txn, type(self.model).__name__)
 
     def _plan_transfers(self) -> None:
-        """(slot view, host buffer) per dtype, per block: the hot path only issues copies."""
+        """(slot view, source) per dtype, per block: the hot path only issues copies. A source is a
+        host buffer copied straight, or a reader staged through the bounce ring."""
         self._transfers = [
-            [(self.slots[i % self.num_slots][dtype][: src.numel()], src) for dtype, src in unit.host.items()]
-            for i, unit in enumerate(self.units)
+            self.placement.transfers(unit, self.slots[i % self.num_slots]) for i, unit in enumerate(self.units)
         ]
+        self._transfer_copies = [self.placement.copies(t) for t in self._transfers]
         self._transfer_bytes = [unit.nbytes for unit in self.units]
+        self._images = [unit.image for unit in self.units]
 
-    def _issue(self, i: int, stream) -> int:
-        """Queue on ``stream`` the transfers that fill block ``i``'s slot; returns the copies issued."""
-        transfers = self._transfers[i]
-        for dst, src in transfers:
-            self.backend.copy_async(dst, src, stream)
-        return len(transfers)
+    def _issue(self, i: int, stream) -> None:
+        """Queue on ``stream`` the transfers that fill block ``i``'s slot."""
+        if self._stager is None:  # every source is a host buffer: the hot path, plain copies
+            for dst, src in self._transfers[i]:
+                self.backend.copy_async(dst, src, stream)
+        else:
+            self.placement.issue(self._transfers[i], stream)
 
     def disable(self) -> None:
         """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
@@ -215,6 +271,9 @@ class LayerwiseOffload(Part):
             if not self.enabled:
                 return
             self._quiesce()
+            # what references the homes goes first, so that each is released once its unit is unpacked
+            self._transfers = self._images = self._bindings = []
+            self.aliases.clear()
             if self.resident.host:
                 adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
                 write_back(self.backend, [
@@ -222,14 +281,15 @@ class LayerwiseOffload(Part):
                 ])
                 self.resident.unpack(self.resident_views)
             for i, unit in enumerate(self.units):
-                unit.unpack(self._home_views(i))
+                unit.unpack()  # from the views it shows at home
             self._release()
             self.enabled = False
 
     def _release(self) -> None:
         self.aliases.clear()
         self.slots = []
-        self._transfers = []
+        self._transfers = self._images = []
+        self._tickets = {}
         self._bindings = []
         self._occupant = []
         self.resident_device = {}
@@ -239,8 +299,10 @@ class LayerwiseOffload(Part):
     def _quiesce(self) -> None:
         """Wait until no queued copy reads host memory any more; forget what the slots hold."""
         if self._queued:  # the whole stream: a load interrupted half-way recorded no event
+            self.placement.drain()  # loads handed to the stager are on the stream first
             self.copy_stream.synchronize()
             self._queued = False
+            self._tickets = {}
         self._occupant = [-1] * self.num_slots
 
     # -- keeping the model and its packing in step ------------------------------------------
@@ -251,6 +313,8 @@ class LayerwiseOffload(Part):
         structural = self.dirty
         for i in blocks:
             if not self._bindings[i].at_home():
+                if not self.units[i].host:
+                    raise self._no_ram_home(i)
                 self._quiesce()  # copies queued earlier read the host as it was
                 structural |= adopt_foreign(self.backend, self.units[i], self._home_views(i))
         if structural:
@@ -258,21 +322,45 @@ class LayerwiseOffload(Part):
             self.dirty = False
             self.repack()
 
+    def _no_ram_home(self, i: int) -> Exception:
+        """The error for a change to block ``i``, which has no home in RAM to take it."""
+        return OffloadedModelError(
+            f"block {self.block_names[i]} of {self.describe()} has its home on disk (a host_memory budget): "
+            "it has no host copy to change. Call handle.disable() first, or give it RAM"
+        )
+
     # -- streaming ------------------------------------------------------------------------
     def _load(self, i: int) -> None:
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
         self._occupant[slot] = -1  # an interrupted load leaves the slot empty, not stale
         self._queued = True
-        stream = self.copy_stream
-        self.freed[slot].wait(stream)
-        copies = self._issue(i, stream)
-        self.ready[i].record(stream)
+        if self._stager is None:
+            self._queue_load(i, slot)
+        else:
+            image = self._images[i]
+            if image is not None:  # on disk: the kernel reads ahead while earlier loads are staged
+                image.advise()
+            # The stager waits on freed[slot] later: safe, because freed[slot] is recorded again
+            # only after block i has run, and block i runs only after this load's ticket.
+            self._tickets[i] = self._stager.submit(functools.partial(self._queue_load, i, slot))
         self._occupant[slot] = i
         counters = self.counters
         counters.loads += 1
-        counters.h2d_copies += copies
+        counters.h2d_copies += self._transfer_copies[i]
         counters.h2d_bytes += self._transfer_bytes[i]
+
+    def _queue_load(self, i: int, slot: int) -> None:
+        stream = self.copy_stream
+        self.freed[slot].wait(stream)
+        try:
+            if self.timeline is None:
+                self._issue(i, stream)
+            else:
+                issue = functools.partial(self._issue, i, stream)
+                self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
+        finally:  # also after a failure half-way: what waits for block i waits for what was queued
+            self.ready[i].record(stream)
 
     def _begin_pass(self) -> None:
         self._passes += 1
@@ -321,6 +409,8 @@ class LayerwiseOffload(Part):
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            if self.timeline is not None:
+                self.timeline.prefetch_miss(self._span_name(i))
             self._load(i)
         if in_pass:
             for j in range(i + 1, min(i + 1 + self.depth, len(self.units))):
@@ -330,13 +420,27 @@ class LayerwiseOffload(Part):
         self._bound = i
         self._bindings[i].to_device()
 
-    def _wait_ready(self, i: int) -> None:
-        self.ready[i].wait(self.backend.current_stream())
+    def _wait_ready(self, i: int, reader=None) -> None:
+        """Make compute (a trace records the wait), or the stream ``reader``, wait until block
+        ``i`` is in its slot."""
+        if self._tickets:
+            self.placement.wait(self._tickets.pop(i, None))
+        if reader is not None:  # not compute: the distributed read-back at disable
+            self.ready[i].wait(reader)
+            return
+        stream = self.backend.current_stream()
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
+            self.ready[i].wait(stream)
+
+    def _span_name(self, i: int) -> str:
+        return f"{self.label}.{self.block_names[i]}"
 
     def _after_block(self, i: int, failed: bool) -> None:
         if self._bound != i:
             return  # _before_block stopped before binding
         self.freed[i % self.num_slots].record(self.backend.current_stream())
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         self._bound = -1
         if self._bindings[i].to_home(self._write_back_block(i)):
             self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
@@ -344,6 +448,8 @@ class LayerwiseOffload(Part):
             self._quiesce()
 
     def _write_back_block(self, i: int):
+        if not self.units[i].host:
+            return functools.partial(_refuse_write_back, self._no_ram_home(i))
         return functools.partial(write_back, self.backend)
 
     def _warn_grad(self) -> None:
@@ -366,3 +472,31 @@ def _slot_label(strategy: "weakref.ref[LayerwiseOffload]", slot: int) -> str:
     occupant = self._occupant[slot] if slot < len(self._occupant) else -1
     holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block yet"
     return f"slot {slot} of {self._name} ({holding})"
+
+
+def placeholders(unit) -> list[torch.Tensor]:
+    """What a block with no home in RAM (on disk, or a rank's shard) shows outside its forward:
+    host tensors of the right shape and dtype, every element NaN (integers: their maximum,
+    booleans: True) through one element of memory (all strides 0). Computing with them gives NaN
+    on a CPU and a device-mismatch error on an accelerator, never another block's weights; writing
+    into them raises (their elements overlap)."""
+    poison = {}
+    for dtype in unit.numel:
+        if dtype.is_floating_point or dtype.is_complex:
+            value = float("nan")
+        elif dtype == torch.bool:
+            value = True
+        else:
+            value = torch.iinfo(dtype).max
+        poison[dtype] = torch.full((), value, dtype=dtype)
+    return [poison[e.dtype].expand(e.size) for e in unit.entries]
+
+
+def _refuse_loading(what: str, why: str, module: nn.Module, *args) -> None:
+    raise OffloadedModelError(
+        f"{what} has its home on {why} and no host copy to load a state dict into: call handle.disable() first"
+    )
+
+
+def _refuse_write_back(error: Exception, pairs) -> None:
+    raise error

@@ -27,10 +27,12 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend, Event
+from ..hostmem.placement import SWAP, HostUnit
+from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
-from .common import Transaction, allocate_device, copy_unit, move_inputs, pack_units
+from .common import Transaction, allocate_device, default_placement, move_inputs, pack_units
 from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class Group:
     components: list[Component]
     ready: Event | None = None
     state: str = "host"  # "host" | "loading" | "active"
+    ticket: object = None  # the stager's ticket of a pending load (homes outside pinned memory)
 
     @property
     def nbytes(self) -> int:
@@ -68,10 +71,9 @@ class ModelLevelOffload(Part):
         self,
         groups: Sequence[tuple[str, Sequence[tuple[str, nn.Module]]]],
         backend: DeviceBackend,
-        pin_memory: bool = True,
         prefetch: bool = True,
     ) -> None:
-        super().__init__(backend, pin_memory)
+        super().__init__(backend)
         self.prefetch = prefetch
         self._spec = [(name, list(members)) for name, members in groups]
         self._plan()
@@ -100,12 +102,16 @@ class ModelLevelOffload(Part):
 
     _replan = _plan
 
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: each swaps in once per call."""
+        return [HostUnit(c.unit, SWAP, c.unit.nbytes) for g in self.groups for c in g.components]
+
     @classmethod
-    def for_module(cls, module: nn.Module, backend: DeviceBackend, pin_memory: bool = True) -> "ModelLevelOffload":
+    def for_module(cls, module: nn.Module, backend: DeviceBackend) -> "ModelLevelOffload":
         """A bare module is one group: it lives on the host between calls, is copied in (one copy
         per dtype) when it runs, and is dropped when its forward returns."""
         name = type(module).__name__
-        return cls([(name, [(name, module)])], backend, pin_memory, prefetch=False)
+        return cls([(name, [(name, module)])], backend, prefetch=False)
 
     def describe(self) -> str:
         return ", ".join(c.name for g in self.groups for c in g.components)
@@ -132,8 +138,9 @@ class ModelLevelOffload(Part):
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
+        default_placement(self, txn)
         units = [c.unit for g in self.groups for c in g.components]
-        pack_units(units, self.backend, self.pin_memory, txn, "packing components")
+        pack_units(units, self.placement, txn, "components")
         self.aliases.clear()
         for c in (c for g in self.groups for c in g.components):
             c.home = Home(c.unit, c.unit.host_views)
@@ -177,6 +184,7 @@ class ModelLevelOffload(Part):
     def _settle(self) -> None:
         """Every group home (changes on the device copied back), no copy in flight (swapping a
         group out waits for its copies)."""
+        self.placement.drain()
         self.release_all()
 
     def begin_call(self) -> None:
@@ -190,6 +198,8 @@ class ModelLevelOffload(Part):
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         self._active = None
         for group in self.groups:
             self._swap_out(group)
@@ -207,6 +217,8 @@ class ModelLevelOffload(Part):
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
+        if self.timeline is not None:  # the active group's compute has all been issued
+            self.timeline.end_compute(self.backend.current_stream())
         previous, self._active = self._active, None
         for i, group in enumerate(self.groups):
             if i != index and group.state != "host":
@@ -217,7 +229,9 @@ class ModelLevelOffload(Part):
             group = self.groups[index]  # re-packing makes new groups
             self._load(group)
         compute = self.backend.current_stream()
-        group.ready.wait(compute)
+        self._issued(group)
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(compute, group.name):
+            group.ready.wait(compute)
         for c in group.components:
             c.binding.to_device()
         group.state = "active"
@@ -241,23 +255,44 @@ class ModelLevelOffload(Part):
             self.repack()
 
     def _load(self, group: Group) -> None:
-        """Allocate the group's device buffers and queue its copies (one per dtype per component).
-        An allocation failure (out of memory) leaves the group on the host, ready to try again."""
+        """Allocate the group's device buffers and queue its copies (one per dtype per component),
+        after all compute issued so far: the device buffers freed before may be reused. An
+        allocation failure (out of memory) leaves the group on the host, ready to try again."""
         buffers = [
             allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             for c in group.components
         ]
         group.state = "loading"
-        self._freed().wait(self.copy_stream)
-        try:
-            for c, device in zip(group.components, buffers):
-                c.device = device
-                c.binding = Binding(c.unit, c.unit.host_views, c.unit.views(device))
-                copy_unit(c.unit, device, self.backend, self.copy_stream, self.counters)
-        finally:  # also after a failure half-way: swapping the group out waits for what was queued
-            group.ready.record(self.copy_stream)
+        freed = self._freed()
+        transfers = []
+        for c, device in zip(group.components, buffers):
+            c.device = device
+            c.binding = Binding(c.unit, c.unit.host_views, c.unit.views(device))
+            transfers += self.placement.transfers(c.unit, device)
+            self.counters.h2d_bytes += c.unit.nbytes
+        self.counters.h2d_copies += self.placement.copies(transfers)
+        group.ticket = self.placement.run(functools.partial(self._queue_load, group, freed, transfers))
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
+
+    def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
+        """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
+        the stager thread when some component is staged)."""
+        stream = self.copy_stream
+        freed.wait(stream)
+        try:
+            issue = functools.partial(self.placement.issue, transfers, stream)
+            if self.timeline is None:
+                issue()
+            else:
+                self.timeline.copy(stream, group.name, group.nbytes, issue)
+        finally:  # also after a failure half-way: swapping the group out waits for what was queued
+            group.ready.record(stream)
+
+    def _issued(self, group: Group) -> None:
+        """Block until the stager has queued ``group``'s load, so its ready event is recorded."""
+        ticket, group.ticket = group.ticket, None
+        self.placement.wait(ticket)
 
     def _freed(self) -> Event:
         """An event after all compute issued so far: buffers freed before it may be reused."""
@@ -282,7 +317,10 @@ class ModelLevelOffload(Part):
             return
         # its copies read the host buffers, which the user may write once the group is home:
         # the host waits for them (long finished when the group was in use; cheap either way)
-        group.ready.synchronize()
+        self._issued(group)
+        still_loading = group.state == "loading" and self.timeline is not None  # worth a trace instant
+        with self.timeline.host_wait(f"unload {group.name} (still loading)") if still_loading else UNTRACED:
+            group.ready.synchronize()
         for c in group.components:
             if group.state == "active" and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use

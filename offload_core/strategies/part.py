@@ -21,11 +21,15 @@ class Part:
     and put back (for plain copies), and re-packing.
 
     Subclasses implement ``enable(txn)``, ``disable()`` (resumable: an interrupted call can be
-    repeated), ``modules()`` (the roots they cover), ``truth()`` and ``_instrument()``."""
+    repeated), ``modules()`` (the roots they cover), ``host_units()`` (for the placement policy),
+    ``truth()``, ``_instrument()`` and ``_replan()``."""
 
-    def __init__(self, backend, pin_memory: bool) -> None:
+    #: set while ``handle.trace()`` records; the strategy records into it
+    timeline = None
+
+    def __init__(self, backend) -> None:
         self.backend = backend
-        self.pin_memory = pin_memory
+        self.placement = None  # where the units' homes are (hostmem.placement), set before enable
         self.counters = Counters()
         self.lock = threading.RLock()  # the handle's lock, set before enable
         self.owner: Any = None  # the handle, set before enable; gives plain copies
@@ -73,6 +77,10 @@ class Part:
                 self._replan()
                 try:
                     with Transaction() as txn:
+                        if owner is not None and owner.config is not None:
+                            owner.place(self, txn)  # the new units need homes
+                        else:
+                            self.placement = None  # the default placement, made by enable
                         self.enable(txn)
                 except BaseException as exc:
                     raise RepackError(

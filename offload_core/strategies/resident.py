@@ -11,22 +11,27 @@ from typing import Sequence
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Transaction, allocate_device, copy_unit, move_inputs, pack_units
+from .common import Transaction, allocate_device, copy_unit, default_placement, move_inputs, pack_units
 from .part import Part, adopt_foreign, write_back
 
 
 class ResidentModules(Part):
     """Copies modules to the device once; their inputs are moved to the device on the way in."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend, pin_memory: bool = True) -> None:
-        super().__init__(backend, pin_memory)
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend) -> None:
+        super().__init__(backend)
         self.members = list(modules)
         self._replan()
 
     def _replan(self) -> None:
         self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.members]
+
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: each is copied once, at enable."""
+        return [HostUnit(u, ONCE, u.nbytes) for u in self.units]
 
     def describe(self) -> str:
         return ", ".join(name for name, _ in self.members)
@@ -41,14 +46,15 @@ class ResidentModules(Part):
     host_bytes = device_weight_bytes
 
     def enable(self, txn: Transaction) -> None:
+        default_placement(self, txn)
         self.device = [allocate_device(self.backend, u.numel, f"{u.name} (resident)") for u in self.units]
         txn.on_rollback(lambda: setattr(self, "device", []))
-        pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
+        pack_units(self.units, self.placement, txn, "resident modules")
         stream = self.backend.new_stream()
         # the new buffers may reuse memory that earlier compute still reads: copy after it
         self.backend.wait_stream(stream, self.backend.current_stream())
         for unit, buf in zip(self.units, self.device):
-            copy_unit(unit, buf, self.backend, stream, self.counters)
+            self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))
         stream.synchronize()
         self.device_views = [unit.views(buf) for unit, buf in zip(self.units, self.device)]
         self.aliases.clear()

@@ -6,6 +6,11 @@ views of one region: packing works on storage regions, not on tensors. Binding a
 set of per-dtype buffers (a device slot) re-points every owner — parameters through ``.data`` so
 their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
 without copying anything, and moving a unit is then one copy per dtype.
+
+A unit's home is in RAM (``host``: pinned or pageable buffers) or on disk (``image``: where each
+region's bytes lie in safetensors files). A tensor on the meta device may carry, as the attribute
+named by :data:`SOURCE_ATTRIBUTE`, the checkpoint slice its values come from (``from_pretrained``
+builds models that way): packing then reads the slice straight into the unit's home.
 """
 
 from __future__ import annotations
@@ -17,17 +22,19 @@ import torch
 from torch import nn
 
 ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
+#: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
+SOURCE_ATTRIBUTE = "_offload_core_source"
 
 
 class UnsupportedTensorError(TypeError):
     """A tensor the packer cannot move faithfully (a subclass, a meta tensor, mixed-dtype aliasing)."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class Owner:
     """One place a tensor is reachable from: ``module.<name>`` as a parameter or a buffer.
 
-    ``param`` is the Parameter object found at packing: rebinding changes that object's data, never
+    ``param`` is the Parameter object the unit manages: rebinding changes that object's data, never
     a Parameter the user has put in its place since (that one is the user's truth)."""
 
     module: nn.Module
@@ -45,6 +52,14 @@ class Owner:
     def rebind(self, tensor: torch.Tensor) -> None:
         if self.param is not None:
             self.param.data = tensor
+        else:
+            self.module._buffers[self.name] = tensor
+
+    def replace(self, tensor: torch.Tensor) -> None:
+        """Install ``tensor`` itself (a new parameter object, which the unit manages from now on):
+        ``.data`` cannot move a parameter off the meta device."""
+        if self.param is not None:
+            self.module._parameters[self.name] = self.param = tensor
         else:
             self.module._buffers[self.name] = tensor
 
@@ -73,6 +88,8 @@ def storage_key(t: torch.Tensor) -> tuple:
     """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
     if t.numel() == 0:
         return ("empty", id(t))
+    if t.is_meta:  # no memory, so no address: the storage object itself tells views apart
+        return ("meta", t.untyped_storage()._cdata)
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
@@ -104,7 +121,7 @@ def check_supported(t: torch.Tensor, where: str) -> None:
     base = t.data if isinstance(t, nn.Parameter) else t
     if type(base) is not torch.Tensor:
         raise UnsupportedTensorError(f"{where} is a {type(base).__name__}; only plain tensors can be offloaded")
-    if t.is_meta:
+    if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
         raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedTensorError(f"{where} has layout {t.layout}; only strided tensors can be offloaded")
@@ -119,6 +136,15 @@ class Region:
     numel: int
     dtype: torch.dtype
     start: int  # element offset in the unit's buffer for ``dtype``
+    reader: object = None  # where a meta region's values are: ``read(start, count, out)``
+    entries: list[int] = dataclasses.field(default_factory=list)  # indices of the entries viewing it
+
+    def fill(self, out: torch.Tensor) -> None:
+        """Write the region's values into ``out`` (flat, ``numel`` elements)."""
+        if self.reader is not None:
+            self.reader.read(0, self.numel, out)
+        else:
+            out.copy_(self.source.as_strided((self.numel,), (1,), self.first))
 
 
 def region_tensor(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
@@ -142,7 +168,8 @@ class WeightUnit:
         self.regions: list[Region] = []
         self.numel: dict[torch.dtype, int] = {}
         self.host: dict[torch.dtype, torch.Tensor] = {}
-        self.host_views: list[torch.Tensor] = []  # what owners show while the unit is at home
+        self.image = None  # a DiskImage when the unit's home is on disk
+        self.host_views: list[torch.Tensor] = []  # what owners show at home (views of ``host``, or placeholders)
         by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
         for t, owners in tensors.values():
             check_supported(t, f"{name}: {owners[0].name}")
@@ -151,6 +178,8 @@ class WeightUnit:
             by_storage.setdefault(storage_key(t), []).append((t, entry))
         for members in by_storage.values():
             self._place(members)
+        for index, entry in enumerate(self.entries):
+            self.regions[entry.region].entries.append(index)
 
     def _place(self, members: list[tuple[torch.Tensor, Entry]]) -> None:
         dtype = members[0][0].dtype
@@ -165,11 +194,23 @@ class WeightUnit:
         for t, entry in members:
             entry.offset = start + t.storage_offset() - first
             entry.region = len(self.regions)
-        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start))
+        reader = None
+        if members[0][0].is_meta:
+            covering = [t for t, _ in members if t.storage_offset() == first and extent(t) == last - first]
+            reader = getattr(covering[0], SOURCE_ATTRIBUTE, None) if covering else None
+            if reader is None:
+                names = ", ".join(e.owners[0].name for _, e in members)
+                raise UnsupportedTensorError(f"{self.name}: meta tensors {names} have no checkpoint slice to load")
+        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start, reader))
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.numel)
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """True if the unit's values are read from checkpoint files rather than held in memory."""
+        return any(r.reader is not None for r in self.regions)
 
     def owners(self) -> Iterable[Owner]:
         for entry in self.entries:
@@ -177,13 +218,15 @@ class WeightUnit:
 
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
-        return [buffers[e.dtype].as_strided(e.size, e.stride, buffers[e.dtype].storage_offset() + e.offset) for e in self.entries]
+        return [
+            buffers[e.dtype].as_strided(e.size, e.stride, buffers[e.dtype].storage_offset() + e.offset)
+            for e in self.entries
+        ]
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Point every owner at its view (from :meth:`views`). No data moves."""
         for entry, view in zip(self.entries, views):
-            for owner in entry.owners:
-                owner.rebind(view)
+            _bind_entry(entry, view)
 
     def foreign(self, views: list[torch.Tensor]) -> list[tuple[int, Owner]]:
         """(entry index, owner) of every owner that no longer shows its view in ``views`` (the
@@ -199,19 +242,54 @@ class WeightUnit:
         """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
         the unit to them.
 
-        Afterwards the unit holds no reference to the original tensors, so their memory is freed
-        as soon as nobody else holds them: packing unit by unit keeps host memory near one copy.
-        Whole storage spans are copied, so gaps, overlaps and zero strides survive.
+        Each region's owners are re-pointed as soon as it is copied, and the unit keeps no
+        reference to the original tensors, so each original is freed as soon as nobody else holds
+        it: host memory during packing stays near one copy of the model. Whole storage spans are
+        copied, so gaps, overlaps and zero strides survive.
         """
         host = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
+        views = self.views(host)
         for r in self.regions:
             if r.numel:
-                host[r.dtype][r.start : r.start + r.numel].copy_(r.source.as_strided((r.numel,), (1,), r.first))
+                r.fill(host[r.dtype][r.start : r.start + r.numel])
+            for index in r.entries:
+                _bind_entry(self.entries[index], views[index])
+            r.source = r.reader = None
         self.host = host
-        self.host_views = self.views(host)
-        self.bind(self.host_views)
+        self.host_views = views
+
+    def spill(self, image) -> None:
+        """Give the unit a home on disk: ``image`` (a DiskImage) now says where every region's
+        bytes are. The owners keep their tensors until the unit is bound elsewhere (a slot)."""
+        self.image = image
         for r in self.regions:
-            r.source = None
+            r.source = r.reader = None
+
+    def take(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+        """The unit's values in fresh buffers laid out as its home, without binding anything; the
+        unit keeps no reference to the original tensors afterwards."""
+        buffers = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
+        for r in self.regions:
+            if r.numel:
+                r.fill(buffers[r.dtype][r.start : r.start + r.numel])
+            r.source = r.reader = None
+        return buffers
+
+    def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
+        """Elements ``start .. start + count`` of the home's ``dtype`` buffer into ``out``."""
+        if self.image is not None:
+            self.image.read(dtype, start, count, out)
+        else:
+            out.copy_(self.host[dtype][start : start + count])
+
+    def home(self) -> dict[torch.dtype, torch.Tensor]:
+        """The home's buffers: the RAM ones, or fresh copies read from disk."""
+        if self.image is None:
+            return self.host
+        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in self.numel.items()}
+        for dtype, buffer in buffers.items():
+            self.read(dtype, 0, buffer.numel(), buffer)
+        return buffers
 
     def plain(self, source: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Each entry's tensor as an ordinary host tensor with the values in ``source``: one new
@@ -222,29 +300,54 @@ class WeightUnit:
             for e in self.entries
         ]
 
-    def unpack(self, bound: list[torch.Tensor] | None = None, source: Mapping[torch.dtype, torch.Tensor] | None = None) -> None:
-        """Give every owner an ordinary host tensor (same values, dtype, strides, sharing).
+    def unpack(self, bound: list[torch.Tensor] | None = None) -> None:
+        """Give every owner an ordinary host tensor (same values, dtype, strides, sharing) with the
+        home's values.
 
-        ``bound`` are the views owners were last bound to (default: the host views) and
-        ``source`` the buffers holding the true values (default: the host buffers). An owner the
-        user has given another tensor keeps it: that tensor is the truth. Each storage region gets
-        its own storage again, so tensors that did not share memory before packing do not share it
-        afterwards (safetensors refuses shared storage). Calling it again does nothing, and an
-        interrupted call can be repeated: owners already given their copy keep it.
+        ``bound`` are the views owners were last bound to (default: what they show at home). An
+        owner the user has given another tensor keeps it: that tensor is the truth. Each storage
+        region gets its own storage again, so tensors that did not share memory before packing do
+        not share it afterwards (safetensors refuses shared storage). The home is released
+        afterwards, so unpacking unit by unit keeps host memory near one copy. Calling it again
+        does nothing, and an interrupted call can be repeated: owners already given their copy
+        keep it.
         """
-        if not self.host:
+        if not self.host and self.image is None:
             return
         bound = self.host_views if bound is None else bound
-        plain = self.plain(self.host if source is None else source)
-        for entry, view, value in zip(self.entries, bound, plain):
-            for owner in entry.owners:
-                if owner.bound_to(view):
-                    owner.rebind(value)
+        for r in self.regions:
+            plain = torch.empty(r.numel, dtype=r.dtype)
+            if r.numel:
+                self.read(r.dtype, r.start, r.numel, plain)
+            for index in r.entries:
+                entry = self.entries[index]
+                value = plain.as_strided(entry.size, entry.stride, entry.offset - r.start)
+                if not bound:  # never bound (a rolled-back enable): every owner takes its copy
+                    _bind_entry(entry, value)
+                    continue
+                for owner in entry.owners:
+                    if owner.bound_to(bound[index]):
+                        owner.rebind(value)
         self.host = {}
+        self.image = None
         self.host_views = []
 
     def __repr__(self) -> str:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
+
+
+def _bind_entry(entry: Entry, view: torch.Tensor) -> None:
+    """Re-point every owner of ``entry`` at ``view``; a parameter still on the meta device is
+    replaced by one new parameter object shared by all its owners, so ties survive."""
+    first = entry.owners[0]
+    current = first.param if first.is_param else first.get()
+    if current.is_meta == view.is_meta:
+        for owner in entry.owners:
+            owner.rebind(view)
+        return
+    replacement = nn.Parameter(view, requires_grad=current.requires_grad) if entry.owners[0].is_param else view
+    for owner in entry.owners:
+        owner.replace(replacement)
 
 
 def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:
