@@ -177,14 +177,14 @@ class LayerwiseOffload(Part):
     def _show_placeholders(self) -> None:
         """Blocks with no home in RAM (on disk) show placeholders outside their forward."""
         for unit in self.units:
-            if not unit.host:
+            if unit.image is not None:
                 unit.host_views = placeholders(unit)
                 unit.bind(unit.host_views)
 
     def _instrument(self) -> None:
         for i, block in enumerate(self.blocks):
             self._wrap(block, functools.partial(self._before_block, i), functools.partial(self._after_block, i))
-            if not self.units[i].host:  # its home is on disk: its state dict is read from there
+            if self.units[i].image is not None:  # its home is on disk: its state dict is read from there
                 self._hooks.append(block.register_state_dict_post_hook(self._state_from_disk(i)))
                 self._refuse_writes(i, block)
         self._wrap(self.model, self._begin_pass, self._end_pass, move_inputs(self.backend.device()))
