@@ -42,6 +42,7 @@ CHANGES = "tests/test_contract_changes.py::test_a_change_between_forwards_acts_a
 LORA = "tests/test_contract_lora.py"
 CALLBACK_DISABLE = "tests/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
 SHARDED = "tests/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
+REUSE = "tests/test_layerwise_lifecycle.py::test_first_copies_are_ordered_after_compute_on_reused_device_memory"
 WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
 STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
@@ -68,7 +69,7 @@ S = "offload_core/hostmem/staging.py"
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
     Mutant("layerwise: first copies wait for earlier compute (new buffers may reuse its memory)", L,
-           "backend.wait_stream(self.copy_stream, backend.current_stream())", (STRATEGIES,)),
+           "backend.wait_stream(self.copy_stream, backend.current_stream())", (STRATEGIES, REUSE)),
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: the host waits for queued copies before it may write host memory (end of a forward, "
@@ -131,7 +132,7 @@ MUTANTS = [
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
     # -- resident modules and pipelines ------------------------------------------------------
     Mutant("resident: copies wait for earlier compute", R,
-           "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES,)),
+           "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES, REUSE)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
     Mutant("resident: a staged copy is issued before the host waits for the stream", R,
            "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_PIPELINE,),

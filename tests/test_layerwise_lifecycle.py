@@ -93,6 +93,22 @@ def test_pinned_oom_midway_through_packing_rolls_back():
     _assert_untouched(model, before, backend)
 
 
+@pytest.mark.parametrize("target", ["stack", "blockless"])
+def test_first_copies_are_ordered_after_compute_on_reused_device_memory(target):
+    """Device memory that compute touched and dropped, with no host sync since, may back the new
+    slots and resident copies at once (a caching allocator reuses it): their first copies wait for
+    that compute. A model without blocks is all resident (its copies are the first)."""
+    model = mixed_stack() if target == "stack" else nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    expected = run(model, X)
+    backend = chaos_backend()
+    scratch = backend.empty_device(4096, torch.float32)
+    scratch.fill_(1.0)  # compute on the default stream touches device memory ...
+    del scratch  # ... which is dropped while that compute may still run
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    assert torch.equal(run(model, X), expected)
+    handle.disable()
+
+
 def test_unknown_block_attribute_is_a_clear_error():
     model = mixed_stack()
     before = snapshot(model)
