@@ -95,29 +95,8 @@ def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) ->
         for unit in units:
             unit.pack(allocate)
             txn.on_rollback(unit.unpack)
+            unit.keep_on(backend.device())
             bar.update(unit.nbytes)
     logger.info("%s: packed %d units, %.1f MB, into %s host memory", desc, len(units), total / 2**20,
                 "pinned" if pin_memory else "pageable")
 
-
-class ForwardWrapper:
-    """Runs ``before()`` ahead of ``module``'s forward, by shadowing ``forward`` with an instance
-    attribute. Cheaper than a forward pre-hook, which sends every call of the module down torch's
-    slow hook path; this runs once per block per step. ``remove()`` restores what was there."""
-
-    def __init__(self, module: nn.Module, before: Callable[[], None]) -> None:
-        self.module = module
-        self._shadowed = module.__dict__.get("forward")  # e.g. another library's wrapper
-        inner = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            before()
-            return inner(*args, **kwargs)
-
-        module.forward = forward
-
-    def remove(self) -> None:
-        if self._shadowed is not None:
-            self.module.forward = self._shadowed
-        else:
-            self.module.__dict__.pop("forward", None)

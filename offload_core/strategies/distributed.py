@@ -116,9 +116,9 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights")
         allocate = self.backend.empty_pinned if self.pin_memory else (lambda n, dtype: torch.empty(n, dtype=dtype))
         for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
-            originals = [(owner, owner.get().data) for entry in unit.entries for owner in entry.owners]
-            txn.on_rollback(functools.partial(_rebind_all, originals))
+            txn.on_rollback(functools.partial(_rebind_all, unit.originals()))
             unit.pack(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
+            unit.keep_on(self.backend.device())
             shards = {}
             for dtype, full in unit.host.items():
                 size = full.numel() // self.world

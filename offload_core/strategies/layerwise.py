@@ -22,15 +22,8 @@ from torch import nn
 
 from ..backend import DeviceBackend
 from ..weights import nbytes_of, slot_numel, split_units
-from .common import (
-    Counters,
-    ForwardWrapper,
-    Transaction,
-    allocate_device,
-    copy_unit,
-    inputs_to_device,
-    pack_units,
-)
+from .calls import CallWrapper
+from .common import Counters, Transaction, allocate_device, copy_unit, pack_units
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +103,12 @@ class LayerwiseOffload:
             unit.bind(self.slots[i % self.num_slots])
             if unit.host:
                 txn.on_rollback(functools.partial(unit.bind, unit.host))
-        # One hook per block: a block's slot is marked free when the next block (or the end of
-        # the model's forward) starts, since all of its compute has been issued by then.
+        # One wrapper per block: a block's slot is marked free when the next block (or the end of
+        # the model's call) starts, since all of its compute has been issued by then.
         for i, block in enumerate(self.blocks):
-            self._hooks.append(ForwardWrapper(block, functools.partial(self._before_block, i)))
+            self._hooks.append(CallWrapper(block, functools.partial(self._before_block, i)))
             self._hooks.append(block.register_state_dict_post_hook(self._state_dict_hook(i)))
-        self._hooks.append(self.model.register_forward_hook(self._after_model))
-        self._hooks.append(self.model.register_forward_pre_hook(inputs_to_device(backend.device()), with_kwargs=True))
+        self._hooks.append(CallWrapper(self.model, after=self._after_model, device=backend.device()))
         txn.on_rollback(self._remove_hooks)
         for i in range(self.num_slots):
             self._load(i)
@@ -133,8 +125,8 @@ class LayerwiseOffload:
         names = {id(m): n for n, m in self.blocks[i].named_modules()}
         keys = [
             (f"{names[id(o.module)]}.{o.name}".lstrip("."), index)
-            for index, entry in enumerate(unit.entries)
-            for o in entry.owners
+            for index, owners in enumerate(unit.owner_lists())
+            for o in owners
             if id(o.module) in names
         ]
 
@@ -147,7 +139,8 @@ class LayerwiseOffload:
         return hook
 
     def _host_views(self, i: int) -> list:
-        return self.units[i].views(self.units[i].host)
+        unit = self.units[i]
+        return unit.tensors(unit.views(unit.host))
 
     def _new_copy_stream(self):
         return self.backend.new_stream()
@@ -181,7 +174,7 @@ class LayerwiseOffload:
         if self._occupant:
             self.copy_stream.synchronize()
         for unit in (self.resident, *self.units):
-            if unit.host:
+            if unit.host or unit.kept:
                 unit.unpack()
         self._release()
 
@@ -251,7 +244,7 @@ class LayerwiseOffload:
         self._wait_ready(i)
         self._running = i
 
-    def _after_model(self, module: nn.Module, args, output) -> None:
+    def _after_model(self) -> None:
         self._finish_running()
         if not self._warned_grad and torch.is_grad_enabled() and any(p.requires_grad for p in self.blocks[0].parameters()):
             self._warned_grad = True

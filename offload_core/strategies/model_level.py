@@ -26,7 +26,8 @@ from torch import nn
 from ..backend import DeviceBackend, Event
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
+from .calls import CallWrapper
+from .common import Counters, Transaction, allocate_device, copy_unit, pack_units
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +123,14 @@ class ModelLevelOffload:
         pack_units(units, self.backend, self.pin_memory, txn, "packing components")
         self.copy_stream = self.backend.new_stream()
         device = self.backend.device()
+        self._use = torch.compiler.disable(self._before_use)
         for index, group in enumerate(self.groups):
             group.ready = self.backend.new_event()
             for c in group.components:
-                hook = functools.partial(self._before_use, index)
-                self._hooks.append(c.module.register_forward_pre_hook(hook))
-                for child in c.module.children():  # encode()/decode() bypass the root's forward
-                    self._hooks.append(child.register_forward_pre_hook(hook))
-                self._hooks.append(c.module.register_forward_pre_hook(inputs_to_device(device), with_kwargs=True))
-        if self._release_after is not None:
-            self._hooks.append(self._release_after.register_forward_hook(lambda *_: self.release_all()))
+                after = self.release_all if c.module is self._release_after else None
+                self._hooks.append(CallWrapper(c.module, functools.partial(self._before_use, index), after, device))
+                for child in c.module.children():  # encode()/decode() bypass the root's call
+                    self._hooks.append(child.register_forward_pre_hook(functools.partial(self._child_hook, index)))
         txn.on_rollback(self._remove_hooks)
         logger.info(
             "model-level offload: %s",
@@ -158,7 +157,13 @@ class ModelLevelOffload:
         self._hooks.clear()
 
     # -- swapping -------------------------------------------------------------------------
-    def _before_use(self, index: int, module: nn.Module, args) -> None:
+    def _child_hook(self, index: int, module: nn.Module, args) -> None:
+        """A child called directly (``vae.decode``) activates its group. Traced inside a compiled
+        root, where the group is active already, it is a guarded no-op, so the graph is whole."""
+        if self._active != index:
+            self._use(index)
+
+    def _before_use(self, index: int) -> None:
         if self._active == index:
             return
         previous = self._active

@@ -6,21 +6,29 @@ views of one region: packing works on storage regions, not on tensors. Binding a
 set of per-dtype buffers (a device slot) re-points every owner — parameters through ``.data`` so
 their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
 without copying anything, and moving a unit is then one copy per dtype.
+
+Quantized weights (tensor subclasses) are packed through their plain parts, see :mod:`.subclass`;
+a subclass that cannot be streamed is kept on the device, outside the buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Mapping
+import logging
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from .subclass import Unstreamable, assign_param, flatten, has_storage, like, plain_alias
+
+logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
 
 
 class UnsupportedTensorError(TypeError):
-    """A tensor the packer cannot move faithfully (a subclass, a meta tensor, mixed-dtype aliasing)."""
+    """A tensor the packer cannot move faithfully (a meta or sparse tensor, mixed-dtype aliasing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +44,9 @@ class Owner:
 
     def rebind(self, tensor: torch.Tensor) -> None:
         if self.is_param:
-            self.module._parameters[self.name].data = tensor
+            assign_param(self.module._parameters[self.name], tensor)
         else:
-            self.module._buffers[self.name] = tensor
+            self.module._buffers[self.name] = like(self.module._buffers[self.name], tensor)
 
 
 @dataclasses.dataclass
@@ -53,11 +61,31 @@ class Entry:
     region: int = 0  # index of the storage region it views
 
 
+@dataclasses.dataclass
+class Composite:
+    """A wrapper subclass (a quantized weight): its owners, the entries of its plain parts, and
+    how to rebuild it around views of them."""
+
+    owners: list[Owner]
+    leaves: range  # indices into the unit's entries
+    rebuild: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Kept:
+    """A tensor that cannot be streamed: it goes to the device as it is, and back at unpack."""
+
+    tensor: torch.Tensor
+    owners: list[Owner]
+    reason: str
+    moved: bool = False
+
+
 def storage_key(t: torch.Tensor) -> tuple:
     """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
-    if t.numel() == 0:
-        return ("empty", id(t))
-    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+    if t.numel() == 0 or not has_storage(t):
+        return ("empty", id(t))  # a wrapper subclass's parts are keyed when they are packed
+    return (t.device.type, t.device.index, plain_alias(t).untyped_storage().data_ptr())
 
 
 def extent(t: torch.Tensor) -> int:
@@ -85,9 +113,6 @@ def collect_tensors(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tenso
 
 
 def check_supported(t: torch.Tensor, where: str) -> None:
-    base = t.data if isinstance(t, nn.Parameter) else t
-    if type(base) is not torch.Tensor:
-        raise UnsupportedTensorError(f"{where} is a {type(base).__name__}; only plain tensors can be offloaded")
     if t.is_meta:
         raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
     if t.is_sparse or t.layout != torch.strided:
@@ -114,14 +139,37 @@ class WeightUnit:
         self.regions: list[Region] = []
         self.numel: dict[torch.dtype, int] = {}
         self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.composites: list[Composite] = []
+        self.kept: list[Kept] = []
         by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
-        for t, owners in tensors.values():
-            check_supported(t, f"{name}: {owners[0].name}")
+
+        def add(t: torch.Tensor, owners: list[Owner]) -> None:
             entry = Entry(owners, tuple(t.shape), tuple(t.stride()), t.dtype)
             self.entries.append(entry)
             by_storage.setdefault(storage_key(t), []).append((t, entry))
+
+        for t, owners in tensors.values():
+            where = f"{name}: {owners[0].name}"
+            check_supported(t, where)
+            if has_storage(t):
+                add(t, owners)
+                continue
+            try:
+                flat = flatten(t, where)
+            except Unstreamable as exc:
+                self.kept.append(Kept(t, owners, str(exc)))
+                continue
+            first = len(self.entries)
+            for leaf in flat.leaves:
+                add(leaf, [])
+            self.composites.append(Composite(owners, range(first, len(self.entries)), flat.rebuild))
         for members in by_storage.values():
             self._place(members)
+        if self.kept:
+            logger.warning(
+                "%s: %d tensors cannot be streamed and stay on the device: %s", name, len(self.kept),
+                "; ".join(k.reason for k in self.kept[:4]) + (" ..." if len(self.kept) > 4 else ""),
+            )
 
     def _place(self, members: list[tuple[torch.Tensor, Entry]]) -> None:
         dtype = members[0][0].dtype
@@ -136,7 +184,7 @@ class WeightUnit:
         for t, entry in members:
             entry.offset = start + t.storage_offset() - first
             entry.region = len(self.regions)
-        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start))
+        self.regions.append(Region(plain_alias(members[0][0]), first, last - first, dtype, start))
 
     @property
     def nbytes(self) -> int:
@@ -146,11 +194,38 @@ class WeightUnit:
         """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
         return [buffers[e.dtype].as_strided(e.size, e.stride, e.offset) for e in self.entries]
 
+    def owner_lists(self) -> list[list[Owner]]:
+        """The owners of each tensor :meth:`tensors` returns, in the same order."""
+        return [e.owners for e in self.entries if e.owners] + [c.owners for c in self.composites]
+
+    def tensors(self, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The owned tensors built on ``views`` (one per entry, as :meth:`views` makes them):
+        plain views as they are, quantized weights rebuilt around their parts."""
+        plain = [v for e, v in zip(self.entries, views) if e.owners]
+        return plain + [c.rebuild([views[k] for k in c.leaves]) for c in self.composites]
+
+    def _rebind(self, views: Sequence[torch.Tensor]) -> None:
+        for owners, tensor in zip(self.owner_lists(), self.tensors(views)):
+            for owner in owners:
+                owner.rebind(tensor)
+
     def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Point every owner at its view of ``buffers``. No data moves."""
-        for entry, view in zip(self.entries, self.views(buffers)):
-            for owner in entry.owners:
-                owner.rebind(view)
+        self._rebind(self.views(buffers))
+
+    def keep_on(self, device: torch.device) -> None:
+        """Move the tensors that cannot be streamed to ``device``, each by its own ``.to()``."""
+        for k in self.kept:
+            moved = k.tensor.to(device)
+            if moved is not k.tensor:
+                for owner in k.owners:
+                    owner.rebind(moved)
+                k.moved = True
+
+    def originals(self) -> list[tuple[Owner, torch.Tensor]]:
+        """Each owner with the tensor it holds now, for putting it back after a failed enable."""
+        pairs = [(o, o.get().data) for owners in self.owner_lists() for o in owners]
+        return pairs + [(o, k.tensor) for k in self.kept for o in k.owners]
 
     def pack(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
         """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
@@ -178,10 +253,14 @@ class WeightUnit:
         plain = [
             self.host[r.dtype][r.start : r.start + r.numel].to("cpu", copy=True) for r in self.regions
         ]
-        for entry in self.entries:
-            view = plain[entry.region].as_strided(entry.size, entry.stride, entry.offset - self.regions[entry.region].start)
-            for owner in entry.owners:
-                owner.rebind(view)
+        self._rebind([
+            plain[e.region].as_strided(e.size, e.stride, e.offset - self.regions[e.region].start) for e in self.entries
+        ])
+        for k in self.kept:
+            if k.moved:
+                for owner in k.owners:
+                    owner.rebind(k.tensor)
+                k.moved = False
         self.host = {}
 
     def __repr__(self) -> str:
