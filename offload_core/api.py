@@ -9,6 +9,7 @@ from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
+from .foreign import refuse_weight_hook_methods, weight_hooks
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
@@ -59,21 +60,19 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
         raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
     setattr(target, HANDLE_ATTRIBUTE, handle)
     handle._undo.append(lambda: delattr(target, HANDLE_ATTRIBUTE))
+    handle._undo.append(refuse_weight_hook_methods(_roots(target)))
     return handle
 
 
 def _foreign_offload(target: Any) -> str | None:
-    """The other offloading library whose hooks are on ``target``, if any: two libraries moving
-    the same weights would fight over them."""
-    modules = [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
-    for root in modules:
-        for module in root.modules():
-            if getattr(module, "_hf_hook", None) is not None:
-                return "accelerate's offload hooks"
-            registry = getattr(module, "_diffusers_hook", None)
-            if registry is not None and getattr(registry, "hooks", None):
-                return "diffusers' hooks (group offloading or a cache)"
-    return None
+    """The other library whose hooks manage ``target``'s weights, if any: two libraries moving
+    the same weights would fight over them. diffusers' caches and other hooks that leave the
+    weights alone run on top of offload (:mod:`.foreign`)."""
+    return weight_hooks(_roots(target))
+
+
+def _roots(target: Any) -> list[nn.Module]:
+    return [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
 
 
 def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:

@@ -51,9 +51,10 @@ class CallWrapper:
         device: torch.device | None = None,
     ) -> None:
         self.module = module
-        self._before = torch.compiler.disable(before, reason=_REASON) if before is not None else None
-        self._after = torch.compiler.disable(after, reason=_REASON) if after is not None else None
+        self._work_before = before
         self._device = device
+        self._enter = torch.compiler.disable(self._prepare, reason=_REASON)
+        self._after = torch.compiler.disable(after, reason=_REASON) if after is not None else None
         self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
         self._call = torch.compiler.disable(self._run, recursive=False, reason=_REASON)
         self._pinned_forward = "forward" not in module.__dict__
@@ -62,11 +63,17 @@ class CallWrapper:
         module._compiled_call_impl = self._call
         module.compile = self._compile
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        if self._before is not None:
-            self._before()
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._work_before is not None:
+            self._work_before()
         if self._device is not None:
-            args, kwargs = to_device(args, self._device), to_device(kwargs, self._device)
+            return to_device(args, self._device), to_device(kwargs, self._device)
+        return args, kwargs
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        # Dynamo skips this frame but compiles the frames it calls: the work is in the two
+        # disabled calls, and the module's own frames between them are compiled as usual.
+        args, kwargs = self._enter(args, kwargs)
         inner = self._inner
         output = inner(*args, **kwargs) if inner is not None else self.module._call_impl(*args, **kwargs)
         if self._after is not None:
