@@ -1,7 +1,7 @@
 """Layerwise offloading: blocks stream through a fixed ring of device slots.
 
 Each block is bound once, at enable, to views of slot ``i % slots``, so the steady-state forward
-does no per-parameter work: before block ``i`` runs, a wrapper around its forward marks the slot
+does no per-parameter work: before block ``i`` runs, a wrapper around its call marks the slot
 of the block that ran before it free (an event on the compute stream: all of that block's compute
 has been issued by now), makes sure ``i`` is the occupant of its slot (else loads it synchronously
 and counts a miss), queues the prefetch of the next ``prefetch_depth`` blocks, and makes the
