@@ -233,17 +233,20 @@ def _check_quantized(strategy: str, backend, verdict: str, quantize: Callable[[n
     assert any(isinstance(p, kind) for b in blocks for p in b.parameters()), f"no {kind.__name__} in the blocks"
     expected = run_steps(model, inputs)
     payload, tensors = _payload(model)
+    saved = {k: [leaf.clone() for leaf in _leaves(v)] for k, v in model.state_dict().items()}
     with offloaded(model, strategy, backend) as handle:
         assert_equal(run_steps(model, inputs), expected, f"{kind.__name__}, {strategy}")
         _assert_streamed(blocks, kind, handle)
         stats = handle.stats()
         if strategy != "distributed":  # the quantized parts are what is pinned: nothing dequantized, nothing left out
             assert payload <= stats["pinned_host_bytes"] <= payload + ALIGN_BYTES * tensors
-        if strategy == "layerwise":  # one copy per dtype and block per step
-            part = handle.parts[0]
+            state = model.state_dict()  # from the host copy: the quantized weights as they were
+            assert all(torch.equal(a, b) for k, v in state.items() for a, b in zip(_leaves(v), saved[k], strict=True))
+            part = handle.parts[0]  # one copy per dtype of each streamed unit per step
+            units = part.units if strategy == "layerwise" else [c.unit for g in part.groups for c in g.components]
             copies = stats["h2d_copies"]
             run_steps(model, inputs, steps=1)
-            assert handle.stats()["h2d_copies"] - copies == sum(len(u.host) for u in part.units)
+            assert handle.stats()["h2d_copies"] - copies == sum(len(u.host) for u in units)
     assert any(isinstance(p, kind) for b in blocks for p in b.parameters()), "disable lost the quantized type"
     assert_equal(run_steps(model, inputs), expected, f"{kind.__name__} after disable")
 

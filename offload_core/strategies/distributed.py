@@ -86,13 +86,13 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         staging = 2 * nbytes_of({d: n // self.world for d, n in self.slot_shape.items()}) if self.shard else 0
         return super().device_weight_bytes + staging
 
-    def _host_views(self, i: int) -> list:
+    def _host_buffers(self, i: int) -> dict:
         if self.shard:
             raise RuntimeError(
                 "this rank holds only a shard of each block: a state dict needs the collective "
                 "handle.disable() first, which rebuilds the full weights on every rank"
             )
-        return super()._host_views(i)
+        return super()._host_buffers(i)
 
     def _new_copy_stream(self):
         stream = _COLLECTIVE_STREAMS.get(self.backend)

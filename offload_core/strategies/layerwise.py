@@ -107,7 +107,9 @@ class LayerwiseOffload:
         # the model's call) starts, since all of its compute has been issued by then.
         for i, block in enumerate(self.blocks):
             self._hooks.append(CallWrapper(block, functools.partial(self._before_block, i)))
-            self._hooks.append(block.register_state_dict_post_hook(self._state_dict_hook(i)))
+            pre, post = self._state_dict_hooks(i)
+            self._hooks.append(block.register_state_dict_pre_hook(pre))
+            self._hooks.append(block.register_state_dict_post_hook(post))
         self._hooks.append(CallWrapper(self.model, after=self._after_model, device=backend.device()))
         txn.on_rollback(self._remove_hooks)
         for i in range(self.num_slots):
@@ -118,29 +120,23 @@ class LayerwiseOffload:
             self.resident_bytes / 2**20,
         )
 
-    def _state_dict_hook(self, i: int):
-        """A block's parameters view a shared slot between forwards; its state dict must come from
-        the host copy, the truth, so that saving an offloaded model saves the right weights."""
+    def _state_dict_hooks(self, i: int):
+        """A block's tensors view a shared slot between forwards; its state dict must come from
+        the host copy, the truth, so that saving an offloaded model saves the right weights. The
+        block is bound to its host buffers while its state dict is taken, so that modules with
+        their own ``_save_to_state_dict`` (optimum-quanto's) read the truth too."""
         unit = self.units[i]
-        names = {id(m): n for n, m in self.blocks[i].named_modules()}
-        keys = [
-            (f"{names[id(o.module)]}.{o.name}".lstrip("."), index)
-            for index, owners in enumerate(unit.owner_lists())
-            for o in owners
-            if id(o.module) in names
-        ]
 
-        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-            views = self._host_views(i)
-            for key, index in keys:
-                if prefix + key in state_dict:
-                    state_dict[prefix + key] = views[index]
+        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            unit.bind(self._host_buffers(i))
 
-        return hook
+        def post(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+            unit.bind(self.slots[i % self.num_slots])
 
-    def _host_views(self, i: int) -> list:
-        unit = self.units[i]
-        return unit.tensors(unit.views(unit.host))
+        return pre, post
+
+    def _host_buffers(self, i: int) -> dict:
+        return self.units[i].host
 
     def _new_copy_stream(self):
         return self.backend.new_stream()
