@@ -95,10 +95,11 @@ def cells(strategies: tuple[str, ...] = STRATEGIES) -> list[tuple[str, str, str]
 
 
 def versions() -> str:
+    """The packages' versions, without local build tags (``2.13.0+cpu`` and ``+cu128`` are one torch)."""
     found = []
     for name in PACKAGES:
         try:
-            found.append(f"{name} {metadata.version(name)}")
+            found.append(f"{name} {metadata.version(name).split('+')[0]}")
         except metadata.PackageNotFoundError:
             found.append(f"{name} (not installed)")
     return ", ".join(found)
@@ -113,7 +114,11 @@ models built in code: model-level and layerwise in one process, distributed laye
 processes (gloo) with the block weights sharded over the ranks.
 
 - **yes**: three forwards give outputs `torch.equal` to the same setup without offload (for
-  `torch.compile`: the same compiled model; the Dynamo backend is named).
+  `torch.compile`: the same compiled model, and Dynamo's graph counter shows no graph compiled per
+  step). The Dynamo backend is named: offload and compilation meet in Dynamo and AOTAutograd,
+  which `aot_eager` runs in full; `inductor` (tens of seconds per graph on a CPU) runs where
+  users' speed lives, regional compilation with layerwise offload; the distributed column, two
+  processes compiling at once, uses Dynamo's `eager` backend.
 - **refused**: `enable_offload`, or for `fullgraph=True` the first compiled call, raises an error
   that names the problem and the model is left as it was.
 - **kept on device**: the model runs with equal output, but those tensors are moved to the device

@@ -7,7 +7,6 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
