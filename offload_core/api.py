@@ -9,6 +9,7 @@ from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
+from .discovery.blocks import no_blocks_hint
 from .foreign import refuse_weight_hook_methods, weight_hooks
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .pipelines import enable_on_pipeline, is_pipeline
@@ -16,6 +17,7 @@ from .plugins import get_backend
 from .strategies.common import Transaction
 from .strategies import streaming_part
 from .strategies.model_level import ModelLevelOffload
+from .strategies.resident import ResidentModules
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,13 @@ def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> Offl
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
     if config.strategy in ("layerwise", "distributed"):
-        part = streaming_part(module, find_blocks(module, config.blocks), config, backend)
+        blocks = find_blocks(module, config.blocks)
+        if blocks:
+            part = streaming_part(module, blocks, config, backend)
+        else:
+            logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
+                        config.strategy, type(module).__name__, no_blocks_hint(module))
+            part = ResidentModules([(type(module).__name__, module)], backend, config.pin_memory)
     else:
         part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
     with Transaction() as txn:

@@ -33,3 +33,11 @@ def test_bench_table_flags_a_missed_target(capsys, monkeypatch):
 def test_unknown_section_is_a_usage_error(capsys):
     assert cli.main(["bench", "--only", "nope"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bench_reports_what_the_sanitizer_costs(capsys):
+    assert cli.main(["bench", "--only", "sanitizer", "--quick", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]["sanitizer"]
+    times = results["seconds_per_call"]
+    assert times["sanitized"] > 0 and times["unsanitized"] > 0
+    assert results["sanitized_to_unsanitized"] == times["sanitized"] / times["unsanitized"]

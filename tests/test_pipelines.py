@@ -37,6 +37,7 @@ def test_model_level_equals_no_offload(tiny):
     assert tiny.pipe._execution_device == backend.device() and tiny.pipe.device == backend.device()
     for _ in range(2):  # the second call runs with the learned order and overlapped prefetch
         assert torch.equal(tiny.run(seed=0), tiny.expected)
+        assert backend.memory_allocated() == 0, "components stayed on the device after the pipeline call"
     part = handle.parts[0]
     stats = handle.stats()
     # overlap rule: at most the active group plus one prefetched group on the device

@@ -29,6 +29,8 @@ KNOWN_MODELS: dict[str, tuple[str, ...]] = {
     "Cosmos3LanguageModel": ("layers", "gen_layers"),
     "NextStepModel": ("layers",),
     "Qwen2MoTModel": ("layers",),
+    # beyond the table (the pipeline sweep): classes whose lists run in another order than they are declared
+    "Lumina2Transformer2DModel": ("context_refiner", "noise_refiner", "layers"),
 }
 
 for _name, _attrs in KNOWN_MODELS.items():

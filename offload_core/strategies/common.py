@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..labels import Label, label
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,9 +78,12 @@ def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], backend, stream, count
     counters.h2d_bytes += unit.nbytes
 
 
-def allocate_device(backend, numel: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
-    """One flat device buffer per dtype."""
-    return {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
+def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
+    """One flat device buffer per dtype, named ``name`` in error reports (:mod:`offload_core.labels`)."""
+    buffers = {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
+    for buffer in buffers.values():
+        label(buffer, name)
+    return buffers
 
 
 def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) -> None:
@@ -93,6 +98,8 @@ def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) ->
     with torch.no_grad(), tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None, leave=False) as bar:
         for unit in units:
             unit.pack(allocate)
+            for buffer in unit.host.values():
+                label(buffer, f"host copy of {unit.name}")
             txn.on_rollback(unit.unpack)
             unit.keep_on(backend.device())
             bar.update(unit.nbytes)

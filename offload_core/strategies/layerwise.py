@@ -8,6 +8,10 @@ and counts a miss), queues the prefetch of the next ``prefetch_depth`` blocks, a
 compute stream wait for ``i``'s ready event. A copy into a slot always waits for the slot's free
 event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of one
 forward prefetches the start of the next.
+
+A model with one block gets one slot: nothing can be copied while the block computes, so the
+copy cannot overlap (the enable log says so). The block stays in its slot between forwards, and a
+reload (a miss) waits for the slot's free event, recorded when the block's last forward ended.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -41,10 +46,8 @@ class LayerwiseOffload:
         prefetch_depth: int = 1,
         pin_memory: bool = True,
     ) -> None:
-        if len(blocks) < 2:
-            raise ValueError(
-                f"layerwise offload of {type(model).__name__} needs at least two blocks, found {len(blocks)}"
-            )
+        if not blocks:
+            raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
@@ -82,10 +85,13 @@ class LayerwiseOffload:
     def enable(self, txn: Transaction) -> None:
         backend = self.backend
         self._allocate_device()
-        resident_device = allocate_device(backend, self.resident.numel)
+        resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self._name}")
         txn.on_rollback(self._release)
         self._pack(txn)
         self.copy_stream = self._new_copy_stream()
+        # The new buffers may reuse memory that compute issued earlier still reads (a caching
+        # allocator hands freed blocks to the next allocation at once): copy after that compute.
+        backend.wait_stream(self.copy_stream, backend.current_stream())
         self.ready = [backend.new_event() for _ in self.units]
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots
@@ -114,10 +120,13 @@ class LayerwiseOffload:
         txn.on_rollback(self._remove_hooks)
         for i in range(self.num_slots):
             self._load(i)
+        # undone first: a later failure must not free slots and host buffers under queued copies
+        txn.on_rollback(self.copy_stream.synchronize)
         logger.info(
-            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
+            "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
 
     def _state_dict_hooks(self, i: int):
@@ -142,7 +151,15 @@ class LayerwiseOffload:
         return self.backend.new_stream()
 
     def _allocate_device(self) -> None:
-        self.slots = [allocate_device(self.backend, self.slot_shape) for _ in range(self.num_slots)]
+        # the label holds the strategy weakly: a global label table must not keep a model alive
+        self.slots = [
+            allocate_device(self.backend, self.slot_shape, functools.partial(_slot_label, weakref.ref(self), s))
+            for s in range(self.num_slots)
+        ]
+
+    @property
+    def _name(self) -> str:
+        return f"{self.strategy} {type(self.model).__name__}"
 
     def _pack(self, txn: Transaction) -> None:
         """Give every unit its host home (here: the whole unit, one buffer per dtype)."""
@@ -190,9 +207,9 @@ class LayerwiseOffload:
         slot = i % self.num_slots
         stream = self.copy_stream
         self.freed[slot].wait(stream)
+        self._occupant[slot] = i
         copies = self._issue(i, stream)
         self.ready[i].record(stream)
-        self._occupant[slot] = i
         counters = self.counters
         counters.loads += 1
         counters.h2d_copies += copies
@@ -251,3 +268,13 @@ class LayerwiseOffload:
                 UserWarning,
                 stacklevel=2,
             )
+
+
+def _slot_label(strategy: "weakref.ref[LayerwiseOffload]", slot: int) -> str:
+    """What a slot holds, for error reports: evaluated only when a report is written."""
+    self = strategy()
+    if self is None:
+        return f"slot {slot} of a layerwise offload that was disabled"
+    occupant = self._occupant[slot] if slot < len(self._occupant) else -1
+    holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block yet"
+    return f"slot {slot} of {self._name} ({holding})"

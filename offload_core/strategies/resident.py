@@ -30,9 +30,11 @@ class ResidentModules:
     host_bytes = device_weight_bytes
 
     def enable(self, txn: Transaction) -> None:
-        buffers = [allocate_device(self.backend, u.numel) for u in self.units]
+        buffers = [allocate_device(self.backend, u.numel, f"{u.name} (resident)") for u in self.units]
         pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
         stream = self.backend.new_stream()
+        # the new buffers may reuse memory that earlier compute still reads: copy after it
+        self.backend.wait_stream(stream, self.backend.current_stream())
         for unit, buf in zip(self.units, buffers):
             copy_unit(unit, buf, self.backend, stream, self.counters)
         stream.synchronize()

@@ -6,6 +6,8 @@
   the names of the block lists (``nn.ModuleList`` attributes) each class really has in diffusers 0.42.1.
 - :data:`STANDINS` / :func:`build_standin`: architectures diffusers does not ship, as small modules with the
   upstream class names and topology.
+- :mod:`offload_core.tiny.sweep` (``SWEEP`` / ``build_sweep_pipeline``): diffusers pipeline classes beyond the
+  supported table, for the pipeline sweep.
 
 Everything is built in code (tokenizers included), in float32 on the CPU, deterministically from a seed.
 Importing this package imports neither diffusers nor transformers; building a model does.
