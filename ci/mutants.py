@@ -74,7 +74,7 @@ MUTANTS = [
     Mutant("layerwise: the block's ready event is recorded after its copies", L, "self.ready[i].record(stream)",
            (LIFECYCLE,)),
     Mutant("layerwise: compute waits for the block's ready event", L,
-           "self.ready[i].wait(self.backend.current_stream())", (LIFECYCLE,)),
+           "self.ready[i].wait(stream)", (LIFECYCLE,)),
     Mutant("layerwise: the slot of the block that ran is marked free", L,
            "self.freed[last % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("layerwise: the running block is remembered", L, "self._running = i", (STRATEGIES, LIFECYCLE)),

@@ -28,14 +28,17 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     Options are the fields of :class:`OffloadConfig`, given as keywords or as ``config=``
     (not both). ``enable`` is a transaction: on any error the target is left as it was.
     """
+    kind = "pipeline" if is_pipeline(target) else "module" if isinstance(target, nn.Module) else None
+    if kind is None:
+        raise OffloadConfigError(
+            f"target must be a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}"
+        )
     if config is not None and options:
         raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
     if config is None:
-        try:
-            config = OffloadConfig(**options)
-        except TypeError as exc:
-            valid = ", ".join(f.name for f in OffloadConfig.__dataclass_fields__.values())
-            raise OffloadConfigError(f"{exc}; valid options: {valid}") from None
+        config = OffloadConfig.from_options(options)
+    elif not isinstance(config, OffloadConfig):
+        raise OffloadConfigError(f"config must be an offload_core.OffloadConfig, got {type(config).__name__}")
     strategy = config.strategy
     if strategy is None:
         raise OffloadConfigError(
@@ -43,6 +46,7 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "enable_distributed_layerwise_offload"
         )
     config.warn_ignored()
+    config.check_applies(kind)
     if getattr(target, HANDLE_ATTRIBUTE, None) is not None:
         raise AlreadyEnabledError(
             f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
@@ -54,12 +58,10 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "(pipe.remove_all_hooks() for accelerate, or load the model again)"
         )
     backend = get_backend(config.backend)
-    if is_pipeline(target):
+    if kind == "pipeline":
         handle = enable_on_pipeline(target, config, backend)
-    elif isinstance(target, nn.Module):
-        handle = _enable_on_module(target, config, backend)
     else:
-        raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
+        handle = _enable_on_module(target, config, backend)
     setattr(target, HANDLE_ATTRIBUTE, handle)
     handle._undo.append(lambda: delattr(target, HANDLE_ATTRIBUTE))
     handle._undo.append(refuse_weight_hook_methods(_roots(target)))

@@ -105,8 +105,6 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
     parts: list = []
     with Transaction() as txn:
         if config.strategy == "model":
-            if config.components is not None:
-                raise OffloadConfigError("components= applies to layerwise offload; model-level swaps every component")
             parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))
@@ -142,6 +140,7 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
             blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
             if blocks:
                 parts.append(streaming_part(module, blocks, config, backend))
+                parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
             else:
                 staged.append((name, [(name, module)]))
         elif kind == "vae" and "vae" in streamed:

@@ -41,3 +41,19 @@ def test_bench_reports_what_the_sanitizer_costs(capsys):
     times = results["seconds_per_call"]
     assert times["sanitized"] > 0 and times["unsanitized"] > 0
     assert results["sanitized_to_unsanitized"] == times["sanitized"] / times["unsanitized"]
+
+
+def test_an_unwritable_out_is_bad_input_before_any_benchmark_runs(tmp_path, capsys, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmarks ran before --out was checked")
+
+    monkeypatch.setattr(bench, "run", no_run)
+    for out, problem in [
+        (tmp_path / "missing" / "x.json", "does not exist"),
+        (tmp_path, "is a directory"),
+    ]:
+        assert cli.main(["bench", "--only", "copies_per_block", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert captured.err.startswith("offload-core: error: --out ") and problem in captured.err
+    assert list(tmp_path.iterdir()) == []

@@ -44,10 +44,10 @@ def test_config_object_priority_and_ignored_flags():
 @pytest.mark.parametrize(
     "options,message",
     [
-        ({"enable_layerwise_offload": True, "prefetch_depth": 0}, "prefetch_depth must be an integer >= 1"),
-        ({"enable_layerwise_offload": True, "components": ("dit", "unet")}, r"unknown component group.*unet"),
-        ({"enable_layerwise_offload": "yes"}, "must be True or False"),
-        ({"enable_layerwise_offload": True, "prefetch": 2}, "valid options"),
+        ({"enable_layerwise_offload": True, "prefetch_depth": 0}, "invalid prefetch_depth=0: must be >= 1"),
+        ({"enable_layerwise_offload": True, "components": ("dit", "unet")}, r"invalid components=.*unknown 'unet'"),
+        ({"enable_layerwise_offload": "yes"}, "invalid enable_layerwise_offload='yes': expected True or False"),
+        ({"enable_layerwise_offload": True, "prefetch": 2}, "unknown option.*prefetch; valid options"),
         ({}, "no strategy selected"),
     ],
 )

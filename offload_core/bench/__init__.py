@@ -1,5 +1,5 @@
 """Benchmarks behind ``offload-core bench``: every figure is a ratio measured in one run, the
-variants interleaved (DESIGN §9). Timed tests would be flaky; these report, and the targets are
+variants interleaved (docs/benchmarks.md). Timed tests would be flaky; these report, and the targets are
 printed beside the measurements."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The supported-model table (DESIGN §7) as block registrations.
+"""The supported-model table (docs/models.md) as block registrations.
 
 Names were read from each diffusers 0.42 class; where the upstream table names a list the class
 does not have, the class's real lists are registered (noted per row). Architectures diffusers

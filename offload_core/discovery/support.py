@@ -1,4 +1,4 @@
-"""The supported-model table: DESIGN §7's rows, what each is tested with, and its rendering.
+"""The supported-model table: the rows of docs/models.md, what each is tested with, and its rendering.
 
 Each row names the tiny pipeline and/or models of :mod:`offload_core.tiny` that stand for it. The
 test suite is parametrised over these rows (``tests/test_pipelines.py``, ``tests/test_layerwise_models.py``,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from .calls import CallWrapper
 from .common import Counters, Transaction, allocate_device, copy_unit, pack_units
@@ -37,6 +38,9 @@ class LayerwiseOffload:
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
     strategy = "layerwise"
+    #: set while ``handle.trace()`` records; spans are named "<label>.<block name>", the label being
+    #: the model's class name, or its component name in a pipeline
+    timeline = None
 
     def __init__(
         self,
@@ -51,6 +55,7 @@ class LayerwiseOffload:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
+        self.label = type(model).__name__
         self.block_names = [name for name, _ in blocks]
         self.blocks = [block for _, block in blocks]
         self.backend = backend
@@ -208,7 +213,11 @@ class LayerwiseOffload:
         stream = self.copy_stream
         self.freed[slot].wait(stream)
         self._occupant[slot] = i
-        copies = self._issue(i, stream)
+        if self.timeline is None:
+            copies = self._issue(i, stream)
+        else:
+            issue = functools.partial(self._issue, i, stream)
+            copies = self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
         self.ready[i].record(stream)
         counters = self.counters
         counters.loads += 1
@@ -234,7 +243,12 @@ class LayerwiseOffload:
             self._load(j)
 
     def _wait_ready(self, i: int) -> None:
-        self.ready[i].wait(self.backend.current_stream())
+        stream = self.backend.current_stream()
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
+            self.ready[i].wait(stream)
+
+    def _span_name(self, i: int) -> str:
+        return f"{self.label}.{self.block_names[i]}"
 
     def _finish_running(self) -> None:
         """Mark the slot of the block that ran last as free: its compute has all been issued."""
@@ -243,6 +257,8 @@ class LayerwiseOffload:
             return
         self._running = -1
         self.freed[last % self.num_slots].record(self.backend.current_stream())
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         if self._deferred:
             self._deferred = False
             self._prefetch(last, running=False)
@@ -252,6 +268,8 @@ class LayerwiseOffload:
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            if self.timeline is not None:
+                self.timeline.prefetch_miss(self._span_name(i))
             self._load(i)
         self._prefetch(i, running=True)
         self._wait_ready(i)

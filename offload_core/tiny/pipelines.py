@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised diffusers pipelines for the supported-model table (DESIGN.md section 7).
+"""Tiny, randomly initialised diffusers pipelines for the supported-model table (docs/models.md).
 
 Each pipeline is a real diffusers ``DiffusionPipeline`` of the named class, with every model shrunk to hidden
 sizes of 8 to 32 and two blocks per block list, so that a full call (text encoding, two denoising steps, VAE
@@ -129,7 +129,7 @@ def _call(size: int, **settings: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _flux2(seed: int, text_layers: int = 2, **dit_overrides: Any) -> TinyPipeline:
+def _flux2(seed: int, text_layers: int = 2, name: str = "flux2", **dit_overrides: Any) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
     tokenizer = tok.mistral_tokenizer()
@@ -148,7 +148,7 @@ def _flux2(seed: int, text_layers: int = 2, **dit_overrides: Any) -> TinyPipelin
         max_sequence_length=16,
         text_encoder_out_layers=out_layers,
     )
-    return _finish("flux2", pipe, call, "images")
+    return _finish(name, pipe, call, "images")
 
 
 def _longcat_image(seed: int) -> TinyPipeline:
@@ -451,10 +451,25 @@ PIPELINES: dict[str, PipelineSpec] = {
 }
 
 
+#: Pipelines built to show something rather than to test a row of the table. ``flux2-deep``, the default of
+#: ``offload-core run``, is FLUX.2 with a DiT of 8 double and 16 single blocks of width 64: its blocks hold about
+#: 90% of the pipeline's weights (in the zoo's FLUX.2 the text encoder dwarfs them), so layerwise streaming keeps
+#: a small fraction of them on the device; a call still takes a fraction of a second on a CPU.
+DEMOS: dict[str, PipelineSpec] = {
+    "flux2-deep": PipelineSpec(
+        "Flux2Pipeline", "FLUX.2 with a 24-block DiT holding most of the weights (the demo)", _T,
+        functools.partial(
+            _flux2, name="flux2-deep", num_layers=8, num_single_layers=16, num_attention_heads=4,
+            attention_head_dim=16, axes_dims_rope=(4, 4, 4, 4),
+        ),
+    ),
+}
+
+
 def build_pipeline(name: str, seed: int = 0) -> TinyPipeline:
-    """Build the tiny pipeline ``name`` (a key of :data:`PIPELINES`) with weights drawn from ``seed``."""
-    try:
-        spec = PIPELINES[name]
-    except KeyError:
-        raise KeyError(f"unknown tiny pipeline {name!r}; known: {', '.join(PIPELINES)}") from None
+    """Build the tiny pipeline ``name`` (a key of :data:`PIPELINES` or :data:`DEMOS`) with weights drawn from
+    ``seed``."""
+    spec = PIPELINES.get(name) or DEMOS.get(name)
+    if spec is None:
+        raise KeyError(f"unknown tiny pipeline {name!r}; known: {', '.join([*DEMOS, *PIPELINES])}")
     return spec.build(seed)
