@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
 import torch
 
+from ..config import OffloadConfig
+from ..hostmem.budget import Trimmer
+from ..hostmem.placement import Tier, plan_placement
 from ..labels import Label, label
 
 logger = logging.getLogger(__name__)
@@ -70,12 +74,14 @@ def inputs_to_device(device: torch.device) -> Callable:
     return hook
 
 
-def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], backend, stream, counters: Counters) -> None:
-    """Queue ``unit``'s host buffers into the per-dtype buffers ``dst``: one copy per dtype."""
-    for dtype, src in unit.host.items():
-        backend.copy_async(dst[dtype][: src.numel()], src, stream)
-    counters.h2d_copies += len(unit.host)
+def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, counters: Counters):
+    """Queue ``unit``'s home into the per-dtype buffers ``dst`` on ``stream``: one copy per dtype
+    (one per bounce chunk for a home outside pinned memory). Returns the load's ticket (see
+    ``Placement.run``), None when it was issued at once."""
+    transfers = placement.transfers(unit, dst)
+    counters.h2d_copies += placement.copies(transfers)
     counters.h2d_bytes += unit.nbytes
+    return placement.run(functools.partial(placement.issue, transfers, stream))
 
 
 def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
@@ -86,23 +92,46 @@ def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict
     return buffers
 
 
-def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) -> None:
-    """Pack each unit into its host home, one unit at a time, with a progress bar in bytes."""
+def default_placement(part, txn: Transaction) -> None:
+    """A part enabled on its own, not through ``enable_offload``, gets the default placement
+    (every home pinned within the default budget)."""
+    if part.placement is None:
+        plan_placement([part], OffloadConfig(), part.backend).attach([part], txn)
+
+
+def pack_units(units, placement, txn: Transaction, desc: str) -> None:
+    """Give each unit its host home, one unit at a time, with a progress bar in bytes: packed into
+    pinned or pageable memory, or (tier ``disk``) left on disk, spilled there first when the
+    model is in RAM. Units read from a checkpoint are loaded straight into their home."""
     from tqdm.auto import tqdm
 
-    if pin_memory:
-        allocate = lambda n, dtype: backend.empty_pinned(n, dtype)  # noqa: E731
-    else:
-        allocate = lambda n, dtype: torch.empty(n, dtype=dtype)  # noqa: E731
     total = sum(u.nbytes for u in units)
+    trimmer = Trimmer()
     with torch.no_grad(), tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None, leave=False) as bar:
         for unit in units:
-            unit.pack(allocate)
-            for buffer in unit.host.values():
-                label(buffer, f"host copy of {unit.name}")
+            if placement.tier(unit) is Tier.DISK:
+                bar.set_description(f"spilling {desc}" if not unit.from_checkpoint else f"indexing {desc}")
+                placement.spill(unit)
+            else:
+                bar.set_description(f"loading {desc}" if unit.from_checkpoint else f"packing {desc}")
+                unit.pack(placement.allocator(unit))
+                for buffer in unit.host.values():
+                    label(buffer, f"host copy of {unit.name}")
             txn.on_rollback(unit.unpack)
-            unit.keep_on(backend.device())
+            unit.keep_on(placement.backend.device())
             bar.update(unit.nbytes)
-    logger.info("%s: packed %d units, %.1f MB, into %s host memory", desc, len(units), total / 2**20,
-                "pinned" if pin_memory else "pageable")
+            trimmer.add(unit.nbytes)
+    trimmer.flush()
+    logger.info("%s: %d units, %.1f MB, placed: %s", desc, len(units), total / 2**20, placement.summary())
+
+
+def unpack_units(units) -> None:
+    """Give every unit's tensors ordinary host memory again, one unit at a time, releasing each
+    home as soon as its unit is unpacked: host memory stays near one copy of the model."""
+    trimmer = Trimmer()
+    for unit in units:
+        if unit.host or unit.image is not None or unit.kept:
+            unit.unpack()
+            trimmer.add(unit.nbytes)
+    trimmer.flush()
 

@@ -37,8 +37,10 @@ def is_plain(t: torch.Tensor) -> bool:
 
 
 def has_storage(t: torch.Tensor) -> bool:
-    """Whether ``t`` owns ordinary storage (plain tensors, ``_make_subclass`` subclasses); wrapper
-    subclasses have none."""
+    """Whether ``t`` owns ordinary storage (plain tensors, meta ones included, and
+    ``_make_subclass`` subclasses); wrapper subclasses have none."""
+    if is_plain(t):
+        return True
     if is_traceable_wrapper_subclass(t):
         return False
     try:

@@ -7,6 +7,11 @@ set of per-dtype buffers (a device slot) re-points every owner — parameters th
 their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
 without copying anything, and moving a unit is then one copy per dtype.
 
+A unit's home is in RAM (``host``: pinned or pageable buffers) or on disk (``image``: where each
+region's bytes lie in safetensors files). A tensor on the meta device may carry, as the attribute
+named by :data:`SOURCE_ATTRIBUTE`, the checkpoint slice its values come from (``from_pretrained``
+builds models that way): packing then reads the slice straight into the unit's home.
+
 Quantized weights (tensor subclasses) are packed through their plain parts, see :mod:`.subclass`;
 a subclass that cannot be streamed is kept on the device, outside the buffers.
 """
@@ -25,6 +30,8 @@ from .subclass import Unstreamable, assign_param, flatten, has_storage, like, pl
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
+#: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
+SOURCE_ATTRIBUTE = "_offload_core_source"
 
 
 class UnsupportedTensorError(TypeError):
@@ -47,6 +54,11 @@ class Owner:
             assign_param(self.module._parameters[self.name], tensor)
         else:
             self.module._buffers[self.name] = like(self.module._buffers[self.name], tensor)
+
+    def replace(self, tensor: torch.Tensor) -> None:
+        """Install ``tensor`` itself (a new parameter object): ``.data`` cannot move a parameter
+        off the meta device."""
+        (self.module._parameters if self.is_param else self.module._buffers)[self.name] = tensor
 
 
 @dataclasses.dataclass
@@ -85,6 +97,8 @@ def storage_key(t: torch.Tensor) -> tuple:
     """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
     if t.numel() == 0 or not has_storage(t):
         return ("empty", id(t))  # a wrapper subclass's parts are keyed when they are packed
+    if t.is_meta:  # no memory, so no address: the storage object itself tells views apart
+        return ("meta", t.untyped_storage()._cdata)
     return (t.device.type, t.device.index, plain_alias(t).untyped_storage().data_ptr())
 
 
@@ -113,7 +127,7 @@ def collect_tensors(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tenso
 
 
 def check_supported(t: torch.Tensor, where: str) -> None:
-    if t.is_meta:
+    if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
         raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedTensorError(f"{where} has layout {t.layout}; only strided tensors can be offloaded")
@@ -128,6 +142,15 @@ class Region:
     numel: int
     dtype: torch.dtype
     start: int  # element offset in the unit's buffer for ``dtype``
+    reader: object = None  # where a meta region's values are: ``read(start, count, out)``
+    entries: list[int] = dataclasses.field(default_factory=list)  # indices of the entries viewing it
+
+    def fill(self, out: torch.Tensor) -> None:
+        """Write the region's values into ``out`` (flat, ``numel`` elements)."""
+        if self.reader is not None:
+            self.reader.read(0, self.numel, out)
+        else:
+            out.copy_(self.source.as_strided((self.numel,), (1,), self.first))
 
 
 class WeightUnit:
@@ -141,6 +164,7 @@ class WeightUnit:
         self.host: dict[torch.dtype, torch.Tensor] = {}
         self.composites: list[Composite] = []
         self.kept: list[Kept] = []
+        self.image = None  # a DiskImage when the unit's home is on disk
         by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
 
         def add(t: torch.Tensor, owners: list[Owner]) -> None:
@@ -165,6 +189,8 @@ class WeightUnit:
             self.composites.append(Composite(owners, range(first, len(self.entries)), flat.rebuild))
         for members in by_storage.values():
             self._place(members)
+        for index, entry in enumerate(self.entries):
+            self.regions[entry.region].entries.append(index)
         if self.kept:
             logger.warning(
                 "%s: %d tensors cannot be streamed and stay on the device: %s", name, len(self.kept),
@@ -184,34 +210,42 @@ class WeightUnit:
         for t, entry in members:
             entry.offset = start + t.storage_offset() - first
             entry.region = len(self.regions)
-        self.regions.append(Region(plain_alias(members[0][0]), first, last - first, dtype, start))
+        reader = None
+        if members[0][0].is_meta:
+            covering = [t for t, _ in members if t.storage_offset() == first and extent(t) == last - first]
+            reader = getattr(covering[0], SOURCE_ATTRIBUTE, None) if covering else None
+            if reader is None:
+                names = ", ".join(e.owners[0].name for _, e in members)
+                raise UnsupportedTensorError(f"{self.name}: meta tensors {names} have no checkpoint slice to load")
+        self.regions.append(Region(plain_alias(members[0][0]), first, last - first, dtype, start, reader))
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.numel)
 
+    @property
+    def from_checkpoint(self) -> bool:
+        """True if the unit's values are read from checkpoint files rather than held in memory."""
+        return any(r.reader is not None for r in self.regions)
+
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
         return [buffers[e.dtype].as_strided(e.size, e.stride, e.offset) for e in self.entries]
 
-    def owner_lists(self) -> list[list[Owner]]:
-        """The owners of each tensor :meth:`tensors` returns, in the same order."""
-        return [e.owners for e in self.entries if e.owners] + [c.owners for c in self.composites]
-
-    def tensors(self, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The owned tensors built on ``views`` (one per entry, as :meth:`views` makes them):
-        plain views as they are, quantized weights rebuilt around their parts."""
-        plain = [v for e, v in zip(self.entries, views) if e.owners]
-        return plain + [c.rebuild([views[k] for k in c.leaves]) for c in self.composites]
-
-    def _rebind(self, views: Sequence[torch.Tensor]) -> None:
-        for owners, tensor in zip(self.owner_lists(), self.tensors(views)):
-            for owner in owners:
-                owner.rebind(tensor)
-
     def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Point every owner at its view of ``buffers``. No data moves."""
-        self._rebind(self.views(buffers))
+        views = self.views(buffers)
+        for entry, view in zip(self.entries, views):
+            if entry.owners:
+                _bind_entry(entry, view)
+        self._bind_composites(views)
+
+    def _bind_composites(self, views: Sequence[torch.Tensor]) -> None:
+        """Rebuild each quantized weight around ``views`` of its parts and bind its owners."""
+        for c in self.composites:
+            tensor = c.rebuild([views[k] for k in c.leaves])
+            for owner in c.owners:
+                owner.rebind(tensor)
 
     def keep_on(self, device: torch.device) -> None:
         """Move the tensors that cannot be streamed to ``device``, each by its own ``.to()``."""
@@ -224,47 +258,104 @@ class WeightUnit:
 
     def originals(self) -> list[tuple[Owner, torch.Tensor]]:
         """Each owner with the tensor it holds now, for putting it back after a failed enable."""
-        pairs = [(o, o.get().data) for owners in self.owner_lists() for o in owners]
-        return pairs + [(o, k.tensor) for k in self.kept for o in k.owners]
+        owners = [e.owners for e in self.entries] + [c.owners for c in self.composites]
+        return [(o, o.get().data) for group in owners for o in group] + [(o, k.tensor) for k in self.kept for o in k.owners]
 
     def pack(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
         """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
         the unit to them.
 
-        Afterwards the unit holds no reference to the original tensors, so their memory is freed
-        as soon as nobody else holds them: packing unit by unit keeps host memory near one copy.
-        Whole storage spans are copied, so gaps, overlaps and zero strides survive.
+        Each region's owners are re-pointed as soon as it is copied, and the unit keeps no
+        reference to the original tensors, so each original is freed as soon as nobody else holds
+        it: host memory during packing stays near one copy of the model. Whole storage spans are
+        copied, so gaps, overlaps and zero strides survive.
         """
         host = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
         for r in self.regions:
             if r.numel:
-                host[r.dtype][r.start : r.start + r.numel].copy_(r.source.as_strided((r.numel,), (1,), r.first))
+                r.fill(host[r.dtype][r.start : r.start + r.numel])
+            for index in r.entries:
+                entry = self.entries[index]
+                if entry.owners:
+                    _bind_entry(entry, host[entry.dtype].as_strided(entry.size, entry.stride, entry.offset))
+            r.source = r.reader = None
         self.host = host
-        self.bind(host)
+        self._bind_composites(self.views(host))
+
+    def spill(self, image) -> None:
+        """Give the unit a home on disk: ``image`` (a DiskImage) now says where every region's
+        bytes are. The owners keep their tensors until the unit is bound elsewhere (a slot)."""
+        self.image = image
         for r in self.regions:
-            r.source = None
+            r.source = r.reader = None
+
+    def take(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+        """The unit's values in fresh buffers laid out as its home, without binding anything; the
+        unit keeps no reference to the original tensors afterwards."""
+        buffers = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
+        for r in self.regions:
+            if r.numel:
+                r.fill(buffers[r.dtype][r.start : r.start + r.numel])
+            r.source = r.reader = None
+        return buffers
+
+    def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
+        """Elements ``start .. start + count`` of the home's ``dtype`` buffer into ``out``."""
+        if self.image is not None:
+            self.image.read(dtype, start, count, out)
+        else:
+            out.copy_(self.host[dtype][start : start + count])
+
+    def home(self) -> dict[torch.dtype, torch.Tensor]:
+        """The home's buffers: the RAM ones, or fresh copies read from disk."""
+        if self.image is None:
+            return self.host
+        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in self.numel.items()}
+        for dtype, buffer in buffers.items():
+            self.read(dtype, 0, buffer.numel(), buffer)
+        return buffers
 
     def unpack(self) -> None:
         """Give every owner an ordinary host tensor (same values, dtype, strides, sharing).
 
         Each storage region gets its own storage again, so tensors that did not share memory
-        before packing do not share it afterwards (safetensors refuses shared storage).
+        before packing do not share it afterwards (safetensors refuses shared storage). The home
+        is released afterwards, so unpacking unit by unit keeps host memory near one copy.
         """
-        plain = [
-            self.host[r.dtype][r.start : r.start + r.numel].to("cpu", copy=True) for r in self.regions
-        ]
-        self._rebind([
-            plain[e.region].as_strided(e.size, e.stride, e.offset - self.regions[e.region].start) for e in self.entries
-        ])
+        views: list[torch.Tensor] = [torch.empty(0)] * len(self.entries)
+        for r in self.regions:
+            plain = torch.empty(r.numel, dtype=r.dtype)
+            if r.numel:
+                self.read(r.dtype, r.start, r.numel, plain)
+            for index in r.entries:
+                entry = self.entries[index]
+                views[index] = plain.as_strided(entry.size, entry.stride, entry.offset - r.start)
+                if entry.owners:
+                    _bind_entry(entry, views[index])
+        self._bind_composites(views)
         for k in self.kept:
             if k.moved:
                 for owner in k.owners:
                     owner.rebind(k.tensor)
                 k.moved = False
         self.host = {}
+        self.image = None
 
     def __repr__(self) -> str:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
+
+
+def _bind_entry(entry: Entry, view: torch.Tensor) -> None:
+    """Re-point every owner of ``entry`` at ``view``; a parameter still on the meta device is
+    replaced by one new parameter object shared by all its owners, so ties survive."""
+    current = entry.owners[0].get()
+    if current.is_meta == view.is_meta:
+        for owner in entry.owners:
+            owner.rebind(view)
+        return
+    replacement = nn.Parameter(view, requires_grad=current.requires_grad) if entry.owners[0].is_param else view
+    for owner in entry.owners:
+        owner.replace(replacement)
 
 
 def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:
