@@ -123,8 +123,8 @@ MUTANTS = [
     Mutant("model-level: host waits for the copy-back", M, "self.copy_stream.synchronize()", (IN_PLACE,),
            occurrence=1, occurrences=2),
     Mutant("model-level: a bare module's weights leave the device after its forward", M,
-           "self._hooks.append(self._release_after.register_forward_hook(lambda *_: self.release_all()))",
-           (CONFIG,)),
+           "after = self.release_all if c.module is self._release_after else None", (CONFIG,),
+           replacement="after = None"),
     Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES,)),
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
     # -- resident modules and pipelines ------------------------------------------------------

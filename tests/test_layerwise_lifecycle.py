@@ -266,3 +266,19 @@ def test_state_dict_of_an_offloaded_model_holds_the_true_weights():
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
     handle.disable()
+
+
+@pytest.mark.parametrize("strategy", ["enable_layerwise_offload", "enable_cpu_offload"])
+def test_disable_frees_the_strategy_without_waiting_for_garbage_collection(strategy):
+    """No reference cycle through the call wrappers: what a strategy still holds goes at disable."""
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **{strategy: True})
+    run(model, X)
+    part = weakref.ref(handle.parts[0])
+    gc.disable()
+    try:
+        handle.disable()
+        del handle
+        assert part() is None, "the strategy outlives disable until the next garbage collection"
+    finally:
+        gc.enable()

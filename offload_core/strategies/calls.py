@@ -86,7 +86,10 @@ class CallWrapper:
         logger.debug("%s compiled in place; offload work stays outside its graph", type(self.module).__name__)
 
     def remove(self) -> None:
-        """Unwrap; a compilation done while wrapped stays with the module."""
+        """Unwrap; a compilation done while wrapped stays with the module. The wrapper's own
+        references are dropped too: its wrapped methods refer back to it, and such a cycle would
+        keep the strategy (and the memory it still holds) alive until the next garbage collection."""
+        self._work_before = self._enter = self._after = None
         state = self.module.__dict__
         if state.get("_compiled_call_impl") is self._call:
             if self._inner is not None:
@@ -98,3 +101,4 @@ class CallWrapper:
         forward = state.get("forward")
         if self._pinned_forward and getattr(forward, "__func__", None) is type(self.module).forward:
             del state["forward"]
+        self._call = None

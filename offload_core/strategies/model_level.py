@@ -133,7 +133,6 @@ class ModelLevelOffload:
         pack_units(units, self.placement, txn, "components")
         self.copy_stream = self.backend.new_stream()
         device = self.backend.device()
-        self._use = torch.compiler.disable(self._before_use)
         for index, group in enumerate(self.groups):
             group.ready = self.backend.new_event()
             for c in group.components:
@@ -173,8 +172,9 @@ class ModelLevelOffload:
         """A child called directly (``vae.decode``) activates its group. Traced inside a compiled
         root, where the group is active already, it is a guarded no-op, so the graph is whole."""
         if self._active != index:
-            self._use(index)
+            self._before_use(index)
 
+    @torch.compiler.disable
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
