@@ -18,6 +18,7 @@ class Part(Protocol):
     counters: Any
     device_weight_bytes: int
     host_bytes: int
+    pinned_bytes: int  # real pinned bytes of its host homes still alive, rounding included
     pin_memory: bool
 
     def disable(self) -> None: ...
@@ -55,8 +56,10 @@ class OffloadHandle:
         """Transfer and memory figures since enable.
 
         ``device_peak_bytes`` is the backend's peak allocation since enable, less what other users
-        of the backend held before it; ``pinned_host_bytes`` the pinned host memory holding the
-        weights; ``device_weight_bytes`` the device memory the strategy itself holds at most.
+        of the backend held before it; ``pinned_host_bytes`` the pinned host memory really held for
+        the weights, as the backend counts it (its allocator's rounding included): the pinned slabs
+        this handle allocated that are still alive; ``host_bytes`` the bytes of the packed weights;
+        ``device_weight_bytes`` the device memory the strategy itself holds at most.
         """
         totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0}
         for part in self.parts:
@@ -64,7 +67,7 @@ class OffloadHandle:
                 totals[key] = totals.get(key, 0) + value
         totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
-        totals["pinned_host_bytes"] = sum(p.host_bytes for p in self.parts if p.pin_memory)
+        totals["pinned_host_bytes"] = sum(p.pinned_bytes for p in self.parts)
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts)
         return totals
 
@@ -77,6 +80,7 @@ class OffloadHandle:
             part.disable()
         for fn in reversed(self._undo):
             fn()
+        self.backend.empty_host_cache()  # pinned blocks the host allocator still caches
         self.enabled = False
         logger.info("offload (%s) disabled on %s", self.strategy, type(self.target).__name__)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import offload_core
 from offload_core.discovery import find_blocks
+from offload_core.weights.slabs import SlabAllocator
 
 from helpers import assert_same_state, chaos_backend, snapshot
 from stacks import StackSpec, build_stack
@@ -200,25 +201,24 @@ def test_no_device_allocation_per_forward():
     handle.disable()
 
 
-def test_packing_releases_each_block_before_the_next_is_packed():
+def test_packing_releases_each_block_before_the_next_is_packed(monkeypatch):
     """Host memory during enable stays near one copy: a block's original tensors are freed as soon
-    as it is packed, before the next block's pinned buffer is allocated."""
+    as it is packed, before the next block's pinned home is allocated."""
     model = build_stack(StackSpec(d=16, layer_dtypes=[[torch.float32]] * 5))
     freed: list[int] = []
     for index, block in enumerate(model.blocks):
         for p in block.parameters():
             weakref.finalize(p.untyped_storage(), freed.append, index)
-    backend = chaos_backend()
     seen: list[int] = []
-    allocate = backend.empty_pinned
+    allocate = SlabAllocator.allocate
 
-    def tracking(*args, **kwargs):
+    def tracking(self, *args, **kwargs):
         seen.append(len(set(freed)))
-        return allocate(*args, **kwargs)
+        return allocate(self, *args, **kwargs)
 
-    backend.empty_pinned = tracking
-    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
-    # one pinned allocation for the resident part, then one per block: when block k is packed,
+    monkeypatch.setattr(SlabAllocator, "allocate", tracking)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    # one pinned home for the resident part, then one per block: when block k is packed,
     # the originals of blocks 0..k-1 are already gone
     assert seen[1:] == list(range(len(model.blocks)))
     assert len(set(freed)) == len(model.blocks)

@@ -16,6 +16,7 @@ import torch
 
 from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
+from offload_core.memory_accounting import power_of_two_ceil
 
 from .memory import Pool
 from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos, pause
@@ -24,6 +25,11 @@ from .trace import Timeline, now_ns
 logger = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
+#: pinned_rounding option -> how the pinned pool counts (see FakeBackend)
+PINNED_ROUNDING: dict[str, dict] = {
+    "exact": {},
+    "pow2": {"block_size": power_of_two_ceil, "caches_freed": True},
+}
 
 
 def _env_int(var: str) -> int | None:
@@ -65,6 +71,14 @@ class FakeBackend(DeviceBackend):
     * ``device_memory`` (``OFFLOAD_CORE_FAKE_DEVICE_MEMORY``, bytes): capacity; exceeding it raises
       :class:`FakeOutOfMemoryError`, a ``torch.OutOfMemoryError``.
     * ``pinned_memory`` (``OFFLOAD_CORE_FAKE_PINNED_MEMORY``, bytes): cap on pinned host memory.
+    * ``pinned_rounding`` (``OFFLOAD_CORE_FAKE_PINNED_ROUNDING``): ``"exact"`` (default) or
+      ``"pow2"``, which models torch's caching host allocator in the pinned accounting: every
+      request takes the next power of two, and a freed block stays held (and counted) until
+      :meth:`empty_host_cache`, reused meanwhile by requests of the same block size.
+    * ``device_cache`` (``OFFLOAD_CORE_FAKE_DEVICE_CACHE=1``): models a caching device allocator
+      that keeps a reserve: device memory once allocated stays reserved after it is freed (the
+      fake's "driver" sees it as used) until :meth:`empty_cache`; new allocations reuse it, so
+      ``mem_get_info`` counts it as free, as the ABC defines free.
     * ``h2d_bandwidth`` (``OFFLOAD_CORE_FAKE_H2D_BANDWIDTH``, bytes/s): a host-to-device copy of
       n bytes takes at least n / bandwidth seconds, like a PCIe link.
     * ``seed``: the chaos delays' random seed.
@@ -93,6 +107,8 @@ class FakeBackend(DeviceBackend):
         chaos_delay: float = 0.002,
         device_memory: int | None = None,
         pinned_memory: int | None = None,
+        pinned_rounding: str | None = None,
+        device_cache: bool | None = None,
         h2d_bandwidth: float | None = None,
         seed: int = 0,
         inline_copy_bytes: int = 256 * 1024,
@@ -103,6 +119,12 @@ class FakeBackend(DeviceBackend):
         pinned_memory = pinned_memory if pinned_memory is not None else _env_int("OFFLOAD_CORE_FAKE_PINNED_MEMORY")
         if h2d_bandwidth is None:
             h2d_bandwidth = _env_float("OFFLOAD_CORE_FAKE_H2D_BANDWIDTH")
+        if pinned_rounding is None:
+            pinned_rounding = os.environ.get("OFFLOAD_CORE_FAKE_PINNED_ROUNDING") or "exact"
+        if pinned_rounding not in PINNED_ROUNDING:
+            raise ValueError(f"pinned_rounding must be one of {', '.join(PINNED_ROUNDING)}, got {pinned_rounding!r}")
+        if device_cache is None:
+            device_cache = os.environ.get("OFFLOAD_CORE_FAKE_DEVICE_CACHE", "").lower() in _TRUE
         for label, value in (("device_memory", device_memory), ("pinned_memory", pinned_memory)):
             if value is not None and value < 0:
                 raise ValueError(f"{label} must be >= 0 bytes, got {value}")
@@ -116,7 +138,10 @@ class FakeBackend(DeviceBackend):
         self.timeline = Timeline()
         self._chaos = _Chaos(chaos_delay, seed) if self.chaos else None
         self._device = Pool("device", device_memory)
-        self._pinned = Pool("pinned host memory", pinned_memory)
+        self._pinned = Pool("pinned host memory", pinned_memory, **PINNED_ROUNDING[pinned_rounding])
+        self.pinned_rounding = pinned_rounding
+        self.device_cache = bool(device_cache)
+        self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._default = DefaultStream(self.timeline)
         self._streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
         self._ids = itertools.count(1)
@@ -182,10 +207,19 @@ class FakeBackend(DeviceBackend):
         return self._pinned.owns(tensor)
 
     def pinned_memory_allocated(self) -> int:
-        return self._pinned.current
+        return self._pinned.held
+
+    def pinned_allocation_size(self, nbytes: int) -> int:
+        return self._pinned.block_size(nbytes)
+
+    def empty_host_cache(self) -> None:
+        self._pinned.empty_cache()
 
     def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        return self._device.allocate(size, dtype)
+        tensor = self._device.allocate(size, dtype)
+        if self.device_cache:
+            self._reserved = max(self._reserved, self._device.current)
+        return tensor
 
     def memory_allocated(self) -> int:
         return self._device.current
@@ -197,10 +231,23 @@ class FakeBackend(DeviceBackend):
         self._device.reset_peak()
 
     def mem_get_info(self) -> tuple[int, int]:
+        # Computed as on a real device: what the "driver" has not handed to the allocator, plus
+        # the allocator's idle reserve, which new allocations reuse.
         total = self._device.capacity
         if total is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return max(total - self._device.current, 0), total
+        reserved = self.memory_reserved()
+        driver_free = max(total - reserved, 0)
+        return driver_free + reserved - self._device.current, total
+
+    # -- fake-only tools (device_cache) ---------------------------------------------------
+    def memory_reserved(self) -> int:
+        """Device bytes the fake allocator holds, in use or idle (``device_cache``; else in use)."""
+        return max(self._reserved, self._device.current) if self.device_cache else self._device.current
+
+    def empty_cache(self) -> None:
+        """Give the idle reserve back to the fake "driver" (``device_cache``)."""
+        self._reserved = self._device.current
 
     # -- transfers ------------------------------------------------------------------------
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream | DefaultStream | None = None) -> None:

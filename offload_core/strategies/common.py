@@ -9,6 +9,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..weights.slabs import SlabAllocator
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,13 +84,21 @@ def allocate_device(backend, numel: dict[torch.dtype, int]) -> dict[torch.dtype,
     return {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
 
 
-def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) -> None:
-    """Pack each unit into its host home, one unit at a time, with a progress bar in bytes."""
+def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str,
+               slabs: SlabAllocator | None = None) -> SlabAllocator | None:
+    """Pack each unit into its host home, one unit at a time, with a progress bar in bytes.
+
+    Pinned homes are views into slabs (``slabs``, else an allocator planned for ``units``; see
+    :mod:`offload_core.weights.slabs`), returned so that the part can report its real pinned bytes.
+    """
     from tqdm.auto import tqdm
 
     if pin_memory:
-        allocate = lambda n, dtype: backend.empty_pinned(n, dtype)  # noqa: E731
+        slabs = slabs or SlabAllocator.for_units(backend, units)
+        allocate = slabs.allocate
+        txn.on_rollback(backend.empty_host_cache)  # undone last: after every slab has died
     else:
+        slabs = None
         allocate = lambda n, dtype: torch.empty(n, dtype=dtype)  # noqa: E731
     total = sum(u.nbytes for u in units)
     with torch.no_grad(), tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None, leave=False) as bar:
@@ -98,6 +108,24 @@ def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str) ->
             bar.update(unit.nbytes)
     logger.info("%s: packed %d units, %.1f MB, into %s host memory", desc, len(units), total / 2**20,
                 "pinned" if pin_memory else "pageable")
+    return slabs
+
+
+def unpack_units(units, backend, slabs: SlabAllocator | None) -> None:
+    """Give every packed unit ordinary host tensors again. A slab dies with its last unit; the
+    host allocator's cache is emptied then, so pinned memory goes back as disable proceeds."""
+    for unit in units:
+        if not unit.host:
+            continue
+        before = slabs.live_slabs if slabs is not None else 0
+        unit.unpack()
+        if slabs is not None and slabs.live_slabs < before:
+            backend.empty_host_cache()
+
+
+def pinned_bytes(slabs: SlabAllocator | None) -> int:
+    """Real pinned bytes (the backend's rounding included) of a part's slabs still alive."""
+    return slabs.live_bytes if slabs is not None else 0
 
 
 class ForwardWrapper:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..backend import DeviceBackend
 from ..weights import nbytes_of
+from ..weights.slabs import SlabAllocator
 from .common import Transaction, allocate_device, pack_units
 from .layerwise import LayerwiseOffload
 
@@ -113,8 +114,13 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         log until enable succeeds, so a failure can put them back untouched."""
         if not self.shard:
             return super()._pack(txn)
-        pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights")
-        allocate = self.backend.empty_pinned if self.pin_memory else (lambda n, dtype: torch.empty(n, dtype=dtype))
+        shard_bytes = [
+            _padded(n, self.world) // self.world * dtype.itemsize for unit in self.units for dtype, n in unit.numel.items()
+        ]
+        resident_bytes = [n * dtype.itemsize for dtype, n in self.resident.numel.items()]
+        slabs = SlabAllocator(self.backend, resident_bytes + shard_bytes) if self.pin_memory else None
+        self.slabs = pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights", slabs)
+        allocate = slabs.allocate if slabs is not None else (lambda n, dtype: torch.empty(n, dtype=dtype))
         for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
             originals = [(owner, owner.get().data) for entry in unit.entries for owner in entry.owners]
             txn.on_rollback(functools.partial(_rebind_all, originals))
@@ -163,5 +169,5 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 self.backend.copy_async(buf, slot[dtype][: buf.numel()], host)
             host.synchronize()
             self.freed[i % self.num_slots].record(host)
-        super().disable()
         self._shards = []
+        super().disable()

@@ -30,6 +30,8 @@ from .common import (
     copy_unit,
     inputs_to_device,
     pack_units,
+    pinned_bytes,
+    unpack_units,
 )
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class LayerwiseOffload:
         self.slot_shape = slot_numel(self.units)
         self._hooks: list = []
         self._occupant: list[int] = []
+        self.slabs = None  # the pinned slabs holding the host homes, once packed
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -84,6 +87,10 @@ class LayerwiseOffload:
     @property
     def host_bytes(self) -> int:
         return self.resident.nbytes + sum(u.nbytes for u in self.units)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return pinned_bytes(self.slabs)
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
@@ -157,8 +164,8 @@ class LayerwiseOffload:
 
     def _pack(self, txn: Transaction) -> None:
         """Give every unit its host home (here: the whole unit, one buffer per dtype)."""
-        pack_units([self.resident, *self.units], self.backend, self.pin_memory, txn,
-                   f"packing {type(self.model).__name__}")
+        self.slabs = pack_units([self.resident, *self.units], self.backend, self.pin_memory, txn,
+                                f"packing {type(self.model).__name__}")
 
     def _plan_transfers(self) -> None:
         """(slot view, host buffer) per dtype, per block: the hot path only issues copies."""
@@ -180,10 +187,8 @@ class LayerwiseOffload:
         self._remove_hooks()
         if self._occupant:
             self.copy_stream.synchronize()
-        for unit in (self.resident, *self.units):
-            if unit.host:
-                unit.unpack()
-        self._release()
+        self._release()  # the transfer plan references the host buffers: drop it first
+        unpack_units([self.resident, *self.units], self.backend, self.slabs)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

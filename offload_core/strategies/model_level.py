@@ -26,7 +26,16 @@ from torch import nn
 from ..backend import DeviceBackend, Event
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
+from .common import (
+    Counters,
+    Transaction,
+    allocate_device,
+    copy_unit,
+    inputs_to_device,
+    pack_units,
+    pinned_bytes,
+    unpack_units,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +99,7 @@ class ModelLevelOffload:
         self._hooks: list = []
         self._release_after = release_after  # a bare module: swap out when its forward returns
         self.peak_weight_bytes = 0
+        self.slabs = None  # the pinned slabs holding the host homes, once packed
 
     @classmethod
     def for_module(cls, module: nn.Module, backend: DeviceBackend, pin_memory: bool = True) -> "ModelLevelOffload":
@@ -110,6 +120,10 @@ class ModelLevelOffload:
         return sum(g.nbytes for g in self.groups)
 
     @property
+    def pinned_bytes(self) -> int:
+        return pinned_bytes(self.slabs)
+
+    @property
     def largest_group_bytes(self) -> int:
         return max(g.nbytes for g in self.groups)
 
@@ -119,7 +133,7 @@ class ModelLevelOffload:
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
         units = [c.unit for g in self.groups for c in g.components]
-        pack_units(units, self.backend, self.pin_memory, txn, "packing components")
+        self.slabs = pack_units(units, self.backend, self.pin_memory, txn, "packing components")
         self.copy_stream = self.backend.new_stream()
         device = self.backend.device()
         for index, group in enumerate(self.groups):
@@ -143,8 +157,7 @@ class ModelLevelOffload:
         self.copy_stream.synchronize()
         for group in self.groups:
             self._swap_out(group)
-        for c in (c for g in self.groups for c in g.components):
-            c.unit.unpack()
+        unpack_units([c.unit for g in self.groups for c in g.components], self.backend, self.slabs)
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""

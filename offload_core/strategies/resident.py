@@ -9,7 +9,16 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Counters, Transaction, allocate_device, copy_unit, inputs_to_device, pack_units
+from .common import (
+    Counters,
+    Transaction,
+    allocate_device,
+    copy_unit,
+    inputs_to_device,
+    pack_units,
+    pinned_bytes,
+    unpack_units,
+)
 
 
 class ResidentModules:
@@ -22,6 +31,7 @@ class ResidentModules:
         self.modules = list(modules)
         self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.modules]
         self._hooks: list = []
+        self.slabs = None  # the pinned slabs holding the host homes, once packed
 
     @property
     def device_weight_bytes(self) -> int:
@@ -29,9 +39,13 @@ class ResidentModules:
 
     host_bytes = device_weight_bytes
 
+    @property
+    def pinned_bytes(self) -> int:
+        return pinned_bytes(self.slabs)
+
     def enable(self, txn: Transaction) -> None:
         buffers = [allocate_device(self.backend, u.numel) for u in self.units]
-        pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
+        self.slabs = pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
         stream = self.backend.new_stream()
         for unit, buf in zip(self.units, buffers):
             copy_unit(unit, buf, self.backend, stream, self.counters)
@@ -50,5 +64,4 @@ class ResidentModules:
 
     def disable(self) -> None:
         self._remove_hooks()
-        for unit in self.units:
-            unit.unpack()
+        unpack_units(self.units, self.backend, self.slabs)

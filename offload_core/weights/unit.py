@@ -143,8 +143,12 @@ class WeightUnit:
         return nbytes_of(self.numel)
 
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
-        return [buffers[e.dtype].as_strided(e.size, e.stride, e.offset) for e in self.entries]
+        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors, which may
+        themselves be views into a larger storage, such as a pinned slab)."""
+        return [
+            buffers[e.dtype].as_strided(e.size, e.stride, buffers[e.dtype].storage_offset() + e.offset)
+            for e in self.entries
+        ]
 
     def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Point every owner at its view of ``buffers``. No data moves."""
