@@ -82,6 +82,25 @@ def test_mem_get_info_is_sane(backend):
     assert 0 <= free <= total
 
 
+def test_mem_get_info_free_is_what_new_allocations_can_get(backend):
+    """Free memory shrinks by an allocation and comes back when it is freed, even where a caching
+    allocator keeps the freed block reserved: memory the backend's allocator holds idle is
+    available to new allocations, so it is free (the model-level prefetch rule relies on it).
+    A raw driver figure would stay low after the free."""
+    size = 64 * MIB
+    backend.synchronize()
+    kit.collect()
+    before = backend.mem_get_info()[0]
+    t = backend.empty_device(size)
+    during = backend.mem_get_info()[0]
+    del t
+    kit.collect()
+    after = backend.mem_get_info()[0]
+    tolerance = 4 * MIB  # drivers report free memory in pages of up to 2 MiB
+    assert before - during >= size - tolerance
+    assert abs(after - before) <= tolerance
+
+
 def test_capacity_raises_out_of_memory(backend, new_backend):
     """With ``device_memory`` set, an allocation past it raises ``torch.OutOfMemoryError`` (what
     callers catch on real devices), accounts nothing, and fits again once memory is freed."""
