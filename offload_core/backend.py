@@ -216,7 +216,9 @@ class DeviceBackend(abc.ABC):
     @abc.abstractmethod
     def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
         """Join the default process group with this backend's ``dist_backend`` and bind this
-        rank to its device."""
+        rank to its device. ``timeout=`` (a ``datetime.timedelta`` or seconds) bounds the wait
+        of every collective; without it torch's default for ``dist_backend`` applies. Other
+        keyword arguments go to ``torch.distributed.init_process_group``."""
 
     @abc.abstractmethod
     def all_gather_into_tensor(

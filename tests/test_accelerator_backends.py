@@ -610,3 +610,28 @@ def test_accelerator_pinned_accounting_models_the_caching_host_allocator(vendor_
     emptied = VENDOR.host_cache_emptied
     backend.empty_host_cache()
     assert VENDOR.host_cache_emptied == emptied + 1 and backend.pinned_memory_allocated() == 0
+
+
+# -- the collective timeout ------------------------------------------------------------------
+
+
+def test_collective_timeout_is_torchs_default_unless_the_user_sets_one(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    joined: list[dict] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: joined.append(kwargs))
+    backend = offload_core.get_backend("fake", chaos=False)
+    backend.init_process_group(0, 1, "tcp://127.0.0.1:1")
+    assert "timeout" not in joined[-1]  # torch's default for the collective backend
+    backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=90)
+    assert joined[-1]["timeout"] == datetime.timedelta(seconds=90)
+    backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=datetime.timedelta(hours=1))
+    assert joined[-1]["timeout"] == datetime.timedelta(hours=1)
+    with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or a number of seconds, got '1m'"):
+        backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout="1m")
+    with pytest.raises(ValueError, match="timeout must be positive, got 0"):
+        backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=0)
+    assert len(joined) == 3
