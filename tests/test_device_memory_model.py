@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,6 +15,9 @@ from offload_core.strategies.common import Transaction
 from offload_core.strategies.model_level import RESERVE_FRACTION, ModelLevelOffload
 
 K = 64  # a KxK float32 Linear without bias: 16 KiB
+
+# the fake's own options (pinned_rounding, device_cache, caps): simulator tests
+pytestmark = pytest.mark.fake_only
 
 
 def test_device_cache_keeps_freed_memory_reserved_and_counts_it_free(monkeypatch):

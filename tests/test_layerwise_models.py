@@ -12,7 +12,7 @@ from offload_core.discovery.support import ROWS
 from offload_core.weights.unit import ALIGN_BYTES
 from offload_core.tiny import STANDINS, TRANSFORMERS, build_standin, build_transformer
 
-from helpers import chaos_backend, forward
+from helpers import chaos_backend, exact_accounting, forward
 
 MODELS = [("transformer" if name in TRANSFORMERS else "standin", name) for row in ROWS for name in row.tiny_models]
 
@@ -55,12 +55,16 @@ def test_layerwise_equals_resident(kind, name, depth):
         assert torch.equal(forward(model, perturbed(inputs, s)), expected[s]), f"step {s} differs"
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
-    # bounded residency, measured by the fake's accounting: exactly resident + slots x largest block
-    assert stats["device_peak_bytes"] == part.resident_bytes + part.num_slots * part.slot_bytes
     assert part.slot_bytes == max(u.nbytes for u in part.units) or len({d for u in part.units for d in u.numel}) > 1
     tensors = _unique_tensors(model)
     model_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    assert model_bytes <= stats["pinned_host_bytes"] <= model_bytes + ALIGN_BYTES * len(tensors)
+    weights = part.resident_bytes + part.num_slots * part.slot_bytes
+    if exact_accounting():
+        # bounded residency, measured by the fake's accounting: exactly resident + slots x largest block
+        assert stats["device_peak_bytes"] == weights
+        assert model_bytes <= stats["pinned_host_bytes"] <= model_bytes + ALIGN_BYTES * len(tensors)
+    else:
+        assert stats["device_peak_bytes"] >= weights and stats["pinned_host_bytes"] >= model_bytes
     handle.disable()
     assert torch.equal(forward(model, inputs), expected[0])
 

@@ -19,6 +19,9 @@ from offload_core.weights.unit import ALIGN_BYTES
 MIB = 1 << 20
 D = 396  # a float32 DxD weight is 627 264 bytes: 0.598 of a power of two (1 MiB)
 
+# the fake's own options (pinned_rounding, device_cache, caps): simulator tests
+pytestmark = pytest.mark.fake_only
+
 
 class Stack(nn.Module):
     """Blocks of one DxD float32 weight each, so every block is 0.6 of a power of two."""
