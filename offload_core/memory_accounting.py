@@ -75,7 +75,7 @@ class AllocationTracker:
         self.peak = 0
         self._free_blocks: collections.Counter[int] = collections.Counter()  # block size -> count
         self._live: dict[tuple[int, int], int] = {}  # storage key -> bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a storage finalizer may run (GC) while the lock is held
 
     @property
     def held(self) -> int:
