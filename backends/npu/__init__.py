@@ -20,9 +20,9 @@ documentation and source; not yet run on Ascend hardware):
   for every accelerator backend): ``NPUGuardImpl`` does not implement the generic
   ``torch.Stream(device=...)`` creation, and torch_npu's ``Event.record``/``wait`` take only NPU
   streams.
-* Pinned memory comes from torch_npu's caching host allocator, assumed (unchecked) to round up to a power of
-  two as CUDA's does; ``empty_host_cache`` goes through ``torch.npu.empty_host_cache`` where that
-  exists, else ``torch.accelerator.empty_host_cache``.
+* Pinned memory comes from torch_npu's caching host allocator, assumed (unchecked) to round up
+  to a power of two as CUDA's does; ``empty_host_cache`` goes through
+  ``torch.npu.empty_host_cache`` where that exists, else ``torch.accelerator.empty_host_cache``.
 """
 
 from __future__ import annotations
