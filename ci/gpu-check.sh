@@ -89,14 +89,14 @@ else
         echo "gpu-check: installation failed; no report" >&2; exit 1; }
 fi
 
-step kit 60 "$WORK/kit.xml" \
+step kit 45 "$WORK/kit.xml" \
     "$PY" -m pytest --backend="$BACKEND" --pyargs offload_core.testing -q --junitxml="$WORK/kit.xml" "${KIT_SELECT[@]}"
 step strategies 120 "$WORK/strategies.xml" \
     "$PY" -m pytest --backend="$BACKEND" -q -m "not fake_only" --junitxml="$WORK/strategies.xml" \
     "${STRATEGY_SELECT[@]}" "${STRATEGY_TESTS[@]}"
-step bench 60 "$WORK/bench.json" \
+step bench 45 "$WORK/bench.json" \
     "$PY" -m offload_core bench --quick --json --out "$WORK/bench.json" "${BENCH_SELECT[@]}" > /dev/null
-step realsize 90 "$WORK/realsize.json" \
+step realsize 120 "$WORK/realsize.json" \
     "$PY" -m offload_core.bench.realsize --out "$WORK/realsize.json" "${REALSIZE[@]}"
 
 DRY_FLAG=()
