@@ -47,7 +47,7 @@ STEPS="$WORK/steps.tsv"
 step() {
     local name=$1 limit=$2 artifact=$3 start=$SECONDS status
     shift 3
-    echo "== gpu-check: $name ($*)" >&2
+    echo "== gpu-check: $name" >&2
     timeout "$limit" "$@"
     status=$?
     [ "$status" = 124 ] && echo "== gpu-check: $name exceeded $limit s" >&2
@@ -75,30 +75,35 @@ else
     STRATEGY_SELECT=()
     BENCH_SELECT=()
     REALSIZE=(--backend cuda)
-    install() {
+    export VENV PY REUSE TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}
+    # shellcheck disable=SC2016  # expanded by the inner shell
+    INSTALL='
         if [ "$REUSE" = 1 ] && [ -x "$PY" ]; then
             echo "reusing $VENV" >&2
         else
             rm -rf "$VENV" && python3 -m venv "$VENV" &&
-                "$VENV/bin/pip" install -q torch==2.13.0 --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}" &&
-                "$VENV/bin/pip" install -q -e ".[test]" || return 1
+                "$VENV/bin/pip" install -q torch==2.13.0 --index-url "$TORCH_INDEX_URL" &&
+                "$VENV/bin/pip" install -q -e ".[test]" || exit 1
         fi
-        "$PY" -c "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} sees no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))"
-    }
-    step install 150 - install || { "$PY" -m offload_core.bench.check_report --steps "$STEPS" --out "$OUT" 2>/dev/null ||
-        echo "gpu-check: installation failed; no report" >&2; exit 1; }
+        "$PY" -c "import torch; assert torch.cuda.is_available(), f\"torch {torch.__version__} sees no CUDA device\"; print(torch.__version__, torch.cuda.get_device_name(0))"'
+    if ! step install 150 - bash -c "$INSTALL"; then
+        status=$(cut -f2 "$STEPS")
+        printf '{"ok": false, "dry_run": false, "steps": {"install": {"ok": false, "exit_status": %s}}}\n' "$status" > "$OUT"
+        echo "gpu-check: installation failed (exit status $status); see $OUT" >&2
+        exit 1
+    fi
 fi
 
 step kit 45 "$WORK/kit.xml" \
-    "$PY" -m pytest --backend="$BACKEND" --pyargs offload_core.testing -q --junitxml="$WORK/kit.xml" "${KIT_SELECT[@]}"
+    "$PY" -m pytest --backend="$BACKEND" --pyargs offload_core.testing -q --junitxml="$WORK/kit.xml" ${KIT_SELECT[@]+"${KIT_SELECT[@]}"}
 step strategies 120 "$WORK/strategies.xml" \
     "$PY" -m pytest --backend="$BACKEND" -q -m "not fake_only" --junitxml="$WORK/strategies.xml" \
-    "${STRATEGY_SELECT[@]}" "${STRATEGY_TESTS[@]}"
+    ${STRATEGY_SELECT[@]+"${STRATEGY_SELECT[@]}"} "${STRATEGY_TESTS[@]}"
 step bench 45 "$WORK/bench.json" \
-    "$PY" -m offload_core bench --quick --json --out "$WORK/bench.json" "${BENCH_SELECT[@]}" > /dev/null
+    "$PY" -m offload_core bench --quick --json --out "$WORK/bench.json" ${BENCH_SELECT[@]+"${BENCH_SELECT[@]}"} > /dev/null
 step realsize 120 "$WORK/realsize.json" \
     "$PY" -m offload_core.bench.realsize --out "$WORK/realsize.json" "${REALSIZE[@]}"
 
 DRY_FLAG=()
 [ "$DRY" = 1 ] && DRY_FLAG=(--dry-run)
-"$PY" -m offload_core.bench.check_report --steps "$STEPS" --out "$OUT" "${DRY_FLAG[@]}"
+"$PY" -m offload_core.bench.check_report --steps "$STEPS" --out "$OUT" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
