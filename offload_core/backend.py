@@ -41,6 +41,9 @@ class Capability:
     TRACE = "trace"
     #: ``all_gather_into_tensor`` and ``init_process_group`` work across processes
     COLLECTIVES = "collectives"
+    #: ``sanitize=True``: accesses to the backend's memory from streams that no event orders, and
+    #: buffers dropped while work touching them may still run, raise an error naming both sides
+    SANITIZE = "sanitize"
 
 
 @runtime_checkable

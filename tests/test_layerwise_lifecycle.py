@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import weakref
 import warnings
 
@@ -15,6 +16,7 @@ import offload_core
 from offload_core import Capability
 from offload_core.discovery import find_blocks
 from offload_core.weights.slabs import SlabAllocator
+from offload_core_fake import StreamRaceError
 
 from helpers import assert_same_state, chaos_backend, device, run, snapshot
 from stacks import StackSpec, build_stack
@@ -150,7 +152,25 @@ def test_out_of_order_calls_load_synchronously_and_count_misses():
     handle.disable()
 
 
+@pytest.mark.requires_capability(Capability.SANITIZE)
+def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
+    """The sanitizer sees compute read a slot that the copy stream writes with no event between."""
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    handle.parts[0]._wait_ready = lambda i: None
+    with pytest.raises(StreamRaceError) as race:
+        run(model, X)
+    report = str(race.value)
+    assert "read-after-write" in report
+    assert re.search(r"this access: +read by aten\.\w+.* on stream 'default'", report)
+    assert re.search(r"at tests/stacks\.py:\d+ in forward", report)  # the compute line
+    assert re.search(r"earlier access: +write by copy_async \(H2D\)", report)
+    assert re.search(r"at offload_core/strategies/layerwise\.py:\d+ in _issue", report)  # the copy line
+    handle.disable()
+
+
 @pytest.mark.requires_capability(Capability.CHAOS)
+@pytest.mark.unsanitized("shows that chaos mode alone also sees this read-after-write race")
 def test_removing_the_ready_wait_gives_wrong_output_under_chaos():
     """Proves the suite can see a race: the same run without the compute-waits-copy step fails."""
     model = mixed_stack()

@@ -153,7 +153,7 @@ def test_conformance_kit_passes_for_the_plugin(site):
     """What a vendor runs to validate a backend; also checks the kit accepts a correct backend."""
     proc = _pytest(site, "--backend=acme", "--pyargs", "offload_core.testing")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "offload_core backend: acme (chaos mode) from acme-offload" in proc.stdout  # the header
+    assert "offload_core backend: acme (chaos mode, race sanitizer) from acme-offload" in proc.stdout  # the header
     assert "acme_broken = acme_broken_plugin (acme-broken)" in proc.stdout  # the skipped plugin, shown
     assert re.search(r"\b(\d+) passed\b", proc.stdout) and " failed" not in proc.stdout
 

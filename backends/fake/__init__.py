@@ -4,9 +4,10 @@ from offload_core.hookspecs import hookimpl
 
 from .backend import FakeBackend
 from .memory import FakeOutOfMemoryError
+from .sanitizer import StreamRaceError
 from .streams import StreamError
 
-__all__ = ["FakeBackend", "FakeOutOfMemoryError", "StreamError"]
+__all__ = ["FakeBackend", "FakeOutOfMemoryError", "StreamError", "StreamRaceError"]
 
 
 @hookimpl

@@ -19,6 +19,7 @@ from offload_core.backend import Capability, DeviceBackend
 from offload_core.memory_accounting import power_of_two_ceil
 
 from .memory import Pool
+from .sanitizer import Sanitizer, suspended
 from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos, pause
 from .trace import Timeline, now_ns
 
@@ -81,6 +82,12 @@ class FakeBackend(DeviceBackend):
       ``mem_get_info`` counts it as free, as the ABC defines free.
     * ``h2d_bandwidth`` (``OFFLOAD_CORE_FAKE_H2D_BANDWIDTH``, bytes/s): a host-to-device copy of
       n bytes takes at least n / bandwidth seconds, like a PCIe link.
+    * ``sanitize`` (``OFFLOAD_CORE_FAKE_SANITIZE=1``; on by default under ``pytest --backend=fake``):
+      the race sanitizer (:mod:`offload_core_fake.sanitizer`). Every access to this backend's device
+      and pinned memory — copies, gathers, and the torch operations the host issues, seen through
+      a ``TorchDispatchMode`` — is checked against the order a GPU would give the streams that
+      issued it, the default stream treated as asynchronous; an unordered conflicting pair, or a
+      buffer dropped while work touching it may still run, raises :class:`StreamRaceError`.
     * ``seed``: the chaos delays' random seed.
     * ``inline_copy_bytes`` (default 256 KiB): without chaos and without a bandwidth model, a copy
       of at most this many bytes onto an idle stream runs at once on the calling thread. Waking a
@@ -97,7 +104,10 @@ class FakeBackend(DeviceBackend):
     priority = 0
     is_accelerator = False
     capabilities = frozenset(
-        {Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES}
+        {
+            Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES,
+            Capability.SANITIZE,
+        }
     )
 
     def __init__(
@@ -112,9 +122,12 @@ class FakeBackend(DeviceBackend):
         h2d_bandwidth: float | None = None,
         seed: int = 0,
         inline_copy_bytes: int = 256 * 1024,
+        sanitize: bool | None = None,
     ) -> None:
         if chaos is None:
             chaos = os.environ.get("OFFLOAD_CORE_FAKE_CHAOS", "").lower() in _TRUE
+        if sanitize is None:
+            sanitize = os.environ.get("OFFLOAD_CORE_FAKE_SANITIZE", "").lower() in _TRUE
         device_memory = device_memory if device_memory is not None else _env_int("OFFLOAD_CORE_FAKE_DEVICE_MEMORY")
         pinned_memory = pinned_memory if pinned_memory is not None else _env_int("OFFLOAD_CORE_FAKE_PINNED_MEMORY")
         if h2d_bandwidth is None:
@@ -142,10 +155,11 @@ class FakeBackend(DeviceBackend):
         self.pinned_rounding = pinned_rounding
         self.device_cache = bool(device_cache)
         self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
-        self._default = DefaultStream(self.timeline)
+        self._local = threading.local()
+        self.sanitizer = Sanitizer(self.current_stream) if sanitize else None
+        self._default = DefaultStream(self.timeline, self.sanitizer)
         self._streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
         self._ids = itertools.count(1)
-        self._local = threading.local()
         # chaos: storage -> reads of it queued on streams that have not run yet (see _poisoner)
         self._pending_reads: collections.Counter[int] = collections.Counter()
         self._reads_lock = threading.Lock()
@@ -163,7 +177,7 @@ class FakeBackend(DeviceBackend):
 
     # -- streams --------------------------------------------------------------------------
     def new_stream(self) -> FakeStream:
-        stream = FakeStream(f"stream-{next(self._ids)}", self.timeline, self._chaos)
+        stream = FakeStream(f"stream-{next(self._ids)}", self.timeline, self._chaos, self.sanitizer)
         self._streams.add(stream)
         return stream
 
@@ -192,16 +206,22 @@ class FakeBackend(DeviceBackend):
         event.wait(waiter)
 
     def synchronize(self) -> None:
-        for stream in list(self._streams):
+        streams = list(self._streams)
+        for stream in streams:
             stream.synchronize()
+        if self.sanitizer is not None:
+            self.sanitizer.on_synchronize_all([self._default, *streams])
 
     # -- events ---------------------------------------------------------------------------
     def new_event(self) -> FakeEvent:
-        return FakeEvent(self.current_stream, self.timeline)
+        return FakeEvent(self.current_stream, self.timeline, self.sanitizer)
 
     # -- memory ---------------------------------------------------------------------------
     def empty_pinned(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        return self._pinned.allocate(size, dtype)
+        tensor = self._pinned.allocate(size, dtype)
+        if self.sanitizer is not None:
+            self.sanitizer.track(tensor, "pinned")
+        return tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return self._pinned.owns(tensor)
@@ -219,6 +239,8 @@ class FakeBackend(DeviceBackend):
         tensor = self._device.allocate(size, dtype)
         if self.device_cache:
             self._reserved = max(self._reserved, self._device.current)
+        if self.sanitizer is not None:
+            self.sanitizer.track(tensor, "device")
         return tensor
 
     def memory_allocated(self) -> int:
@@ -260,6 +282,8 @@ class FakeBackend(DeviceBackend):
         nbytes = src.nbytes
         h2d = not self._device.owns(src)
         label = "H2D" if h2d else "D2H"
+        if self.sanitizer is not None:
+            self.sanitizer.on_copy(dst, src, stream, f"copy_async ({label})")
         bandwidth = self.h2d_bandwidth if h2d else None
         if not self.chaos and bandwidth is None:  # the common path: no simulation to add
             stream.submit(functools.partial(dst.copy_, src), label, nbytes, inline=nbytes <= self.inline_copy_bytes)
@@ -294,7 +318,8 @@ class FakeBackend(DeviceBackend):
         with self._reads_lock:
             pending = self._pending_reads[_storage_key(dst)] > 0
         if not pending:
-            _poison(dst)
+            with suspended():  # the backend's own write, part of the copy the sanitizer recorded
+                _poison(dst)
             return None
         return lambda: _poison(dst)
 
@@ -326,6 +351,8 @@ class FakeBackend(DeviceBackend):
         stream: FakeStream | DefaultStream | None = None,
     ) -> FakeEvent:
         stream = stream if stream is not None else self.current_stream()
+        if self.sanitizer is not None:
+            self.sanitizer.on_copy(output, input, stream, "all_gather")
         poison = self._poisoner(output, stream)
         read_done = self._queue_read(input)
 

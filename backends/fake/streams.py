@@ -17,6 +17,7 @@ import time
 import weakref
 from typing import Callable
 
+from .sanitizer import suspended
 from .trace import Timeline, now_ns
 
 # Set at interpreter exit: workers stop after their current task and simulated waits end early.
@@ -120,7 +121,8 @@ class _Queue:
             seq, fn, label, nbytes, prepare = item
             try:
                 if prepare is not None and self.error is None:
-                    prepare()  # the task's turn has come: e.g. chaos poisons the copy destination
+                    with suspended():
+                        prepare()  # the task's turn has come: e.g. chaos poisons the copy destination
             except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
                 self.error = exc
             if self.chaos is not None:
@@ -135,7 +137,8 @@ class _Queue:
         start = now_ns()
         try:
             if self.error is None:  # after a failure the stream only drains, as a faulted GPU would
-                fn()
+                with suspended():  # recorded by the sanitizer when it was enqueued
+                    fn()
         except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
             self.error = exc
         self.timeline.add(self.name, label, start, now_ns(), nbytes)
@@ -166,9 +169,10 @@ class _Queue:
 class FakeStream:
     """A side stream: its work runs in order on its own worker thread."""
 
-    def __init__(self, name: str, timeline: Timeline, chaos: _Chaos | None) -> None:
+    def __init__(self, name: str, timeline: Timeline, chaos: _Chaos | None, sanitizer=None) -> None:
         self._q = _Queue(name, timeline, chaos)
         self._finalizer = weakref.finalize(self, self._q.stop)
+        self._san = sanitizer
 
     @property
     def name(self) -> str:
@@ -204,9 +208,14 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self._q.wait_for(self._q.enqueued)
+        if self._san is not None:
+            self._san.on_stream_sync(self)
 
     def query(self) -> bool:
-        return self._q.done >= self._q.enqueued
+        done = self._q.done >= self._q.enqueued
+        if done and self._san is not None:
+            self._san.on_stream_sync(self)
+        return done
 
     def close(self) -> None:
         """Finish queued work, then stop the worker thread."""
@@ -222,8 +231,9 @@ class DefaultStream:
 
     name = "default"
 
-    def __init__(self, timeline: Timeline) -> None:
+    def __init__(self, timeline: Timeline, sanitizer=None) -> None:
         self._timeline = timeline
+        self._san = sanitizer
 
     def submit(
         self,
@@ -233,10 +243,11 @@ class DefaultStream:
         prepare: Callable[[], None] | None = None,
         inline: bool = True,
     ) -> int:
-        if prepare is not None:
-            prepare()
-        start = now_ns()
-        fn()
+        with suspended():  # recorded by the sanitizer when it was enqueued
+            if prepare is not None:
+                prepare()
+            start = now_ns()
+            fn()
         self._timeline.add(self.name, label, start, now_ns(), nbytes)
         return 0
 
@@ -252,10 +263,14 @@ class DefaultStream:
     def check(self) -> None:
         return None
 
+    # Its work has run by now; for the sanitizer it is complete only once the host asks.
     def synchronize(self) -> None:
-        return None
+        if self._san is not None:
+            self._san.on_stream_sync(self)
 
     def query(self) -> bool:
+        if self._san is not None:
+            self._san.on_stream_sync(self)
         return True
 
     def __repr__(self) -> str:
@@ -266,25 +281,38 @@ class FakeEvent:
     """A captured stream position. ``wait`` on a side stream enqueues a blocking task there;
     ``wait`` on the default stream blocks the calling thread (its later work is the caller's)."""
 
-    def __init__(self, current: Callable[[], FakeStream | DefaultStream], timeline: Timeline) -> None:
+    def __init__(
+        self, current: Callable[[], FakeStream | DefaultStream], timeline: Timeline, sanitizer=None
+    ) -> None:
         self._current = current
         self._timeline = timeline
         self._stream: FakeStream | DefaultStream | None = None
         self._seq = 0
+        self._san = sanitizer
+        self._vc: dict[int, int] | None = None  # the sanitizer's vector clock at record
 
     def record(self, stream: FakeStream | DefaultStream | None = None) -> None:
         stream = stream if stream is not None else self._current()
         self._stream, self._seq = stream, stream.position()
+        if self._san is not None:
+            self._vc = self._san.on_record(stream)
 
     def query(self) -> bool:
-        return self._stream is None or self._stream.reached(self._seq)
+        reached = self._stream is None or self._stream.reached(self._seq)
+        if reached and self._san is not None:
+            self._san.on_host_sync(self._vc)
+        return reached
 
     def synchronize(self) -> None:
         if self._stream is not None:
             self._stream.wait_for(self._seq)
+        if self._san is not None:
+            self._san.on_host_sync(self._vc)
 
     def wait(self, stream: FakeStream | DefaultStream | None = None) -> None:
         target = stream if stream is not None else self._current()
+        if self._san is not None:
+            self._san.on_wait(self._vc, target)
         source, seq = self._stream, self._seq
         if source is None or source is target:
             return  # unrecorded, or same-stream order already holds

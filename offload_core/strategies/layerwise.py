@@ -100,6 +100,9 @@ class LayerwiseOffload:
         txn.on_rollback(self._release)
         self._pack(txn)
         self.copy_stream = self._new_copy_stream()
+        # The new buffers may reuse memory that compute issued earlier still reads (a caching
+        # allocator hands freed blocks to the next allocation at once): copy after that compute.
+        backend.wait_stream(self.copy_stream, backend.current_stream())
         self.ready = [backend.new_event() for _ in self.units]
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots

@@ -47,6 +47,8 @@ class ResidentModules:
         buffers = [allocate_device(self.backend, u.numel) for u in self.units]
         self.slabs = pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
         stream = self.backend.new_stream()
+        # the new buffers may reuse memory that earlier compute still reads: copy after it
+        self.backend.wait_stream(stream, self.backend.current_stream())
         for unit, buf in zip(self.units, buffers):
             copy_unit(unit, buf, self.backend, stream, self.counters)
         stream.synchronize()

@@ -5,9 +5,15 @@ Every test suite that uses offload-core, including the conformance kit in this p
 
 * ``backend_name`` — the name given with ``--backend`` (default ``fake``);
 * ``backend`` — one instance for the whole session, in chaos mode when the backend supports it
-  (:data:`offload_core.Capability.CHAOS`), so that a missing wait fails every time;
+  (:data:`offload_core.Capability.CHAOS`) and with its race sanitizer on when it has one
+  (:data:`offload_core.Capability.SANITIZE`), so that a missing wait fails every time;
 * ``new_backend(**options)`` — a factory for extra, independently configured instances of the
-  same backend (a capacity, a bandwidth), closed when the test ends.
+  same backend (a capacity, a bandwidth), closed when the test ends; chaos and sanitizer on alike.
+
+With ``--backend=fake`` the sanitizer is on for every fake backend the tests build themselves too
+(``OFFLOAD_CORE_FAKE_SANITIZE=1`` unless the environment sets it), spawned processes included. A
+test that races on purpose, or runs code the sanitizer cannot follow, opts out with
+``@pytest.mark.unsanitized("why")``.
 
 Only ``--backend`` selects the backend here: ``OFFLOAD_CORE_BACKEND`` is deliberately ignored, so
 that a stray environment variable cannot silently change what a test run validated.
@@ -26,11 +32,13 @@ fixture.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterator
 
 import pytest
 
 DEFAULT_BACKEND = "fake"
+SANITIZE_ENV = "OFFLOAD_CORE_FAKE_SANITIZE"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -69,6 +77,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "requires_capability(*names): needs these backend capabilities; skipped where one is missing"
     )
+    config.addinivalue_line(
+        "markers", "unsanitized(reason): run without the race sanitizer (a deliberate race, or code it cannot follow)"
+    )
     # Fail before collection, as a usage error (exit code 4, no traceback), for a name that is
     # unknown or cannot run here: every test would otherwise error on the same cause.
     name = config.getoption("backend")
@@ -77,6 +88,8 @@ def pytest_configure(config: pytest.Config) -> None:
         reason = info.unavailable_reason()
         raise pytest.UsageError(f"--backend={name}: backend {name!r} is not available here" + (f": {reason}" if reason else ""))
     _selected = name
+    if name == "fake":
+        os.environ.setdefault(SANITIZE_ENV, "1")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -90,13 +103,44 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"backend {name!r} lacks capability {', '.join(missing)}")
 
 
+def _defaults(cls: type) -> dict[str, Any]:
+    """The options that make a backend strict: chaos and the sanitizer, where it has them."""
+    from offload_core import Capability
+
+    options: dict[str, Any] = {}
+    if Capability.CHAOS in cls.capabilities:
+        options["chaos"] = True
+    if Capability.SANITIZE in cls.capabilities:
+        options["sanitize"] = True
+    return options
+
+
+@pytest.fixture(autouse=True)
+def _unsanitized(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``@pytest.mark.unsanitized``: fake backends built in the test run without the sanitizer,
+    and the test's own torch operations are not recorded."""
+    if request.node.get_closest_marker("unsanitized") is None:
+        yield
+        return
+    monkeypatch.setenv(SANITIZE_ENV, "0")
+    try:
+        from offload_core_fake.sanitizer import paused
+    except ImportError:  # the fake backend is not installed: nothing to pause
+        yield
+        return
+    with paused():
+        yield
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     from offload_core import Capability
     from offload_core.plugins import registry
 
     name = config.getoption("backend")
     info = _info(name)
-    mode = " (chaos mode)" if Capability.CHAOS in info.cls.capabilities else ""
+    modes = [m for m, cap in (("chaos mode", Capability.CHAOS), ("race sanitizer", Capability.SANITIZE))
+             if cap in info.cls.capabilities]
+    mode = f" ({', '.join(modes)})" if modes else ""
     caps = ", ".join(sorted(info.cls.capabilities)) or "none"
     lines = [f"offload_core backend: {name}{mode} from {info.source}; capabilities: {caps}"]
     for failure in registry().failures:
@@ -112,11 +156,12 @@ def backend_name(pytestconfig: pytest.Config) -> str:
 
 @pytest.fixture(scope="session")
 def backend(backend_name: str) -> Iterator[Any]:
-    """The session's backend instance; chaos mode on where the backend has it."""
-    from offload_core import Capability, get_backend
+    """The session's backend instance; chaos mode and the sanitizer on where the backend has them."""
+    from offload_core import get_backend
 
-    if Capability.CHAOS in _info(backend_name).cls.capabilities:
-        instance = get_backend(backend_name, chaos=True)  # a private instance: ours to close
+    options = _defaults(_info(backend_name).cls)
+    if options:
+        instance = get_backend(backend_name, **options)  # a private instance: ours to close
         try:
             yield instance
         finally:
@@ -126,20 +171,22 @@ def backend(backend_name: str) -> Iterator[Any]:
 
 
 @pytest.fixture
-def new_backend(backend_name: str) -> Iterator[Callable[..., Any]]:
+def new_backend(backend_name: str, request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """Factory: ``new_backend(**options)`` builds a fresh instance of the selected backend.
 
-    Chaos mode is added where the backend has it unless ``chaos`` is given. Every instance is
-    closed at the end of the test.
+    Chaos mode and the sanitizer are added where the backend has them unless given (the sanitizer
+    not in a test marked ``unsanitized``). Every instance is closed at the end of the test.
     """
-    from offload_core import Capability, get_backend
+    from offload_core import get_backend
 
     cls = _info(backend_name).cls
     made: list[Any] = []
+    defaults = _defaults(cls)
+    if request.node.get_closest_marker("unsanitized") is not None:
+        defaults.pop("sanitize", None)
 
     def make(**options: Any) -> Any:
-        if Capability.CHAOS in cls.capabilities:
-            options.setdefault("chaos", True)
+        options = {**defaults, **options}
         instance = get_backend(backend_name, **options) if options else cls()
         made.append(instance)
         return instance

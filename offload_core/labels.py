@@ -1,0 +1,65 @@
+"""Names for the buffers a strategy allocates, for error reports that speak the user's language.
+
+A race report or an out-of-memory message that says "float32 storage at 0x7f..." helps nobody;
+"slot 1 of layerwise FluxTransformer2DModel (block transformer_blocks.3)" points at the cause.
+Strategies label their slots, resident copies and host homes here; tools that report on memory
+(the fake backend's race sanitizer) ask :func:`describe`. A label may be a callable, evaluated only
+when a tool asks, so that labelling a slot whose occupant changes costs nothing on the hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Union
+
+import torch
+
+__all__ = ["describe", "label"]
+
+Label = Union[str, Callable[[], str]]
+
+# storage address -> (token of that storage's lifetime, label); the token keeps a finalizer of a
+# dead storage from dropping the label of a new storage at the same address
+_labels: dict[int, tuple[object, Label]] = {}
+_lock = threading.Lock()
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def label(tensor: torch.Tensor, text: Label) -> None:
+    """Name the memory ``tensor`` views until that memory is freed."""
+    if tensor.numel() == 0:
+        return
+    storage = tensor.untyped_storage()
+    address = storage.data_ptr()
+    with _lock:
+        known = _labels.get(address)
+        token = known[0] if known is not None else object()
+        _labels[address] = (token, text)
+    if known is None:
+        weakref.finalize(storage, _forget, address, token)
+
+
+def _forget(address: int, token: object) -> None:
+    with _lock:
+        known = _labels.get(address)
+        if known is not None and known[0] is token:
+            del _labels[address]
+
+
+def describe(tensor: torch.Tensor) -> str | None:
+    """The label of the memory ``tensor`` views, or None."""
+    if tensor.numel() == 0:
+        return None
+    with _lock:
+        known = _labels.get(_address(tensor))
+    if known is None:
+        return None
+    text = known[1]
+    try:
+        return text() if callable(text) else text
+    except Exception as exc:  # noqa: BLE001 - a label must never turn a report into a crash
+        return f"<label failed: {exc!r}>"
