@@ -188,3 +188,16 @@ def test_a_slab_over_a_pinned_cap_falls_back_to_the_request_alone():
     with pytest.raises(torch.OutOfMemoryError):
         slabs.allocate(1024, torch.uint8)
     del first, more
+
+
+def test_host_homes_sharing_a_slab_keep_their_own_names_in_reports():
+    from offload_core.labels import describe
+
+    model = Stack(blocks=4)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=pow2_backend())
+    part = handle.parts[0]
+    homes = [(unit.name, buffer) for unit in part.units for buffer in unit.host.values()]
+    assert len({buffer.untyped_storage().data_ptr() for _, buffer in homes}) < len(homes)  # slabs are shared
+    for name, buffer in homes:
+        assert describe(buffer[1:]) == f"host copy of {name}"
+    handle.disable()

@@ -186,6 +186,14 @@ class suspended:
 class _AccessMode(TorchDispatchMode):
     """Sees every torch operation the host issues and records those that touch tracked memory."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # off while torch.compile traces and compiles; on when compiled code runs
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-operation dynamo guard: with the above, dynamo never traces this mode
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _TRACKED and not getattr(_local, "internal", 0):

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..labels import Label, label
 from ..weights.slabs import SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,12 @@ def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], backend, stream, count
     counters.h2d_bytes += unit.nbytes
 
 
-def allocate_device(backend, numel: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
-    """One flat device buffer per dtype."""
-    return {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
+def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
+    """One flat device buffer per dtype, named ``name`` in error reports (:mod:`offload_core.labels`)."""
+    buffers = {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
+    for buffer in buffers.values():
+        label(buffer, name)
+    return buffers
 
 
 def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str,
@@ -104,6 +108,8 @@ def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str,
     with torch.no_grad(), tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None, leave=False) as bar:
         for unit in units:
             unit.pack(allocate)
+            for buffer in unit.host.values():
+                label(buffer, f"host copy of {unit.name}")
             txn.on_rollback(unit.unpack)
             bar.update(unit.nbytes)
     logger.info("%s: packed %d units, %.1f MB, into %s host memory", desc, len(units), total / 2**20,

@@ -105,8 +105,11 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         super()._allocate_device()
         if self.shard:
             self._staging = [
-                allocate_device(self.backend, {d: n // self.world for d, n in self.slot_shape.items()})
-                for _ in range(self.num_slots)
+                allocate_device(
+                    self.backend, {d: n // self.world for d, n in self.slot_shape.items()},
+                    f"all-gather staging buffer {s} of {self._name}",
+                )
+                for s in range(self.num_slots)
             ]
 
     def _pack(self, txn: Transaction) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -96,7 +97,7 @@ class LayerwiseOffload:
     def enable(self, txn: Transaction) -> None:
         backend = self.backend
         self._allocate_device()
-        resident_device = allocate_device(backend, self.resident.numel)
+        resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self._name}")
         txn.on_rollback(self._release)
         self._pack(txn)
         self.copy_stream = self._new_copy_stream()
@@ -163,7 +164,15 @@ class LayerwiseOffload:
         return self.backend.new_stream()
 
     def _allocate_device(self) -> None:
-        self.slots = [allocate_device(self.backend, self.slot_shape) for _ in range(self.num_slots)]
+        # the label holds the strategy weakly: a global label table must not keep a model alive
+        self.slots = [
+            allocate_device(self.backend, self.slot_shape, functools.partial(_slot_label, weakref.ref(self), s))
+            for s in range(self.num_slots)
+        ]
+
+    @property
+    def _name(self) -> str:
+        return f"{self.strategy} {type(self.model).__name__}"
 
     def _pack(self, txn: Transaction) -> None:
         """Give every unit its host home (here: the whole unit, one buffer per dtype)."""
@@ -209,9 +218,9 @@ class LayerwiseOffload:
         slot = i % self.num_slots
         stream = self.copy_stream
         self.freed[slot].wait(stream)
+        self._occupant[slot] = i
         copies = self._issue(i, stream)
         self.ready[i].record(stream)
-        self._occupant[slot] = i
         counters = self.counters
         counters.loads += 1
         counters.h2d_copies += copies
@@ -270,3 +279,13 @@ class LayerwiseOffload:
                 UserWarning,
                 stacklevel=2,
             )
+
+
+def _slot_label(strategy: "weakref.ref[LayerwiseOffload]", slot: int) -> str:
+    """What a slot holds, for error reports: evaluated only when a report is written."""
+    self = strategy()
+    if self is None:
+        return f"slot {slot} of a layerwise offload that was disabled"
+    occupant = self._occupant[slot] if slot < len(self._occupant) else -1
+    holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block yet"
+    return f"slot {slot} of {self._name} ({holding})"

@@ -199,7 +199,7 @@ class ModelLevelOffload:
         group.state = "loading"
         self._freed().wait(self.copy_stream)
         for c in group.components:
-            c.device = allocate_device(self.backend, c.unit.numel)
+            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
         group.ready.record(self.copy_stream)
         self.counters.loads += 1

@@ -44,7 +44,7 @@ class ResidentModules:
         return pinned_bytes(self.slabs)
 
     def enable(self, txn: Transaction) -> None:
-        buffers = [allocate_device(self.backend, u.numel) for u in self.units]
+        buffers = [allocate_device(self.backend, u.numel, f"{u.name} (resident)") for u in self.units]
         self.slabs = pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
         stream = self.backend.new_stream()
         # the new buffers may reuse memory that earlier compute still reads: copy after it

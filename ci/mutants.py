@@ -1,0 +1,212 @@
+"""Every synchronisation in the strategies is covered by a test: delete each one, see a test fail.
+
+Each mutant below removes (or weakens) one synchronisation statement (an event record or wait, a
+``wait_stream``, a stream or event synchronize) or one piece of slot / ready bookkeeping, in
+``offload_core/strategies/`` or ``offload_core/pipelines.py``, runs the focused tests named
+beside it on the fake backend (chaos mode and the race sanitizer on), and expects them to fail.
+The list is written out here on purpose: a new synchronisation statement without a mutant makes
+this script fail ("not covered"), so adding one is visible in review.
+
+    python ci/mutants.py            # every mutant; prints a table; exit 1 if one survives
+    python ci/mutants.py -k freed   # only mutants whose name contains "freed"
+
+The source files are edited in place and restored after each mutant (also on Ctrl-C); run it on a
+clean checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [ROOT / "offload_core" / "pipelines.py"]
+#: statements that order work or hand memory over; each must be the target of a mutant
+SYNC = re.compile(r"\.(wait|record|synchronize)\(|wait_stream\(|release_all\(\)$")
+
+LIFECYCLE = "tests/test_layerwise_lifecycle.py"
+STRATEGIES = "tests/test_sanitizer_strategies.py"
+PROPERTIES = "tests/test_layerwise_properties.py"
+LAYERWISE_MODELS = "tests/test_layerwise_models.py"
+PIPELINES = "tests/test_pipelines.py"
+DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_ranks"
+CONFIG = "tests/test_config_and_priority.py"
+IN_PLACE = "tests/test_config_and_priority.py::test_in_place_changes_to_swapped_weights_are_kept_and_logged"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    statement: str  # the statement's code (no comment), stripped; must occur exactly ``occurrences`` times
+    tests: tuple[str, ...]
+    replacement: str = "pass"
+    occurrence: int = 0  # which occurrence to mutate, when the text occurs more than once
+    occurrences: int = 1
+
+
+L = "offload_core/strategies/layerwise.py"
+M = "offload_core/strategies/model_level.py"
+D = "offload_core/strategies/distributed.py"
+R = "offload_core/strategies/resident.py"
+P = "offload_core/pipelines.py"
+
+MUTANTS = [
+    # -- layerwise ----------------------------------------------------------------------------
+    Mutant("layerwise: first copies wait for earlier compute (new buffers may reuse its memory)", L,
+           "backend.wait_stream(self.copy_stream, backend.current_stream())", (PIPELINES,)),
+    Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
+    Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
+    Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
+    Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
+           (STRATEGIES,)),
+    Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),
+    Mutant("layerwise: the block's ready event is recorded after its copies", L, "self.ready[i].record(stream)",
+           (LIFECYCLE,)),
+    Mutant("layerwise: compute waits for the block's ready event", L,
+           "self.ready[i].wait(self.backend.current_stream())", (LIFECYCLE,)),
+    Mutant("layerwise: the slot of the block that ran is marked free", L,
+           "self.freed[last % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
+    Mutant("layerwise: the running block is remembered", L, "self._running = i", (STRATEGIES, LIFECYCLE)),
+    Mutant("layerwise: a prefetch onto the running block's slot is deferred", L, "self._deferred = True",
+           (PROPERTIES,)),
+    Mutant("layerwise: a deferred prefetch is issued once the block is done", L,
+           "self._prefetch(last, running=False)", (PROPERTIES,)),
+    Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,), occurrence=1,
+           occurrences=2),
+    # -- distributed --------------------------------------------------------------------------
+    Mutant("distributed: the slot is used only after its all-gather", D,
+           "self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)", (DISTRIBUTED,),
+           replacement="self.backend.all_gather_into_tensor(out, staging, self.group, stream)"),
+    Mutant("distributed disable: the read-back waits for the block's gather", D, "self.ready[i].wait(host)",
+           (DISTRIBUTED,)),
+    Mutant("distributed disable: host waits for the read-back", D, "host.synchronize()", (DISTRIBUTED,)),
+    Mutant("distributed disable: the slot is freed after its read-back", D,
+           "self.freed[i % self.num_slots].record(host)", (DISTRIBUTED,)),
+    # -- model-level --------------------------------------------------------------------------
+    Mutant("model-level: disable waits for queued copies", M, "self.copy_stream.synchronize()", (PIPELINES,),
+           occurrence=0, occurrences=2),
+    Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES,)),
+    Mutant("model-level: a group's copies wait for earlier compute (the free wait)", M,
+           "self._freed().wait(self.copy_stream)", (STRATEGIES,)),
+    Mutant("model-level: the group's ready event is recorded after its copies", M,
+           "group.ready.record(self.copy_stream)", (PIPELINES,)),
+    Mutant("model-level: the free event is recorded after all compute issued", M,
+           "event.record(self.backend.current_stream())", (STRATEGIES,)),
+    Mutant("model-level: swapping out a loading group waits for its copies", M, "group.ready.synchronize()",
+           (PIPELINES,)),
+    Mutant("model-level: copy-back of in-place changes waits for compute", M,
+           "self.backend.wait_stream(self.copy_stream, self.backend.current_stream())", (IN_PLACE,)),
+    Mutant("model-level: host waits for the copy-back", M, "self.copy_stream.synchronize()", (IN_PLACE,),
+           occurrence=1, occurrences=2),
+    Mutant("model-level: a bare module's weights leave the device after its forward", M,
+           "self._hooks.append(self._release_after.register_forward_hook(lambda *_: self.release_all()))",
+           (CONFIG,)),
+    Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES,)),
+    Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
+    # -- resident modules and pipelines ------------------------------------------------------
+    Mutant("resident: copies wait for earlier compute", R,
+           "self.backend.wait_stream(stream, self.backend.current_stream())", (PIPELINES,)),
+    Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
+    Mutant("pipeline: staged components are released at the end of a call", P, "part.release_all()", (PIPELINES,)),
+]
+
+
+def covered_lines() -> set[tuple[str, int]]:
+    """(path, line number) of every mutant's target, checking each statement occurs as declared."""
+    lines: set[tuple[str, int]] = set()
+    for m in MUTANTS:
+        found = _occurrences(m)
+        if len(found) != m.occurrences:
+            raise SystemExit(f"mutant {m.name!r}: {m.statement!r} occurs {len(found)} times in {m.path}, "
+                             f"expected {m.occurrences}; update ci/mutants.py")
+        lines.add((m.path, found[m.occurrence] + 1))
+    return lines
+
+
+def _occurrences(m: Mutant) -> list[int]:
+    text = (ROOT / m.path).read_text().splitlines()
+    return [i for i, line in enumerate(text) if _code(line) == m.statement]
+
+
+def _code(line: str) -> str:
+    """A line without its comment and indentation (statements here hold no '#' in strings)."""
+    return line.split("  #", 1)[0].strip()
+
+
+def uncovered() -> list[str]:
+    """Synchronisation statements no mutant targets."""
+    covered = covered_lines()
+    missing = []
+    for path in STRATEGY_FILES:
+        rel = str(path.relative_to(ROOT))
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = _code(line)
+            if SYNC.search(code) and not code.startswith(("def ", "class ")) and (rel, number) not in covered:
+                missing.append(f"{rel}:{number}: {code}")
+    return missing
+
+
+def run(m: Mutant, timeout: float) -> tuple[str, str, float]:
+    """Apply one mutant, run its tests, restore. Returns (verdict, detail, seconds)."""
+    path = ROOT / m.path
+    original = path.read_text()
+    lines = original.splitlines(keepends=True)
+    index = _occurrences(m)[m.occurrence]
+    indent = lines[index][: len(lines[index]) - len(lines[index].lstrip())]
+    lines[index] = f"{indent}{m.replacement}  # MUTANT\n"
+    start = time.monotonic()
+    try:
+        path.write_text("".join(lines))
+        cmd = [sys.executable, "-m", "pytest", "--backend=fake", "-x", "-q", "-p", "no:randomly", "--tb=line",
+               "-W", "ignore", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "killed", "timed out (a hang counts as detected)", time.monotonic() - start
+    finally:
+        path.write_text(original)
+    seconds = time.monotonic() - start
+    if proc.returncode == 1:
+        failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+        return "killed", failed[0] if failed else "tests failed", seconds
+    if proc.returncode == 0:
+        return "SURVIVED", "all named tests passed", seconds
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"]
+    return "ERROR", f"pytest exit {proc.returncode}: {tail[0]}", seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", default="", help="only mutants whose name contains this text")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant's test run")
+    args = parser.parse_args(argv)
+    missing = uncovered()
+    if missing:
+        print("synchronisation statements without a mutant (add them to ci/mutants.py):", *missing, sep="\n  ")
+        return 1
+    chosen = [m for m in MUTANTS if args.k in m.name]
+    if not chosen:
+        print(f"no mutant name contains {args.k!r}")
+        return 1
+    width = max(len(m.name) for m in chosen)
+    print(f"{'mutant':<{width}}  verdict   seconds  test that failed")
+    bad = 0
+    total = time.monotonic()
+    for m in chosen:
+        verdict, detail, seconds = run(m, args.timeout)
+        bad += verdict != "killed"
+        print(f"{m.name:<{width}}  {verdict:<8}  {seconds:7.1f}  {detail}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} mutants killed in {time.monotonic() - total:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
