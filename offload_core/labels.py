@@ -24,6 +24,9 @@ Label = Union[str, Callable[[], str]]
 # a finalizer of a dead storage from dropping the labels of a new storage at the same address
 _labels: dict[int, tuple[object, list[tuple[int, int, Label]]]] = {}
 _lock = threading.Lock()
+# (address, token) of storages that died, applied to _labels under the lock by the next caller: a
+# finalizer can run at any allocation (a garbage collection), also inside the locked section
+_dead: list[tuple[int, object]] = []
 
 
 def _address(t: torch.Tensor) -> int:
@@ -44,6 +47,7 @@ def label(tensor: torch.Tensor, text: Label) -> None:
     address = storage.data_ptr()
     first, end = _span(tensor)
     with _lock:
+        _purge()
         known = _labels.get(address)
         token = known[0] if known is not None else object()
         spans = [s for s in (known[1] if known is not None else []) if s[1] <= first or s[0] >= end]
@@ -53,7 +57,13 @@ def label(tensor: torch.Tensor, text: Label) -> None:
 
 
 def _forget(address: int, token: object) -> None:
-    with _lock:
+    _dead.append((address, token))  # no lock here: see _dead
+
+
+def _purge() -> None:
+    """Drop the labels of storages that died (the caller holds the lock)."""
+    while _dead:
+        address, token = _dead.pop()
         known = _labels.get(address)
         if known is not None and known[0] is token:
             del _labels[address]
@@ -65,6 +75,7 @@ def describe(tensor: torch.Tensor) -> str | None:
         return None
     first = _span(tensor)[0]
     with _lock:
+        _purge()
         known = _labels.get(_address(tensor))
         text = next((t for start, end, t in known[1] if start <= first < end), None) if known is not None else None
     if text is None:
