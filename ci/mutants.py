@@ -10,8 +10,8 @@ this script fail ("not covered"), so adding one is visible in review.
     python ci/mutants.py            # every mutant; prints a table; exit 1 if one survives
     python ci/mutants.py -k freed   # only mutants whose name contains "freed"
 
-The source files are edited in place and restored after each mutant (also on Ctrl-C); run it on a
-clean checkout.
+The source files are edited in place and restored after each mutant (also on Ctrl-C or SIGTERM);
+run it on a clean checkout.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [ROOT / "offload_core" / "pipelines.py"]
 #: statements that order work or hand memory over; each must be the target of a mutant
-SYNC = re.compile(r"\.(wait|record|synchronize)\(|wait_stream\(|release_all\(\)$")
+SYNC = re.compile(r"\.(wait|record|synchronize)\b|wait_stream\(|release_all\(\)$")
 
 LIFECYCLE = "tests/test_layerwise_lifecycle.py"
 STRATEGIES = "tests/test_sanitizer_strategies.py"
@@ -37,6 +38,7 @@ LAYERWISE_MODELS = "tests/test_layerwise_models.py"
 PIPELINES = "tests/test_pipelines.py"
 DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_ranks"
 CONFIG = "tests/test_config_and_priority.py"
+ROLLBACK = "tests/test_config_and_priority.py::test_failure_in_a_later_component_rolls_back_the_earlier_ones"
 IN_PLACE = "tests/test_config_and_priority.py::test_in_place_changes_to_swapped_weights_are_kept_and_logged"
 
 
@@ -60,17 +62,19 @@ P = "offload_core/pipelines.py"
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
     Mutant("layerwise: first copies wait for earlier compute (new buffers may reuse its memory)", L,
-           "backend.wait_stream(self.copy_stream, backend.current_stream())", (PIPELINES,)),
+           "backend.wait_stream(self.copy_stream, backend.current_stream())", (STRATEGIES,)),
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
+    Mutant("layerwise: a rolled-back enable waits for its queued copies", L,
+           "txn.on_rollback(self.copy_stream.synchronize)", (ROLLBACK,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),
     Mutant("layerwise: the block's ready event is recorded after its copies", L, "self.ready[i].record(stream)",
            (LIFECYCLE,)),
     Mutant("layerwise: compute waits for the block's ready event", L,
-           "self.ready[i].wait(self.backend.current_stream())", (LIFECYCLE,)),
+           "self.ready[i].wait(stream)", (LIFECYCLE,)),
     Mutant("layerwise: the slot of the block that ran is marked free", L,
            "self.freed[last % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("layerwise: the running block is remembered", L, "self._running = i", (STRATEGIES, LIFECYCLE)),
@@ -112,7 +116,7 @@ MUTANTS = [
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
     # -- resident modules and pipelines ------------------------------------------------------
     Mutant("resident: copies wait for earlier compute", R,
-           "self.backend.wait_stream(stream, self.backend.current_stream())", (PIPELINES,)),
+           "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES,)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
     Mutant("pipeline: staged components are released at the end of a call", P, "part.release_all()", (PIPELINES,)),
 ]
@@ -207,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through run(), which restores the file
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())

@@ -87,7 +87,7 @@ class AcceleratorBackend(DeviceBackend):
     :meth:`init_process_group` sets it to ``rank % device_count()``.
     """
 
-    capabilities = frozenset({Capability.COLLECTIVES})
+    capabilities = frozenset({Capability.COLLECTIVES, Capability.TIMING})
     #: Pass ``device_id`` to ``init_process_group``: NCCL then binds its communicator to that
     #: device eagerly. Backends whose collective library binds to the current device instead
     #: (HCCL) turn this off.
@@ -160,14 +160,14 @@ class AcceleratorBackend(DeviceBackend):
             self._mod.synchronize(index)
 
     # -- events ---------------------------------------------------------------------------
-    def new_event(self) -> Event:
+    def new_event(self, timing: bool = False) -> Event:
         # The device modules' events have the ABC's semantics: record/wait default to the
         # current stream, waiting on or synchronising an unrecorded event returns at once, and
         # re-recording moves the marker without affecting waits already enqueued. They take no
         # device: the event binds to the device of the stream it is first recorded on.
         if self._vendor_streams:
-            return self._mod.Event()
-        return torch.Event(device=self.device())
+            return self._mod.Event(enable_timing=timing)
+        return torch.Event(device=self.device(), enable_timing=timing)
 
     # -- host memory ----------------------------------------------------------------------
     def empty_pinned(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:

@@ -9,12 +9,14 @@ from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
+from .discovery.blocks import no_blocks_hint
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
 from .strategies.common import Transaction
 from .strategies import streaming_part
 from .strategies.model_level import ModelLevelOffload
+from .strategies.resident import ResidentModules
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +27,17 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
     Options are the fields of :class:`OffloadConfig`, given as keywords or as ``config=``
     (not both). ``enable`` is a transaction: on any error the target is left as it was.
     """
+    kind = "pipeline" if is_pipeline(target) else "module" if isinstance(target, nn.Module) else None
+    if kind is None:
+        raise OffloadConfigError(
+            f"target must be a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}"
+        )
     if config is not None and options:
         raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
     if config is None:
-        try:
-            config = OffloadConfig(**options)
-        except TypeError as exc:
-            valid = ", ".join(f.name for f in OffloadConfig.__dataclass_fields__.values())
-            raise OffloadConfigError(f"{exc}; valid options: {valid}") from None
+        config = OffloadConfig.from_options(options)
+    elif not isinstance(config, OffloadConfig):
+        raise OffloadConfigError(f"config must be an offload_core.OffloadConfig, got {type(config).__name__}")
     strategy = config.strategy
     if strategy is None:
         raise OffloadConfigError(
@@ -40,6 +45,7 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "enable_distributed_layerwise_offload"
         )
     config.warn_ignored()
+    config.check_applies(kind)
     if getattr(target, HANDLE_ATTRIBUTE, None) is not None:
         raise AlreadyEnabledError(
             f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
@@ -51,12 +57,10 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
             "(pipe.remove_all_hooks() for accelerate, or load the model again)"
         )
     backend = get_backend(config.backend)
-    if is_pipeline(target):
+    if kind == "pipeline":
         handle = enable_on_pipeline(target, config, backend)
-    elif isinstance(target, nn.Module):
-        handle = _enable_on_module(target, config, backend)
     else:
-        raise TypeError(f"enable_offload needs a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}")
+        handle = _enable_on_module(target, config, backend)
     setattr(target, HANDLE_ATTRIBUTE, handle)
     handle._undo.append(lambda: delattr(target, HANDLE_ATTRIBUTE))
     return handle
@@ -80,7 +84,13 @@ def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> Offl
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
     if config.strategy in ("layerwise", "distributed"):
-        part = streaming_part(module, find_blocks(module, config.blocks), config, backend)
+        blocks = find_blocks(module, config.blocks)
+        if blocks:
+            part = streaming_part(module, blocks, config, backend)
+        else:
+            logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
+                        config.strategy, type(module).__name__, no_blocks_hint(module))
+            part = ResidentModules([(type(module).__name__, module)], backend, config.pin_memory)
     else:
         part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
     with Transaction() as txn:

@@ -41,6 +41,10 @@ class Capability:
     TRACE = "trace"
     #: ``all_gather_into_tensor`` and ``init_process_group`` work across processes
     COLLECTIVES = "collectives"
+    #: ``new_event(timing=True)`` gives an event with ``elapsed_time(end)``: the milliseconds
+    #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
+    #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
+    TIMING = "timing"
     #: ``sanitize=True``: accesses to the backend's memory from streams that no event orders, and
     #: buffers dropped while work touching them may still run, raise an error naming both sides
     SANITIZE = "sanitize"
@@ -90,7 +94,8 @@ class DeviceBackend(abc.ABC):
     registered through the ``offload_core_register_backends`` hook (see :mod:`offload_core.hookspecs`)
     and instantiated by :func:`offload_core.get_backend`, with keyword options the subclass
     documents. ``probe()`` must be cheap and initialise nothing, because it is called on every
-    registered backend during auto-detection, possibly before a process forks.
+    registered backend at the first auto-detection or listing of a process (once: the answer is
+    kept), possibly before the process forks.
     """
 
     #: the name users pass to ``get_backend`` and ``--backend``
@@ -149,8 +154,9 @@ class DeviceBackend(abc.ABC):
 
     # -- events -----------------------------------------------------------------------------
     @abc.abstractmethod
-    def new_event(self) -> Event:
-        """A new, unrecorded event. Waiting on an unrecorded event does not wait."""
+    def new_event(self, timing: bool = False) -> Event:
+        """A new, unrecorded event. Waiting on an unrecorded event does not wait. ``timing=True``
+        is only passed to backends with :data:`Capability.TIMING` (see there)."""
 
     # -- host memory ------------------------------------------------------------------------
     @abc.abstractmethod

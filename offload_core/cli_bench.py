@@ -1,13 +1,14 @@
-"""``offload-core bench``: the benchmarks of DESIGN §9 as a table of ratios, or JSON."""
+"""``offload-core bench``: the benchmarks of docs/benchmarks.md as a table of ratios, or JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from . import bench
-from .cli_common import columns
+from .cli_common import check_writable, columns, write_all
 
 
 def _fmt(value: Any) -> str:
@@ -35,11 +36,12 @@ def render(results: dict[str, Any]) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.out:
+        check_writable("--out", args.out)  # before minutes of benchmarks, not after
     results = bench.run(args.only, quick=args.quick)
     document = {"results": results, "headlines": bench.headline_rows(results), "quick": args.quick}
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=2)
+        write_all([(Path(args.out), lambda to: to.write_text(json.dumps(document, indent=2), encoding="utf-8"))])
     print(json.dumps(document, indent=2) if args.json else render(results))
     return 0
 
@@ -48,7 +50,7 @@ def add_bench(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run the benchmarks and print a table of ratios",
-        description="Run the offloading benchmarks (DESIGN section 9) on the fake backend. Every figure is a "
+        description="Run the offloading benchmarks (docs/benchmarks.md) on the fake backend. Every figure is a "
         "ratio measured in one run with the variants interleaved.",
     )
     parser.add_argument("--only", nargs="+", choices=list(bench.SECTIONS), metavar="SECTION",

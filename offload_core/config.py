@@ -1,10 +1,26 @@
-"""OffloadConfig: the user's choices, validated, with the strategy flags' priority applied."""
+"""OffloadConfig: the user's choices, validated in one place, with the strategy flags' priority applied.
+
+Every option is a field declared with :func:`option`, which names the function that checks (and
+normalises) its value and the strategies and targets it applies to. So a new option is one field:
+``__post_init__`` type-checks every value, and :meth:`OffloadConfig.check_applies` rejects an
+option set for a target or strategy it does not apply to (or warns, when another strategy flag
+that would have used it lost to a higher-priority one). Every problem is an
+:class:`OffloadConfigError` that names the option.
+
+The same value parsers serve backend options given as keywords or environment variables
+(:func:`backend_option`), so ``chaos="maybe"`` and ``OFFLOAD_CORE_FAKE_CHAOS=maybe`` are refused
+alike, each error naming the keyword or the variable.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 #: strategy flags, highest priority first, and the strategy each selects
 FLAG_PRIORITY = (
@@ -12,68 +28,246 @@ FLAG_PRIORITY = (
     ("enable_layerwise_offload", "layerwise"),
     ("enable_cpu_offload", "model"),
 )
+STRATEGIES = tuple(strategy for _, strategy in FLAG_PRIORITY)
+STRATEGY_WORDS = {"distributed": "distributed layerwise", "layerwise": "layerwise", "model": "model-level"}
+#: what ``enable_offload`` can offload
+TARGETS = ("pipeline", "module")
+TARGET_WORDS = {"pipeline": "a diffusers pipeline", "module": "a bare torch.nn.Module"}
 #: pipeline component groups a strategy can offload
 COMPONENT_GROUPS = ("dit", "text_encoder", "vae")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+OPTION = "offload_core.option"
 
 
 class OffloadConfigError(ValueError):
     """An offload option is invalid; the message names the option and the accepted values."""
 
 
+# -- value parsers: each takes a value, returns it normalised, or raises ValueError / TypeError ----
+
+
+def boolean(value: Any) -> bool:
+    """True or False, nothing else: ``pin_memory="no"`` would read as yes."""
+    if isinstance(value, bool):
+        return value
+    raise TypeError("expected True or False")
+
+
+def flag(value: Any) -> bool:
+    """True or False, or their words as an environment variable spells them: 1/0, true/false,
+    yes/no, on/off. For backend options, whose keyword and variable are parsed alike."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    raise ValueError(f"expected True or False (in text: {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)})")
+
+
+def count(minimum: int = 0, text: bool = False) -> Callable[[Any], int]:
+    """An integer >= ``minimum``; with ``text``, also a number written out (an environment
+    variable's value; ``1e9`` is accepted when whole)."""
+
+    def parse(value: Any) -> int:
+        if text and isinstance(value, str):
+            number = float(value)  # ValueError for text that is no number
+            if not (math.isfinite(number) and number.is_integer()):
+                raise ValueError("expected a whole number")
+            value = int(number)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"expected an integer, got {type(value).__name__}")
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def positive_number(value: Any) -> float:
+    """A finite number > 0 (from text too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError("must be a finite number > 0")
+    return number
+
+
+def names(choices: Sequence[str] | None = None) -> Callable[[Any], tuple[str, ...]]:
+    """One name or a sequence of names (non-empty strings), from ``choices`` when given; as a tuple
+    without repeats."""
+
+    def parse(value: Any) -> tuple[str, ...]:
+        items = (value,) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items:
+            raise TypeError(f"expected a name or a non-empty list of names, got {value!r}")
+        bad = [item for item in items if not isinstance(item, str) or not item]
+        if bad:
+            raise TypeError(f"expected names (non-empty strings), got {bad[0]!r}")
+        unknown = [item for item in items if choices is not None and item not in choices]
+        if unknown:
+            raise ValueError(f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices or ())}")
+        return tuple(dict.fromkeys(items))
+
+    return parse
+
+
+def _backend(value: Any) -> Any:
+    from .backend import DeviceBackend
+
+    if value is None or isinstance(value, (str, DeviceBackend)):
+        return value
+    raise TypeError(f"expected None, a registered backend name or a DeviceBackend instance, got {type(value).__name__}")
+
+
+def _process_group(value: Any) -> Any:
+    import torch.distributed as dist
+
+    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        return value
+    raise TypeError(f"expected None (the world group) or a torch.distributed.ProcessGroup, got {type(value).__name__}")
+
+
+def _optional(parse: Callable[[Any], T]) -> Callable[[Any], T | None]:
+    return lambda value: None if value is None else parse(value)
+
+
+# -- declaring options ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """How one field is checked, and what it applies to."""
+
+    parse: Callable[[Any], Any]
+    strategies: tuple[str, ...] = STRATEGIES
+    targets: tuple[str, ...] = TARGETS
+
+
+def option(
+    default: Any,
+    parse: Callable[[Any], Any],
+    strategies: Sequence[str] = STRATEGIES,
+    targets: Sequence[str] = TARGETS,
+) -> Any:
+    """A field of :class:`OffloadConfig`: its default, its parser, and the strategies and targets it
+    applies to (setting it elsewhere is an error, see :meth:`OffloadConfig.check_applies`)."""
+    return dataclasses.field(default=default, metadata={OPTION: Option(parse, tuple(strategies), tuple(targets))})
+
+
 @dataclasses.dataclass
 class OffloadConfig:
     """Everything ``enable_offload`` accepts besides the target. See ``docs/index.md``.
 
-    ``components`` (pipelines, layerwise only): the groups whose weights stream, of
+    ``components`` (pipelines; layerwise and distributed): the groups whose weights stream, of
     ``"dit"``, ``"text_encoder"``, ``"vae"``; default ``("dit",)``. ``blocks``: block attribute
-    names overriding discovery for a bare module.
+    names overriding discovery (of a bare module, or of a pipeline's DiTs).
     """
 
-    enable_cpu_offload: bool = False
-    enable_layerwise_offload: bool = False
-    enable_distributed_layerwise_offload: bool = False
-    backend: Any = None
-    pin_memory: bool = True
-    prefetch_depth: int = 1
-    process_group: Any = None
-    shard_host_weights: bool = True
-    components: Sequence[str] | None = None
-    blocks: Sequence[str] | None = None
+    enable_cpu_offload: bool = option(False, boolean)
+    enable_layerwise_offload: bool = option(False, boolean)
+    enable_distributed_layerwise_offload: bool = option(False, boolean)
+    backend: Any = option(None, _backend)
+    pin_memory: bool = option(True, boolean)
+    prefetch_depth: int = option(1, count(1), strategies=("layerwise",))
+    process_group: Any = option(None, _process_group, strategies=("distributed",))
+    shard_host_weights: bool = option(True, boolean, strategies=("distributed",))
+    components: Sequence[str] | None = option(
+        None, _optional(names(COMPONENT_GROUPS)), strategies=("layerwise", "distributed"), targets=("pipeline",)
+    )
+    blocks: Sequence[str] | None = option(None, _optional(names()), strategies=("layerwise", "distributed"))
 
     def __post_init__(self) -> None:
-        for flag, _ in FLAG_PRIORITY:
-            if not isinstance(getattr(self, flag), bool):
-                raise OffloadConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
-            raise OffloadConfigError(f"prefetch_depth must be an integer >= 1, got {self.prefetch_depth!r}")
-        if self.components is not None:
-            if isinstance(self.components, str):
-                self.components = (self.components,)
-            unknown = [c for c in self.components if c not in COMPONENT_GROUPS]
-            if unknown or not self.components:
-                raise OffloadConfigError(
-                    f"unknown component group(s) {unknown or list(self.components)}; choose from {', '.join(COMPONENT_GROUPS)}"
-                )
-            self.components = tuple(dict.fromkeys(self.components))
-        if self.blocks is not None:
-            self.blocks = (self.blocks,) if isinstance(self.blocks, str) else tuple(self.blocks)
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, check_value(field.name, getattr(self, field.name), field.metadata[OPTION].parse))
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "OffloadConfig":
+        """The config of ``enable_offload``'s keyword options; unknown names are an error that
+        lists the valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = [name for name in options if name not in valid]
+        if unknown:
+            raise OffloadConfigError(f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
+        return cls(**options)
 
     @property
     def strategy(self) -> str | None:
         """The selected strategy ("distributed" > "layerwise" > "model"), or None if no flag is set."""
-        for flag, strategy in FLAG_PRIORITY:
-            if getattr(self, flag):
+        for flag_name, strategy in FLAG_PRIORITY:
+            if getattr(self, flag_name):
                 return strategy
         return None
 
     def ignored_flags(self) -> list[str]:
         """Flags that are set but lose to a higher-priority one."""
-        set_flags = [flag for flag, _ in FLAG_PRIORITY if getattr(self, flag)]
+        set_flags = [flag_name for flag_name, _ in FLAG_PRIORITY if getattr(self, flag_name)]
         return set_flags[1:]
 
     def warn_ignored(self) -> None:
         ignored = self.ignored_flags()
         if ignored:
-            chosen = next(flag for flag, _ in FLAG_PRIORITY if getattr(self, flag))
+            chosen = next(flag_name for flag_name, _ in FLAG_PRIORITY if getattr(self, flag_name))
             message = f"offload flags are mutually exclusive: {chosen} wins; ignoring {', '.join(ignored)}"
             warnings.warn(message, UserWarning, stacklevel=3)
+
+    def check_applies(self, target: str) -> None:
+        """Every option set to other than its default applies to ``target`` ("pipeline" or
+        "module") and to the selected strategy. One that a losing strategy flag would have used is
+        warned about (one warning naming all of them); any other is an error."""
+        chosen = self.strategy
+        losing = [strategy for flag_name, strategy in FLAG_PRIORITY if getattr(self, flag_name) and strategy != chosen]
+        unused = []
+        for field in dataclasses.fields(self):
+            spec: Option = field.metadata[OPTION]
+            if field.name.startswith("enable_") or getattr(self, field.name) == field.default:
+                continue
+            if target not in spec.targets:
+                raise OffloadConfigError(
+                    f"{field.name}= applies to {' or '.join(TARGET_WORDS[t] for t in spec.targets)}, "
+                    f"not to {TARGET_WORDS[target]}"
+                )
+            if chosen in spec.strategies:
+                continue
+            if any(strategy in spec.strategies for strategy in losing):
+                unused.append(field.name)
+                continue
+            raise OffloadConfigError(
+                f"{field.name}= applies to {' or '.join(STRATEGY_WORDS[s] for s in spec.strategies)} offload, "
+                f"not to {STRATEGY_WORDS[chosen]} offload"
+            )
+        if unused:
+            warnings.warn(
+                f"{', '.join(name + '=' for name in unused)} ignored: {STRATEGY_WORDS[chosen]} offload, "
+                "which wins by flag priority, does not use it",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def check_value(name: str, value: Any, parse: Callable[[Any], T]) -> T:
+    """``parse(value)``, or an :class:`OffloadConfigError` naming the option ``name``."""
+    try:
+        return parse(value)
+    except (TypeError, ValueError) as exc:
+        raise OffloadConfigError(f"invalid {name}={value!r}: {exc}") from None
+
+
+def from_env(var: str, parse: Callable[[Any], T]) -> T | None:
+    """The environment variable ``var`` parsed, or None when it is unset or empty; a value that
+    does not parse is an :class:`OffloadConfigError` naming the variable."""
+    text = os.environ.get(var)
+    if text is None or not text.strip():
+        return None
+    try:
+        return parse(text)
+    except (TypeError, ValueError) as exc:
+        raise OffloadConfigError(f"invalid environment variable {var}={text!r}: {exc}") from None
+
+
+def backend_option(name: str, value: Any, var: str | None, parse: Callable[[Any], T]) -> T | None:
+    """A backend constructor option: the keyword ``value`` when given, else the environment
+    variable ``var`` (if any); both through the same ``parse``, errors naming whichever was used."""
+    if value is not None:
+        return check_value(name, value, parse)
+    return from_env(var, parse) if var is not None else None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from .backend import DeviceBackend
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +22,7 @@ class Part(Protocol):
     host_bytes: int
     pinned_bytes: int  # real pinned bytes of its host homes still alive, rounding included
     pin_memory: bool
+    timeline: Timeline | None  # set while a trace records; the strategy records into it
 
     def disable(self) -> None: ...
 
@@ -70,6 +73,23 @@ class OffloadHandle:
         totals["pinned_host_bytes"] = sum(p.pinned_bytes for p in self.parts)
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts)
         return totals
+
+    @contextlib.contextmanager
+    def trace(self) -> Iterator[Timeline]:
+        """Record what the strategies do inside the block (per-block compute, copies, waits,
+        misses) into a :class:`~offload_core.timeline.Timeline`, closed on exit so that its spans
+        can be read. One trace at a time; without one, recording costs nothing."""
+        if any(part.timeline is not None for part in self.parts):
+            raise RuntimeError("a trace is already recording on this handle")
+        timeline = Timeline(self.backend)
+        for part in self.parts:
+            part.timeline = timeline
+        try:
+            yield timeline
+        finally:
+            for part in self.parts:
+                part.timeline = None
+            timeline.close()
 
     def disable(self) -> None:
         """Remove every hook, put the weights back in ordinary host tensors, free device memory.

@@ -1,22 +1,21 @@
-"""How much of the host-to-device copy time a run hid behind compute, read from a stream timeline.
+"""How much of the host-to-device copy time a run hid behind compute, read from a timeline.
 
 Offloading is free only when every weight copy runs while the device is busy computing; the moment
-the host has to stop and wait for a copy, the transfer is on the critical path. A backend with
-:data:`offload_core.Capability.TRACE` records both sides of that race as spans (the fake backend's
-``timeline.spans()``): copies named ``"H2D"`` on the streams that ran them, and host-blocking waits
-named ``"wait <stream>"`` on the ``"default"`` stream. Only these names and fields are relied on,
-so any backend that records spans the same way gets the same figure.
+compute has to stop and wait for a copy, the transfer is on the critical path. The strategies
+record both sides of that race in a :class:`~offload_core.timeline.Timeline`: ``copy`` spans (the
+transfers loading a block or group, on the copy lanes) and ``wait`` spans (the compute stream held
+until a copy was done), plus host waits (instants with a duration: the host blocked on device
+work). Only those kinds are relied on, so the figure means the same on every backend.
 
 The measure::
 
-    copy    = union of the H2D span intervals (overlapping copies on two streams count once)
-    exposed = the part of ``copy`` during which the host was blocked: inside a host wait span,
-              or inside a copy issued on the default stream (the host runs it itself)
+    copy    = union of the copy spans (overlapping copies on two lanes count once)
+    exposed = the part of ``copy`` during which compute waited for a copy or the host was blocked
     overlap = 1 - exposed / copy          (None when there was no copy to hide)
 
 Unions, not sums, because two copy streams busy at the same instant cost the run that instant
-once; and the host waits are intersected with the copies because a host wait may also be for
-other queued work (an event after compute on a side stream), which is not copy time.
+once; and the waits are intersected with the copies because a wait may outlast the copy it was
+for (it also waits for the work queued before the copy), which is not copy time.
 """
 
 from __future__ import annotations
@@ -24,23 +23,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Protocol, Sequence
 
-COPY_NAME = "H2D"
-HOST_STREAM = "default"
-HOST_WAIT_PREFIX = "wait "
-
 Interval = tuple[int, int]
 
 
 class SpanLike(Protocol):
-    stream: str
-    name: str
+    kind: str
     start_ns: int
     end_ns: int
 
 
+class InstantLike(Protocol):
+    kind: str
+    at_ns: int
+    duration_ns: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-    """Copy time and the part of it the host waited for, in nanoseconds."""
+    """Copy time and the part of it compute (or the host) waited for, in nanoseconds."""
 
     copy_ns: int
     exposed_ns: int
@@ -84,18 +84,25 @@ def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
     return out
 
 
-def copy_overlap(spans: Iterable[SpanLike]) -> Overlap:
-    """Measure copy time and its exposed part over ``spans`` (see the module docstring)."""
+def copy_overlap(spans: Iterable[SpanLike], instants: Iterable[InstantLike] = ()) -> Overlap:
+    """Measure copy time and its exposed part over a timeline's spans and instants."""
     copies: list[Interval] = []
     blocked: list[Interval] = []
     for span in spans:
-        interval = (span.start_ns, span.end_ns)
-        if span.name == COPY_NAME:
-            copies.append(interval)
-            if span.stream == HOST_STREAM:
-                blocked.append(interval)
-        elif span.stream == HOST_STREAM and span.name.startswith(HOST_WAIT_PREFIX):
-            blocked.append(interval)
+        if span.kind == "copy":
+            copies.append((span.start_ns, span.end_ns))
+        elif span.kind == "wait":
+            blocked.append((span.start_ns, span.end_ns))
+    blocked += [(i.at_ns, i.at_ns + i.duration_ns) for i in instants if i.kind == "host wait"]
     copy = union(copies)
     exposed = intersect(copy, union(blocked))
     return Overlap(copy_ns=length(copy), exposed_ns=length(exposed))
+
+
+def timeline_overlap(timeline) -> Overlap | None:
+    """:func:`copy_overlap` of a closed :class:`~offload_core.timeline.Timeline`; None when its
+    times are host times (the backend offers no device timing), which say when copies were issued,
+    not when they ran."""
+    if not timeline.device_timed:
+        return None
+    return copy_overlap(timeline.spans(), timeline.instants())

@@ -21,7 +21,8 @@ from torch import nn
 
 from .backend import DeviceBackend
 from .config import OffloadConfig, OffloadConfigError
-from .discovery import find_blocks
+from .discovery import BlockDiscoveryError, find_blocks
+from .discovery.blocks import no_blocks_hint
 from .handle import OffloadHandle
 from .strategies.common import Transaction
 from .strategies import streaming_part
@@ -104,8 +105,6 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
     parts: list = []
     with Transaction() as txn:
         if config.strategy == "model":
-            if config.components is not None:
-                raise OffloadConfigError("components= applies to layerwise offload; model-level swaps every component")
             parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))
@@ -125,6 +124,9 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
 
 
 def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceBackend) -> list:
+    """Streamed components stream their blocks; one without blocks is staged like the VAE (onto
+    the device around its use, dropped at the end of the call), so that no single component can
+    fail the whole pipeline; the rest stays resident."""
     streamed = config.components or ("dit",)
     parts: list = []
     resident: list[tuple[str, nn.Module]] = []
@@ -135,8 +137,12 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
     for name, module in modules:
         kind = kinds[name]
         if kind in ("dit", "text_encoder") and kind in streamed:
-            blocks = find_blocks(module, config.blocks if kind == "dit" else None)
-            parts.append(streaming_part(module, blocks, config, backend))
+            blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
+            if blocks:
+                parts.append(streaming_part(module, blocks, config, backend))
+                parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
+            else:
+                staged.append((name, [(name, module)]))
         elif kind == "vae" and "vae" in streamed:
             staged.append((name, [(name, module)]))
         else:
@@ -146,3 +152,19 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
     if resident:
         parts.append(ResidentModules(resident, backend, config.pin_memory))
     return parts
+
+
+def _component_blocks(name: str, module: nn.Module, attrs: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
+    """The component's blocks; none (with one logged line) when its stack cannot be found. Block
+    attributes the user passed explicitly (``blocks=``) must exist: a typo there is an error."""
+    try:
+        blocks = find_blocks(module, attrs)
+        reason = "found no blocks to stream"
+    except BlockDiscoveryError as exc:
+        if attrs is not None:
+            raise
+        blocks, reason = [], str(exc)
+    if not blocks:
+        logger.info("layerwise offload: %s (%s): %s, so it is staged onto the device around its use and dropped "
+                    "after, like the VAE; %s", name, type(module).__name__, reason, no_blocks_hint(module))
+    return blocks

@@ -1,8 +1,16 @@
 """Backend registry: entry-point loading, listing and selection.
 
-Selection order (DESIGN §2): an explicit name, then ``OFFLOAD_CORE_BACKEND``, then the available
+Selection order (docs/backends.md): an explicit name, then ``OFFLOAD_CORE_BACKEND``, then the available
 backend of the highest tier and priority, where third-party accelerators outrank in-tree ones,
-which outrank simulators. A plugin that fails to import is logged and skipped.
+which outrank simulators.
+
+Plugins are other people's code running inside every process that imports offload_core, so the
+registry survives them: a plugin whose import, hook, ``probe()`` or ``unavailable_reason()`` fails
+in any way (``SystemExit`` included; only ``KeyboardInterrupt`` passes) is reported and skipped, as
+is a registration with a bad name, a name already taken, or a name of an in-tree backend (in-tree
+plugins load first, so a plugin cannot replace them). A plugin that calls ``get_backend()`` while
+it is being imported gets an error saying so, reported as its failure, instead of re-entering a
+registry half built. Each backend is probed once per process.
 """
 
 from __future__ import annotations
@@ -10,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import inspect
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -19,16 +29,24 @@ import pluggy
 
 from . import hookspecs
 from .backend import DeviceBackend
+from .config import OffloadConfigError
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "offload_core"
 ENV_BACKEND = "OFFLOAD_CORE_BACKEND"
 IN_TREE_DISTRIBUTION = "offload-core"
+#: what a backend ``name`` may look like: it is typed on command lines and in environment variables
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class BackendNotFoundError(LookupError):
-    """Raised for a backend name that no plugin registered."""
+class BackendNotFoundError(OffloadConfigError, LookupError):
+    """A backend name that no plugin registered (or no backend available to auto-detection).
+    An :class:`~offload_core.OffloadConfigError`, as every invalid option is."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,22 +66,30 @@ class BackendInfo:
     def in_tree(self) -> bool:
         return self.source == IN_TREE_DISTRIBUTION
 
-    @property
+    @functools.cached_property
     def available(self) -> bool:
+        """``probe()``, asked once per process (a probe may cost a driver query)."""
         try:
             return bool(self.cls.probe())
-        except Exception:  # a probe that raises means "not here"; say why once, in the log
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # a probe that fails in any way means "not here"; say why once, in the log
             logger.warning("probe() of backend %r raised; treating it as unavailable", self.name, exc_info=True)
             return False
 
     def unavailable_reason(self) -> str | None:
         """Why the backend cannot run here, in its own words, or None when it can."""
-        if self.available:
-            return None
+        return None if self.available else self._reason
+
+    @functools.cached_property
+    def _reason(self) -> str | None:
         try:
-            return self.cls.unavailable_reason()
-        except Exception as exc:  # noqa: BLE001 - a diagnostic must not break a listing
-            return f"unavailable_reason() raised {type(exc).__name__}: {exc}"
+            reason = self.cls.unavailable_reason()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a diagnostic must not break a listing
+            return f"unavailable_reason() raised {_describe(exc)}"
+        return None if reason is None else str(reason)
 
     def rank(self) -> tuple[int, int]:
         """Auto-detection order: vendor accelerators > in-tree accelerators > simulators."""
@@ -79,7 +105,8 @@ class PluginFailure:
 
 
 class Registry:
-    """Loads every ``offload_core`` entry point once and keeps the registered classes."""
+    """Loads every ``offload_core`` entry point once (in-tree distributions first) and keeps the
+    registered classes."""
 
     def __init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
@@ -89,33 +116,38 @@ class Registry:
         self._instances: dict[str, DeviceBackend] = {}
         self._lock = threading.Lock()
         self._origin: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, entry point)
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        for ep in sorted(entry_points, key=lambda ep: _source(ep) != IN_TREE_DISTRIBUTION):
             self._load(ep)
         for impl in self.manager.hook.offload_core_register_backends.get_hookimpls():
             source, label = self._origin[impl.plugin_name]
             registered: list[type] = []
             try:
                 impl.function(register=registered.append)
-            except Exception as exc:  # noqa: BLE001 - one broken plugin must not break the others
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - one broken plugin must not break the others
                 self._fail(label, source, exc)
                 continue
             for cls in registered:
                 self._add(cls, source, label)
 
     def _load(self, ep: importlib.metadata.EntryPoint) -> None:
-        source = ep.dist.name if ep.dist is not None else "?"
+        source = _source(ep)
         label = f"{ep.name} = {ep.value}"
         if self.manager.has_plugin(ep.value):
             return  # the same module listed twice (e.g. an editable and a regular install)
         try:
             self.manager.register(ep.load(), name=ep.value)
-        except Exception as exc:  # noqa: BLE001 - one broken plugin must not break the others
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: one broken plugin must not break the others
             self._fail(label, source, exc)
             return
         self._origin[ep.value] = (source, label)
 
-    def _fail(self, label: str, source: str, exc: Exception | str) -> None:
-        reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    def _fail(self, label: str, source: str, exc: BaseException | str) -> None:
+        reason = exc if isinstance(exc, str) else _describe(exc)
         logger.warning("offload_core plugin %r from %s skipped: %s", label, source, reason)
         self.failures.append(PluginFailure(label, source, reason))
 
@@ -125,8 +157,15 @@ class Registry:
         if cls.__abstractmethods__:
             missing = ", ".join(sorted(cls.__abstractmethods__))
             return self._fail(label, source, f"{cls.__name__} does not implement {missing}")
+        problem = _attribute_problem(cls)
+        if problem:
+            return self._fail(label, source, f"{cls.__name__} {problem}")
         existing = self.backends.get(cls.name)
         if existing is not None and existing.cls is not cls:
+            if existing.in_tree and source != IN_TREE_DISTRIBUTION:
+                return self._fail(
+                    label, source, f"backend name {cls.name!r} is the in-tree backend's; a plugin cannot replace it"
+                )
             return self._fail(label, source, f"backend name {cls.name!r} is already registered by {existing.source}")
         self.backends[cls.name] = BackendInfo(cls.name, cls, source, label)
 
@@ -165,6 +204,7 @@ class Registry:
         else:
             logger.debug("offload backend %r selected: %s", info.name, why)
         if options:
+            _check_options(info, options)
             return info.cls(**options)
         with self._lock:
             instance = self._instances.get(info.name)
@@ -173,9 +213,62 @@ class Registry:
             return instance
 
 
-@functools.lru_cache(maxsize=1)
+def _source(ep: importlib.metadata.EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "?"
+
+
+def _attribute_problem(cls: type[DeviceBackend]) -> str | None:
+    """What is wrong with the class attributes selection reads, or None."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        return f"has an invalid name {name!r} (letters, digits, '_', '.', '-'; not empty)"
+    priority = getattr(cls, "priority", None)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        return f"has a priority that is not an integer: {priority!r}"
+    if not isinstance(getattr(cls, "is_accelerator", None), bool):
+        return f"has is_accelerator that is not True or False: {getattr(cls, 'is_accelerator', None)!r}"
+    return None
+
+
+def _check_options(info: BackendInfo, options: dict[str, Any]) -> None:
+    """Options the backend's constructor does not take are an error naming them and the valid ones."""
+    params = inspect.signature(info.cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        raise OffloadConfigError(
+            f"backend {info.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(valid) or 'none'}"
+        )
+
+
+_REGISTRY: Registry | None = None
+_REGISTRY_LOCK = threading.RLock()
+_BUILDING = False
+
+
 def registry() -> Registry:
-    return Registry()
+    """The process's registry, built on first use. Threads wait for one another; a call from the
+    thread that is building it (a plugin using offload_core while it is imported) is an error."""
+    global _REGISTRY, _BUILDING
+    if _REGISTRY is not None:
+        return _REGISTRY
+    with _REGISTRY_LOCK:
+        if _REGISTRY is None:
+            if _BUILDING:
+                raise RuntimeError(
+                    "offload_core's backend registry was used while its plugins were being loaded (a plugin "
+                    "called get_backend() or list_backends() at import time); use it later, e.g. inside the "
+                    "backend's methods"
+                )
+            _BUILDING = True
+            try:
+                _REGISTRY = Registry()
+            finally:
+                _BUILDING = False
+    return _REGISTRY
 
 
 def get_backend(name: str | DeviceBackend | None = None, **options: Any) -> DeviceBackend:

@@ -42,6 +42,18 @@ def pip_install(target: Path, *projects: Path) -> None:
     assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
 
 
+def write_installed(target: Path, dist: str, entry: str, module: str, source: str) -> Path:
+    """Distribution ``dist`` as an installer leaves it in ``target`` (the module and its
+    ``.dist-info`` with the entry point), without running pip: for tests that need many plugins."""
+    target.mkdir(parents=True, exist_ok=True)
+    (target / f"{module}.py").write_text(source)
+    info = target / f"{dist.replace('-', '_')}-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text(f"[offload_core]\n{entry} = {module}\n")
+    return target
+
+
 def plugin_env(path: Path) -> dict[str, str]:
     """This environment, minus offload-core and pytest settings, with ``path`` importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_CORE_", "PYTEST_"))}

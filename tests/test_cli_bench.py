@@ -33,3 +33,27 @@ def test_bench_table_flags_a_missed_target(capsys, monkeypatch):
 def test_unknown_section_is_a_usage_error(capsys):
     assert cli.main(["bench", "--only", "nope"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bench_reports_what_the_sanitizer_costs(capsys):
+    assert cli.main(["bench", "--only", "sanitizer", "--quick", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]["sanitizer"]
+    times = results["seconds_per_call"]
+    assert times["sanitized"] > 0 and times["unsanitized"] > 0
+    assert results["sanitized_to_unsanitized"] == times["sanitized"] / times["unsanitized"]
+
+
+def test_an_unwritable_out_is_bad_input_before_any_benchmark_runs(tmp_path, capsys, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmarks ran before --out was checked")
+
+    monkeypatch.setattr(bench, "run", no_run)
+    for out, problem in [
+        (tmp_path / "missing" / "x.json", "does not exist"),
+        (tmp_path, "is a directory"),
+    ]:
+        assert cli.main(["bench", "--only", "copies_per_block", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert captured.err.startswith("offload-core: error: --out ") and problem in captured.err
+    assert list(tmp_path.iterdir()) == []

@@ -1,9 +1,11 @@
 """``offload-core run``: every embedded pipeline under every strategy gives the image of a run
-without offload, the report repeats the handle's own counters, the files it writes are readable,
-and bad input is one line on stderr with exit status 2."""
+without offload, the report repeats the handle's own counters and the timeline the strategies
+recorded, the default demo shows offloading, the files it writes are readable and written all or
+none, and bad input is one line on stderr with exit status 2 before any work starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,8 +19,11 @@ import torch
 
 from offload_core import cli
 from offload_core.cli_run import STRATEGIES, run_pipeline
+from offload_core.cli_run import loading
+from offload_core.cli_run.arguments import DEFAULT_PIPELINE, EMBEDDED, MAX_STEPS
+from offload_core.cli_run.report import render
 from offload_core.overlap import copy_overlap
-from offload_core.plugins import ENV_BACKEND
+from offload_core.plugins import ENV_BACKEND, registry
 from offload_core.tiny import PIPELINES, build_pipeline
 
 from helpers import chaos_backend
@@ -114,11 +119,14 @@ def test_every_pipeline_and_strategy(name, strategy, capsys, reference):
         assert weights <= stats["host_bytes"] <= stats["pinned_host_bytes"] == backend.pinned_memory_allocated()
         assert 0 < stats["device_peak_bytes"] <= stats["host_bytes"]
         # the timeline holds exactly the call: its copies are the counters' share of the call
-        spans = backend.timeline.spans()
-        copies = [s for s in spans if s.name == "H2D"]
+        spans = result.timeline.spans()
+        copies = [s for s in spans if s.kind == "copy"]
         assert sum(s.nbytes for s in copies) == report["call_h2d_bytes"] > 0
-        assert len(copies) == report["call_h2d_copies"] <= stats["h2d_copies"]
-        again = copy_overlap(spans)
+        assert all(s.lane.startswith("copy") and s.name.startswith("load ") for s in copies)
+        computed = [s for s in spans if s.kind == "compute"]
+        assert computed and all(s.lane == "compute" for s in computed)
+        assert {f"load {s.name}" for s in computed} >= {s.name for s in copies}  # each load is for a unit that ran
+        again = copy_overlap(spans, result.timeline.instants())
         assert report["copy_time_s"] == again.copy_ns / 1e9 > 0
         assert report["overlap"] == again.fraction and 0.0 <= report["overlap"] <= 1.0
     finally:
@@ -136,7 +144,39 @@ def test_prefetch_depth_reaches_the_strategy():
         result.close()
 
 
-def test_trace_has_a_row_per_copy_stream(capsys, tmp_path):
+def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tmp_path):
+    """``offload-core run`` as the README gives it: the device peak is a small share of the
+    all-resident plan, the verdict says so, and the trace has spans on both lanes."""
+    trace, picture = tmp_path / "demo.json", tmp_path / "demo.png"
+    code, out, _ = main(capsys, "--trace", str(trace), "--timeline", str(picture), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["pipeline"] == DEFAULT_PIPELINE and report["strategy"] == "layerwise"
+    assert report["device_peak_fraction"] == report["device_peak_bytes"] / report["device_bytes_without_offload"]
+    assert report["device_peak_fraction"] < 0.4
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in render(report).splitlines())
+    assert table["verdict"] == report["verdict"]
+    assert report["verdict"].startswith(f"device peak {report['device_peak_fraction']:.0%} of all weights resident")
+    assert re.search(r"copies \d+% hidden behind compute", report["verdict"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_lane: dict[str, list] = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_lane.setdefault(lanes[e["tid"]], []).append(e)
+    assert {"compute", "copy"} <= set(by_lane)
+    blocks = {e["name"] for e in by_lane["compute"] if e["cat"] == "compute"}
+    # a compute span per block, named after it: 8 double and 16 single blocks
+    assert {f"transformer.transformer_blocks.{i}" for i in range(8)} <= blocks
+    assert {f"transformer.single_transformer_blocks.{i}" for i in range(16)} <= blocks
+    assert all(e["name"].startswith("load ") and e["args"]["bytes"] > 0 for e in by_lane["copy"])
+    from PIL import Image
+
+    image = Image.open(picture)
+    assert image.format == "PNG" and image.size[0] >= 600
+
+
+def test_trace_has_a_copy_lane_per_copy_stream(capsys, tmp_path):
     trace = tmp_path / "trace.json"
     # two expert DiTs, each streamed on its own copy stream
     code, out, _ = main(capsys, "--pipeline", "wan2.2-t2v", "--strategy", "layerwise", "--steps", STEPS,
@@ -144,10 +184,38 @@ def test_trace_has_a_row_per_copy_stream(capsys, tmp_path):
     assert code == 0 and json.loads(out)["trace"] == str(trace)
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    spans = [e for e in events if e["ph"] == "X"]
-    assert len({e["tid"] for e in spans}) >= 2
-    copy_rows = {rows[e["tid"]] for e in spans if e["name"] == "H2D"}
-    assert len(copy_rows) >= 2 and all(r.startswith("stream-") for r in copy_rows)
+    copy_rows = {rows[e["tid"]]: e for e in events if e["ph"] == "X" and e["cat"] == "copy"}
+    assert set(copy_rows) == {"copy", "copy 2"}
+    loaded = {e["name"].split(".")[0] for e in events if e["ph"] == "X" and e["cat"] == "copy"}
+    assert loaded == {"load transformer", "load transformer_2"}  # blocks named after their component
+
+
+def test_a_backend_without_timing_events_reports_the_overlap_as_unknown():
+    """The trace still has both lanes (in host time), but host times cannot say what was hidden."""
+    from offload_core import Capability
+    from offload_core_fake import FakeBackend
+
+    class Untimed(FakeBackend):
+        capabilities = FakeBackend.capabilities - {Capability.TIMING}
+
+    result = run_pipeline(parse("--pipeline", "flux2", "--json"), backend=Untimed(chaos=True, chaos_delay=0.001))
+    try:
+        report = result.report
+        assert report["device_timed"] is False and report["overlap"] is None and report["copy_time_s"] is None
+        assert report["verdict"].endswith("copy overlap unknown (fake has no device timing)")
+        assert {s.kind for s in result.timeline.spans()} == {"compute", "wait", "copy"}
+    finally:
+        result.close()
+
+
+def test_timeline_without_matplotlib_is_bad_input(capsys, tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(loading, "load", _no_work)
+    code, out, err = main(capsys, "--timeline", str(tmp_path / "t.png"))
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert "--timeline needs matplotlib" in err and "offload-core[plot]" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_output_png_has_the_requested_size_and_the_pixels(capsys, tmp_path, reference):
@@ -202,34 +270,132 @@ def test_model_folder_runs_and_offload_does_not_change_the_image(capsys, saved_s
         streamed.close()
 
 
+def _no_work(*args, **kwargs):
+    raise AssertionError("bad input was found only after work started")
+
+
+def _corrupt_copy(saved: Path, tmp: Path) -> Path:
+    """``saved`` with one weight file truncated."""
+    import shutil
+
+    corrupt = tmp / "corrupt"
+    if not corrupt.exists():
+        shutil.copytree(saved, corrupt)
+        weights = sorted(corrupt.rglob("*.safetensors"))[0]
+        weights.write_bytes(weights.read_bytes()[:100])
+    return corrupt
+
+
+def _index_edited(saved: Path, tmp: Path, name: str, edit) -> Path:
+    import shutil
+
+    folder = tmp / name
+    if not folder.exists():
+        shutil.copytree(saved, folder)
+        index = json.loads((folder / "model_index.json").read_text())
+        edit(index)
+        (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
 def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
+    """Bad input found before anything is built or loaded: (argv, what the message says)."""
     (tmp / "empty").mkdir(exist_ok=True)
+    (tmp / "a-directory.png").mkdir(exist_ok=True)
+    bogus = _index_edited(saved, tmp, "bogus", lambda index: index.update(_class_name="NoSuchPipeline"))
+    bad_part = _index_edited(saved, tmp, "bad-part", lambda index: index.update(vae=["diffusers", "NoSuchVAE"]))
+    unwritable = "/proc/offload-core-test.png"
     return [
         (["--pipeline", "nope"], "unknown pipeline 'nope'"),
         (["--model", str(tmp / "missing")], "no such file or directory"),
         (["--model", str(tmp / "empty")], "model_index.json"),
+        (["--model", str(bogus)], "names 'NoSuchPipeline', which is not a diffusers pipeline class"),
+        (["--model", str(bad_part)], "component 'vae' the class diffusers.NoSuchVAE, which cannot be imported"),
+        (["--model", str(_corrupt_copy(saved, tmp))], "is not a valid safetensors file"),
         (["--pipeline", "flux2", "--frames", "5"], "--frames does not apply to Flux2Pipeline"),
         (["--model", str(saved), "--frames", "5"], "--frames does not apply to StableDiffusion3Pipeline"),
-        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
-        (["--width", "-16"], "argument --width: must be >= 1"),
-        (["--pipeline", "sd3", "--height", "17"], "rejected the input"),
+        (["--steps", "0"], f"argument --steps: must be between 1 and {MAX_STEPS}, got 0"),
+        (["--steps", str(2**31)], f"argument --steps: must be between 1 and {MAX_STEPS}"),
+        (["--seed", str(2**64)], "argument --seed: must be between 0 and"),
+        (["--width", "-16"], "argument --width: must be between 1 and"),
         (["--backend", "nope"], "registered backends:"),
         (["--strategy", "none", "--backend", "fake"], "--backend does not apply to --strategy none"),
+        (["--strategy", "none", "--timeline", str(tmp / "t.png")], "--timeline does not apply to --strategy none"),
         (["--strategy", "model", "--prefetch-depth", "2"], "--prefetch-depth applies to --strategy layerwise"),
         (["--output", str(tmp / "x.jpg")], "--output must name a .png file"),
+        (["--timeline", str(tmp / "x.svg")], "--timeline must name a .png file"),
         (["--trace", str(tmp / "no" / "t.json")], "does not exist"),
+        (["--trace", str(tmp / "empty")], "is a directory"),
+        (["--output", str(tmp / "a-directory.png")], "is a directory"),
+        (["--output", unwritable], "cannot write in '/proc'"),
+        (["--trace", str(tmp / "same.png"), "--timeline", str(tmp / "same.png")], "must name different files"),
         (["--pipeline", "sd3", "--model", str(saved)], "not allowed with argument"),
     ]
 
 
-def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, saved_sd3):
-    for argv, problem in _bad_inputs(tmp_path, saved_sd3):
+def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, tmp_path, saved_sd3, monkeypatch):
+    cases = _bad_inputs(tmp_path, saved_sd3)
+    before = sorted(tmp_path.rglob("*"))
+    import diffusers
+    import offload_core.tiny
+
+    monkeypatch.setattr(offload_core.tiny, "build_pipeline", _no_work)
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", _no_work)
+    for argv, problem in cases:
         code, out, err = main(capsys, *argv)
         lines = err.strip().splitlines()
         assert (code, out, len(lines)) == (2, "", 1), (argv, err)
         assert lines[0].startswith("offload-core: error: ") and problem in lines[0], (argv, lines[0])
         if "--backend" in argv and "nope" in argv:
             assert "fake" in lines[0]  # the registered names are listed
+    assert sorted(tmp_path.rglob("*")) == before  # no file was written
+
+
+def test_a_backend_variable_that_does_not_parse_is_bad_input_before_any_work(capsys, monkeypatch):
+    import offload_core.tiny
+
+    monkeypatch.setattr(offload_core.tiny, "build_pipeline", _no_work)
+    monkeypatch.setattr(registry(), "_instances", {})  # as in a fresh process: no shared fake made yet
+    monkeypatch.setenv("OFFLOAD_CORE_FAKE_DEVICE_MEMORY", "abc")
+    code, out, err = main(capsys, "--backend", "fake")
+    assert (code, out, err.count("\n")) == (2, "", 1)
+    assert "invalid environment variable OFFLOAD_CORE_FAKE_DEVICE_MEMORY='abc'" in err
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--pipeline", "flux2", "--height", "7"], "--height 7: Flux2Pipeline needs a multiple of 4"),
+        (["--pipeline", "wan2.2-t2v", "--height", "24"], "WanPipeline rejected the input"),
+    ],
+)
+def test_sizes_the_pipeline_cannot_take_are_bad_input_and_write_nothing(capsys, tmp_path, argv, problem):
+    out_file = tmp_path / "x.png"
+    code, out, err = main(capsys, *argv, "--output", str(out_file), "--trace", str(tmp_path / "t.json"))
+    assert (code, out, err.count("\n")) == (2, "", 1) and problem in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_size_the_pipeline_rounds_silently_is_caught_after_the_call(capsys, tmp_path, monkeypatch):
+    """Where the pipeline does not say which sizes it takes, the output size is checked instead."""
+    monkeypatch.setattr(loading, "size_multiple", lambda pipe: None)
+    code, out, err = main(capsys, "--pipeline", "flux2", "--height", "7", "--output", str(tmp_path / "x.png"))
+    assert (code, out) == (2, "") and "--height 7: Flux2Pipeline made an output 4 pixels in height" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_no_file_behind(capsys, tmp_path, monkeypatch):
+    """The trace is written before the image fails: neither is left, and the error is one line."""
+    from PIL import Image
+
+    def broken_save(self, *args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", broken_save)
+    code, out, err = main(capsys, "--pipeline", "sd3", "--trace", str(tmp_path / "t.json"),
+                          "--output", str(tmp_path / "x.png"), "--json")
+    assert (code, out, err) == (1, "", "offload-core: error: OSError: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failing_run_is_one_line_and_exit_1_and_debug_adds_the_traceback(capsys, monkeypatch):
@@ -248,9 +414,10 @@ def test_a_failing_run_is_one_line_and_exit_1_and_debug_adds_the_traceback(capsy
 def test_pipeline_list(capsys):
     code, out, _ = main(capsys, "--pipeline", "list")
     assert code == 0
-    assert [line.split()[:2] for line in out.splitlines()] == [[n, s.cls_name] for n, s in PIPELINES.items()]
+    assert [line.split()[:2] for line in out.splitlines()] == [[n, s.cls_name] for n, s in EMBEDDED.items()]
+    assert DEFAULT_PIPELINE in EMBEDDED and set(PIPELINES) < set(EMBEDDED)
     code, out, _ = main(capsys, "--pipeline", "list", "--json")
-    assert [row["name"] for row in json.loads(out)] == list(PIPELINES)
+    assert [row["name"] for row in json.loads(out)] == list(EMBEDDED)
 
 
 def test_console_script_prints_the_table(tmp_path):

@@ -1,4 +1,4 @@
-"""The core never names a vendor module (DESIGN §3): strategies reach devices only through a
+"""The core never names a vendor module (docs/design.md): strategies reach devices only through a
 backend, so offload_core imports and runs on machines without CUDA or torch_npu, and a new
 vendor needs no change to it. Vendor code belongs in backends/."""
 

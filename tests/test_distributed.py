@@ -1,5 +1,6 @@
 """Distributed layerwise offload across 2 real processes (gloo): exact output, a fixed two-block
-device buffer, 1/N of the block weights on each rank's host, and a collective disable."""
+device buffer, 1/N of the block weights on each rank's host (as the backend measures its pinned
+memory), the timeline of a sharded forward, and a collective disable."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 WORLD = 2
+D = 32  # wide enough that half the blocks' bytes dwarf alignment and padding
+ALIGN_BYTES = 64
 
 # the ranks run on the fake backend over gloo; a device backend's collectives need one device per rank
 pytestmark = pytest.mark.fake_only
@@ -36,45 +39,77 @@ def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
         _every_supported_row(backend)
         return
     dtypes = [[torch.float32, torch.bfloat16], [torch.float16], [torch.float32], [torch.bfloat16, torch.float32], [torch.float32]]
-    model = build_stack(StackSpec(d=8, layer_dtypes=dtypes, transposed=True, tie_within=True, tie_head=True, seed=3))
-    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    model = build_stack(StackSpec(d=D, layer_dtypes=dtypes, transposed=True, tie_within=True, tie_head=True, seed=3))
+    x = torch.randn(2, D, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = [model(x + i) for i in range(3)]
     before = snapshot(model)
+    import torch.distributed as dist
+
+    with pytest.raises(offload_core.OffloadConfigError, match="process_group= applies to distributed layerwise"):
+        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend, process_group=dist.group.WORLD)
+    model_bytes, block_bytes, tensors = _measured_bytes(model)
+    pinned_before = backend.pinned_memory_allocated()
     with pytest.warns(UserWarning, match="ignoring enable_layerwise_offload"):
         handle = offload_core.enable_offload(
             model, enable_distributed_layerwise_offload=True, enable_layerwise_offload=True,
             backend=backend, shard_host_weights=shard, prefetch_depth=3,
         )
+    pinned = backend.pinned_memory_allocated() - pinned_before  # what the backend really pinned
     part = handle.parts[0]
     assert handle.strategy == "distributed" and part.num_slots == 2
     with torch.no_grad():
         for i in range(3):
             assert torch.equal(model(x + i), expected[i]), f"rank {rank} step {i}"
+    with handle.trace() as timeline, torch.no_grad():
+        assert torch.equal(model(x), expected[0])
+    spans = timeline.spans()
+    assert [s.name for s in spans if s.kind == "compute"] == [f"Stack.blocks.{i}" for i in range(len(dtypes))]
+    loads = [s for s in spans if s.kind == "copy"]  # a shard's copy and its all-gather, per block
+    assert loads and all(s.lane == "copy" and s.name.startswith("load Stack.blocks.") for s in loads)
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
     assert stats["device_peak_bytes"] == part.device_weight_bytes
     for n in part.slot_shape.values():
         assert n % WORLD == 0
-    blocks_bytes = sum(u.nbytes for u in part.units)
-    # the shards and the resident part are pinned homes: counted from the backend's allocations
-    assert stats["pinned_host_bytes"] == backend.pinned_memory_allocated() > 0
-    buffers = len(part.resident.numel) + sum(len(u.numel) for u in part.units)
+    # the shards and the resident part are pinned homes, reported from the backend's allocations
+    assert stats["pinned_host_bytes"] == pinned > 0
+    # slack: a 64-byte alignment per tensor, and padding each block's buffers to a multiple of N
+    slack = ALIGN_BYTES * tensors + WORLD * 8 * len(dtypes) * 2
+    resident_bytes = model_bytes - block_bytes
     if shard:
         with pytest.raises(RuntimeError, match="collective handle.disable"):
             model.state_dict()  # a rank holds half of each block: no state dict without a gather
-        # each rank's host holds the resident part and half of every block (padding aside)
-        assert stats["pinned_host_bytes"] < part.resident_bytes + blocks_bytes / WORLD + 64 * len(part.units) * 3
-        assert stats["pinned_host_bytes"] >= part.resident_bytes + blocks_bytes / WORLD
+        # each rank's host holds the resident part and 1/N of every block, measured by the backend
+        assert resident_bytes + block_bytes / WORLD <= pinned <= resident_bytes + block_bytes / WORLD + slack
+        assert pinned < model_bytes - block_bytes / (2 * WORLD)
     else:
-        assert 0 <= stats["pinned_host_bytes"] - (part.resident_bytes + blocks_bytes) < 64 * buffers
+        assert model_bytes <= pinned <= model_bytes + slack
         for key, value in model.state_dict().items():
             assert torch.equal(value, before["tensors"][key][1]), key
     handle.disable()
-    assert backend.pinned_memory_allocated() == 0
+    assert backend.pinned_memory_allocated() == pinned_before
     assert_same_state(before, snapshot(model))
     with torch.no_grad():
         assert torch.equal(model(x), expected[0])
+
+
+def _measured_bytes(model) -> tuple[int, int, int]:
+    """(bytes of every distinct storage, bytes of those held by one block alone, tensors), read
+    from the model before offloading, independently of how the strategy splits it."""
+    inside = {id(m): i for i, block in enumerate(model.blocks) for m in block.modules()}
+    place: dict[int, set[int]] = {}
+    nbytes: dict[int, int] = {}
+    tensors = 0
+    for module in model.modules():
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None:
+                key = t.untyped_storage().data_ptr()
+                place.setdefault(key, set()).add(inside.get(id(module), -1))
+                nbytes[key] = t.untyped_storage().nbytes()
+                tensors += 1
+    blocks = sum(nbytes[k] for k, p in place.items() if len(p) == 1 and -1 not in p)
+    return sum(nbytes.values()), blocks, tensors
 
 
 def _every_supported_row(backend) -> None:

@@ -125,13 +125,6 @@ def test_unsupported_tensor_subclass_is_rejected():
     _assert_untouched(model, before, backend, memory)
 
 
-def test_single_block_model_is_rejected():
-    model = build_stack(StackSpec(layer_dtypes=[[torch.float32]]))
-    with pytest.raises(ValueError, match="at least two blocks"):
-        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(), blocks=["blocks"])
-    assert no_hooks(model)
-
-
 def test_out_of_order_calls_load_synchronously_and_count_misses():
     model = mixed_stack()
     blocks = [b for _, b in find_blocks(model)]

@@ -13,76 +13,85 @@ from offload_core.overlap import Overlap, copy_overlap, intersect, length, union
 
 @dataclass(frozen=True)
 class S:
-    stream: str
+    lane: str
     name: str
+    kind: str
     start_ns: int
     end_ns: int
 
 
-def h2d(start, end, stream="stream-1"):
-    return S(stream, "H2D", start, end)
+@dataclass(frozen=True)
+class I:
+    lane: str
+    name: str
+    kind: str
+    at_ns: int
+    duration_ns: int
 
 
-def host_wait(start, end, on="stream-1"):
-    return S("default", f"wait {on}", start, end)
+def copy(start, end, lane="copy"):
+    return S(lane, "load block", "copy", start, end)
+
+
+def wait(start, end):
+    return S("compute", "wait block", "wait", start, end)
+
+
+def compute(start, end):
+    return S("compute", "block", "compute", start, end)
 
 
 def test_no_copies_means_nothing_to_hide():
-    result = copy_overlap([host_wait(0, 10), S("stream-1", "wait default", 0, 5)])
+    result = copy_overlap([wait(0, 10), compute(10, 20)])
     assert result == Overlap(0, 0) and result.fraction is None
 
 
-def test_copies_the_host_never_waited_for_are_fully_hidden():
-    assert copy_overlap([h2d(0, 10), h2d(20, 30)]).fraction == 1.0
+def test_copies_compute_never_waited_for_are_fully_hidden():
+    assert copy_overlap([copy(0, 10), copy(20, 30), compute(0, 30)]).fraction == 1.0
 
 
 def test_a_wait_covering_a_whole_copy_exposes_all_of_it():
-    assert copy_overlap([h2d(10, 20), host_wait(5, 25)]).fraction == 0.0
+    assert copy_overlap([copy(10, 20), wait(5, 25)]).fraction == 0.0
 
 
 def test_partly_exposed_copy():
-    # copy 0..100; the host blocks 75..100 for its tail: a quarter exposed
-    result = copy_overlap([h2d(0, 100), host_wait(75, 110)])
+    # copy 0..100; compute waits 75..100 for its tail: a quarter exposed
+    result = copy_overlap([copy(0, 100), wait(75, 110)])
     assert (result.copy_ns, result.exposed_ns) == (100, 25)
     assert result.fraction == pytest.approx(0.75)
 
 
-def test_concurrent_copies_on_two_streams_count_once():
-    # stream-1 busy 0..60, stream-2 busy 40..100: the link is busy 0..100, not 120
-    spans = [h2d(0, 60), h2d(40, 100, "stream-2"), host_wait(50, 70, on="stream-2")]
+def test_concurrent_copies_on_two_lanes_count_once():
+    # one lane busy 0..60, the other 40..100: the link is busy 0..100, not 120
+    spans = [copy(0, 60), copy(40, 100, "copy 2"), wait(50, 70)]
     result = copy_overlap(spans)
     assert (result.copy_ns, result.exposed_ns) == (100, 20)
 
 
-def test_waiting_for_something_other_than_a_copy_is_not_exposed_copy_time():
-    # the host waits 100..200 for a stream that is no longer copying (its copy ended at 50)
-    assert copy_overlap([h2d(0, 50), host_wait(100, 200)]).fraction == 1.0
+def test_waiting_longer_than_the_copy_is_not_exposed_copy_time():
+    # compute waits 100..200, but the copy ended at 50 (the wait was for older queued work)
+    assert copy_overlap([copy(0, 50), wait(100, 200)]).fraction == 1.0
 
 
-def test_only_host_waits_count_not_waits_queued_on_side_streams():
-    # a side stream waiting for compute blocks that stream, not the host
-    spans = [h2d(0, 100), S("stream-1", "wait default", 0, 100), S("stream-2", "wait stream-1", 0, 100)]
-    assert copy_overlap(spans).fraction == 1.0
+def test_compute_spans_do_not_expose_copies():
+    assert copy_overlap([copy(0, 100), compute(0, 100)]).fraction == 1.0
 
 
-def test_compute_spans_on_the_default_stream_do_not_expose_copies():
-    spans = [h2d(0, 100), S("default", "all_gather", 0, 100), S("default", "D2H", 0, 100)]
-    assert copy_overlap(spans).fraction == 1.0
-
-
-def test_a_copy_issued_on_the_default_stream_is_all_exposed():
-    # the host runs it itself; here it is half the total copy time
-    result = copy_overlap([h2d(0, 50), h2d(100, 150, stream="default")])
+def test_a_host_wait_during_a_copy_is_exposed():
+    # the host blocked 25..75 (an instant with its duration) while the copy ran 0..100
+    host = I("host", "unload vae (still loading)", "host wait", 25, 50)
+    miss = I("compute", "prefetch miss block", "prefetch miss", 0, 0)
+    result = copy_overlap([copy(0, 100)], [host, miss])
     assert (result.copy_ns, result.exposed_ns) == (100, 50)
 
 
 def test_overlapping_waits_are_not_double_counted():
-    result = copy_overlap([h2d(0, 100), host_wait(10, 60), host_wait(40, 80, on="stream-2")])
+    result = copy_overlap([copy(0, 100), wait(10, 60), wait(40, 80)])
     assert result.exposed_ns == 70
 
 
 def test_empty_and_inverted_spans_are_ignored():
-    assert copy_overlap([h2d(5, 5), h2d(9, 3)]) == Overlap(0, 0)
+    assert copy_overlap([copy(5, 5), copy(9, 3)]) == Overlap(0, 0)
 
 
 def _covered(intervals, t):

@@ -72,7 +72,7 @@ def test_pinned_rounding_from_the_environment_and_validated(monkeypatch):
     assert backend.pinned_rounding == "pow2" and backend.pinned_allocation_size(3) == 4
     monkeypatch.delenv("OFFLOAD_CORE_FAKE_PINNED_ROUNDING")
     assert offload_core.get_backend("fake", chaos=False).pinned_allocation_size(3) == 3
-    with pytest.raises(ValueError, match="pinned_rounding must be one of exact, pow2, got 'round'"):
+    with pytest.raises(offload_core.OffloadConfigError, match="invalid pinned_rounding='round': choose from exact, pow2"):
         offload_core.get_backend("fake", pinned_rounding="round")
 
 

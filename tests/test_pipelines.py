@@ -36,8 +36,11 @@ def test_model_level_equals_no_offload(tiny):
     handle = offload_core.enable_offload(tiny.pipe, enable_cpu_offload=True, backend=backend)
     assert handle.strategy == "model"
     assert tiny.pipe._execution_device == backend.device() and tiny.pipe.device == backend.device()
-    for _ in range(2):  # the second call runs with the learned order and overlapped prefetch
+    assert torch.equal(tiny.run(seed=0), tiny.expected)
+    with handle.trace() as timeline:  # the second call runs with the learned order
         assert torch.equal(tiny.run(seed=0), tiny.expected)
+        if exact_accounting():  # on a device, the library's workspaces count too
+            assert backend.memory_allocated() == 0, "components stayed on the device after the pipeline call"
     part = handle.parts[0]
     stats = handle.stats()
     # overlap rule: at most the active group plus one prefetched group on the device
@@ -45,6 +48,16 @@ def test_model_level_equals_no_offload(tiny):
     assert part.device_weight_bytes <= two_largest
     if exact_accounting():
         assert stats["device_peak_bytes"] <= two_largest
+    # overlapped prefetch: each group after the first was copied while the one before it computed
+    spans = timeline.spans()
+    active = [s for s in spans if s.kind == "compute"]
+    loads = [s for s in spans if s.kind == "copy"]
+    assert {s.name for s in active} == {g.name for g in part.groups} and len(active) >= 2
+    for earlier, before, after in zip([None, *active], active, active[1:]):
+        since = earlier.end_ns if earlier is not None else -1
+        assert any(
+            load.name == f"load {after.name}" and since < load.start_ns < before.end_ns for load in loads
+        ), f"{after.name} was not copied while {before.name} computed"
     handle.disable()
     assert type(tiny.pipe) is original_class
     assert torch.equal(pipeline_reference(tiny), tiny.expected)
@@ -78,10 +91,25 @@ def test_layerwise_equals_no_offload(tiny):
 
 
 def test_layerwise_streaming_every_component_group(tiny):
+    """components= decides what streams: encoders block by block, the VAE staged around its use
+    and dropped at the end of the call; the timeline shows each of them loaded and run."""
     backend = chaos_backend()
     handle = offload_core.enable_offload(
         tiny.pipe, enable_layerwise_offload=True, backend=backend, components=("dit", "text_encoder", "vae")
     )
-    assert torch.equal(tiny.run(seed=0), tiny.expected)
+    with handle.trace() as timeline:
+        assert torch.equal(tiny.run(seed=0), tiny.expected)
+    kinds = {name: component_kind(tiny.pipe, name) for name, _ in pipeline_modules(tiny.pipe)}
+    spans = timeline.spans()
+    computed = {s.name for s in spans if s.kind == "compute"}
+    loaded = {s.name for s in spans if s.kind == "copy"}
+    for name, kind in kinds.items():
+        if kind in ("dit", "text_encoder"):  # streamed block by block (two-block stacks stay in their slots)
+            assert any(n.startswith(f"{name}.") for n in computed), f"{name}'s blocks did not stream"
+        elif kind == "vae":  # staged: copied in for the decode
+            assert name in computed and f"load {name}" in loaded
+    vae_bytes = sum(p.host_bytes for p in handle.parts if not hasattr(p, "num_slots"))
+    if exact_accounting():  # on a device, the library's workspaces count too
+        assert backend.memory_allocated() <= handle.device_weight_bytes - vae_bytes  # the VAE left the device
     handle.disable()
     assert torch.equal(pipeline_reference(tiny), tiny.expected)

@@ -77,3 +77,45 @@ def test_model_level_without_the_free_wait_is_a_reported_race():
     _assert_names_both_lines(report, r"at offload_core/strategies/model_level\.py:\d+ in _load")
     assert "Stack on the device (Stack group)" in report
     handle.disable()
+
+
+@pytest.mark.parametrize("target", ["stack", "pipeline"])
+def test_a_second_enable_on_one_backend_fills_its_buffers_after_the_first_runs_compute(target):
+    """The slots and resident copies of a second enable may reuse the memory the first one's
+    compute was reading a moment ago: their copies must be ordered after that compute."""
+    backend = chaos_backend()
+    if target == "stack":
+        model = _stack()
+        with torch.no_grad():
+            expected = model(X)
+        run = lambda: model(X)  # noqa: E731
+    else:
+        from offload_core.tiny import build_pipeline
+
+        tiny = build_pipeline("flux2")
+        model, expected = tiny.pipe, tiny.run(seed=0)
+        run = lambda: tiny.run(seed=0)  # noqa: E731
+    for _ in range(2):
+        handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+        with torch.no_grad():
+            assert torch.equal(run(), expected)
+        handle.disable()
+
+
+def test_resident_modules_fill_their_buffers_after_earlier_compute():
+    """Resident components of a pipeline are copied in once, into buffers that may reuse memory
+    compute read just before: the same ordering, for the part that has no host sync before it."""
+    from offload_core.strategies.common import Transaction
+    from offload_core.strategies.resident import ResidentModules
+
+    backend = chaos_backend()
+    model = _stack()
+    with torch.no_grad():
+        expected = model(X)
+    for _ in range(2):
+        part = ResidentModules([("stack", model)], backend)
+        with Transaction() as txn:
+            part.enable(txn)
+        with torch.no_grad():
+            assert torch.equal(model(X), expected)
+        part.disable()

@@ -21,4 +21,4 @@ def test_every_row_is_tested_and_every_tiny_model_belongs_to_a_row():
     models = {name for row in ROWS for name in row.tiny_models}
     assert pipelines == set(PIPELINES)
     assert models == set(TRANSFORMERS) | set(STANDINS)
-    assert all(row.layerwise for row in ROWS), "every row of DESIGN §7 has at least a layerwise test"
+    assert all(row.layerwise for row in ROWS), "every row of docs/models.md has at least a layerwise test"

@@ -16,16 +16,16 @@ import torch
 
 from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
+from offload_core.config import backend_option, check_value, count, flag, positive_number
 from offload_core.memory_accounting import power_of_two_ceil
 
 from .memory import Pool
 from .sanitizer import Sanitizer, suspended
-from .streams import DefaultStream, FakeEvent, FakeStream, _Chaos, pause
+from .streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent, _Chaos, pause
 from .trace import Timeline, now_ns
 
 logger = logging.getLogger(__name__)
 
-_TRUE = {"1", "true", "yes", "on"}
 #: pinned_rounding option -> how the pinned pool counts (see FakeBackend)
 PINNED_ROUNDING: dict[str, dict] = {
     "exact": {},
@@ -33,14 +33,20 @@ PINNED_ROUNDING: dict[str, dict] = {
 }
 
 
-def _env_int(var: str) -> int | None:
-    value = os.environ.get(var)
-    return int(float(value)) if value else None
+def _seconds(value: Any) -> float:
+    """A delay: a finite number of seconds >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
+    if not (0 <= value < float("inf")):
+        raise ValueError("must be a finite number of seconds >= 0")
+    return float(value)
 
 
-def _env_float(var: str) -> float | None:
-    value = os.environ.get(var)
-    return float(value) if value else None
+def _rounding(value: Any) -> str:
+    """A pinned_rounding model: one of PINNED_ROUNDING's names."""
+    if value not in PINNED_ROUNDING:
+        raise ValueError(f"choose from {', '.join(PINNED_ROUNDING)}")
+    return value
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -60,7 +66,9 @@ def _poison(t: torch.Tensor) -> None:
 class FakeBackend(DeviceBackend):
     """Streams as threads, real overlap, events, memory accounting, chaos mode, bandwidth model.
 
-    Options (keyword arguments, else environment variables):
+    Options (keyword arguments, else environment variables, parsed alike: ``chaos`` takes True or
+    False, or 1/0, true/false, yes/no, on/off; a value that does not parse is an
+    :class:`~offload_core.OffloadConfigError` naming the keyword or the variable):
 
     * ``chaos`` (``OFFLOAD_CORE_FAKE_CHAOS=1``): every queued task starts after a random delay of
       ``chaos_delay`` / 2 .. ``chaos_delay`` seconds (default 2 ms), and every copy (or gather)
@@ -106,7 +114,7 @@ class FakeBackend(DeviceBackend):
     capabilities = frozenset(
         {
             Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES,
-            Capability.SANITIZE,
+            Capability.SANITIZE, Capability.TIMING,
         }
     )
 
@@ -124,28 +132,22 @@ class FakeBackend(DeviceBackend):
         inline_copy_bytes: int = 256 * 1024,
         sanitize: bool | None = None,
     ) -> None:
-        if chaos is None:
-            chaos = os.environ.get("OFFLOAD_CORE_FAKE_CHAOS", "").lower() in _TRUE
-        if sanitize is None:
-            sanitize = os.environ.get("OFFLOAD_CORE_FAKE_SANITIZE", "").lower() in _TRUE
-        device_memory = device_memory if device_memory is not None else _env_int("OFFLOAD_CORE_FAKE_DEVICE_MEMORY")
-        pinned_memory = pinned_memory if pinned_memory is not None else _env_int("OFFLOAD_CORE_FAKE_PINNED_MEMORY")
-        if h2d_bandwidth is None:
-            h2d_bandwidth = _env_float("OFFLOAD_CORE_FAKE_H2D_BANDWIDTH")
-        if pinned_rounding is None:
-            pinned_rounding = os.environ.get("OFFLOAD_CORE_FAKE_PINNED_ROUNDING") or "exact"
-        if pinned_rounding not in PINNED_ROUNDING:
-            raise ValueError(f"pinned_rounding must be one of {', '.join(PINNED_ROUNDING)}, got {pinned_rounding!r}")
-        if device_cache is None:
-            device_cache = os.environ.get("OFFLOAD_CORE_FAKE_DEVICE_CACHE", "").lower() in _TRUE
-        for label, value in (("device_memory", device_memory), ("pinned_memory", pinned_memory)):
-            if value is not None and value < 0:
-                raise ValueError(f"{label} must be >= 0 bytes, got {value}")
-        if h2d_bandwidth is not None and h2d_bandwidth <= 0:
-            raise ValueError(f"h2d_bandwidth must be > 0 bytes/s, got {h2d_bandwidth}")
-        if chaos_delay < 0:
-            raise ValueError(f"chaos_delay must be >= 0 seconds, got {chaos_delay}")
-        self.chaos = bool(chaos)
+        # Each option: the keyword, else its environment variable, through one parser, so that a bad
+        # value is an OffloadConfigError naming whichever was given.
+        nbytes = count(0, text=True)
+        chaos = backend_option("chaos", chaos, "OFFLOAD_CORE_FAKE_CHAOS", flag) or False
+        sanitize = backend_option("sanitize", sanitize, "OFFLOAD_CORE_FAKE_SANITIZE", flag) or False
+        device_memory = backend_option("device_memory", device_memory, "OFFLOAD_CORE_FAKE_DEVICE_MEMORY", nbytes)
+        pinned_memory = backend_option("pinned_memory", pinned_memory, "OFFLOAD_CORE_FAKE_PINNED_MEMORY", nbytes)
+        pinned_rounding = backend_option(
+            "pinned_rounding", pinned_rounding, "OFFLOAD_CORE_FAKE_PINNED_ROUNDING", _rounding
+        ) or "exact"
+        device_cache = backend_option("device_cache", device_cache, "OFFLOAD_CORE_FAKE_DEVICE_CACHE", flag) or False
+        h2d_bandwidth = backend_option("h2d_bandwidth", h2d_bandwidth, "OFFLOAD_CORE_FAKE_H2D_BANDWIDTH", positive_number)
+        chaos_delay = check_value("chaos_delay", chaos_delay, _seconds)
+        seed = check_value("seed", seed, count(0))
+        inline_copy_bytes = check_value("inline_copy_bytes", inline_copy_bytes, count(0))
+        self.chaos = chaos
         self.h2d_bandwidth = h2d_bandwidth
         self.inline_copy_bytes = inline_copy_bytes
         self.timeline = Timeline()
@@ -153,7 +155,7 @@ class FakeBackend(DeviceBackend):
         self._device = Pool("device", device_memory)
         self._pinned = Pool("pinned host memory", pinned_memory, **PINNED_ROUNDING[pinned_rounding])
         self.pinned_rounding = pinned_rounding
-        self.device_cache = bool(device_cache)
+        self.device_cache = device_cache
         self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._local = threading.local()
         self.sanitizer = Sanitizer(self.current_stream) if sanitize else None
@@ -213,7 +215,9 @@ class FakeBackend(DeviceBackend):
             self.sanitizer.on_synchronize_all([self._default, *streams])
 
     # -- events ---------------------------------------------------------------------------
-    def new_event(self) -> FakeEvent:
+    def new_event(self, timing: bool = False) -> FakeEvent:
+        if timing:
+            return FakeTimingEvent(self.current_stream, self.timeline, self.sanitizer)
         return FakeEvent(self.current_stream, self.timeline, self.sanitizer)
 
     # -- memory ---------------------------------------------------------------------------
@@ -351,8 +355,7 @@ class FakeBackend(DeviceBackend):
         stream: FakeStream | DefaultStream | None = None,
     ) -> FakeEvent:
         stream = stream if stream is not None else self.current_stream()
-        if self.sanitizer is not None:
-            self.sanitizer.on_copy(output, input, stream, "all_gather")
+        gathered = self.sanitizer.on_collective(output, input, stream) if self.sanitizer is not None else None
         poison = self._poisoner(output, stream)
         read_done = self._queue_read(input)
 
@@ -371,6 +374,8 @@ class FakeBackend(DeviceBackend):
         )
         done = self.new_event()
         done.record(stream)
+        if gathered is not None:
+            done._vc = gathered  # for the sanitizer, the gather is done only where its waitable says
         return done
 
     # -- fake-only tools ------------------------------------------------------------------

@@ -63,7 +63,7 @@ class StreamRaceError(RuntimeError):
 class Clock:
     """The vector clock of one stream (or of the host): what it has done and what it knows of."""
 
-    __slots__ = ("id", "name", "vc", "__weakref__")
+    __slots__ = ("id", "name", "vc")
 
     def __init__(self, ident: int, name: str) -> None:
         self.id = ident
@@ -124,7 +124,19 @@ class Tracked:
 
 # storage key -> Tracked, for every sanitized backend in the process (one dispatch mode serves all)
 _TRACKED: dict[tuple[int, int], Tracked] = {}
+# lifetime reports found in finalizers, where nothing can be raised; raised at the next operation
+# or synchronisation of any sanitized backend
+_PENDING: list[str] = []
+_PENDING_LOCK = threading.Lock()
 _local = threading.local()
+
+
+def _raise_pending() -> None:
+    with _PENDING_LOCK:
+        message = "\n".join(_PENDING)
+        _PENDING.clear()
+    if message:
+        raise StreamRaceError(message)
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -196,6 +208,8 @@ class _AccessMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _PENDING and not getattr(_local, "internal", 0):
+            _raise_pending()  # a buffer dropped too early: say so at the host's very next operation
         if _TRACKED and not getattr(_local, "internal", 0):
             hits = _tracked_arguments(func, args, kwargs)
             if hits:
@@ -280,9 +294,8 @@ class Sanitizer:
         self._current_stream = current_stream
         self._lock = threading.RLock()
         self.host = Clock(0, "host")
-        self._clocks: weakref.WeakSet[Clock] = weakref.WeakSet()
         self._ghosts: dict[int, dict[tuple[int, bool], Access]] = {}  # alloc clock -> (stream, write) -> latest
-        self._pending: list[str] = []
+        self._collective_clocks: dict[int, Clock] = {}  # issuing stream's clock id -> the library's stream
         install()
 
     # -- clocks ----------------------------------------------------------------------------
@@ -292,11 +305,12 @@ class Sanitizer:
         if clock is None:
             clock = Clock(next(self._ids), getattr(stream, "name", repr(stream)))
             stream._clock = clock
-            self._clocks.add(clock)
         return clock
 
     def _tick(self, stream: Any) -> tuple[Clock, int]:
-        clock = self.clock(stream)
+        return self._tick_clock(self.clock(stream))
+
+    def _tick_clock(self, clock: Clock) -> tuple[Clock, int]:
         clock.join(self.host.vc)
         seq = clock.vc.get(clock.id, 0) + 1
         clock.vc[clock.id] = seq
@@ -306,7 +320,7 @@ class Sanitizer:
         """An event recorded on ``stream``: the clock it captures."""
         install()
         with self._lock:
-            self._raise_pending()
+            _raise_pending()
             clock = self.clock(stream)
             clock.join(self.host.vc)
             return dict(clock.vc)
@@ -314,7 +328,7 @@ class Sanitizer:
     def on_wait(self, captured: dict[int, int] | None, stream: Any) -> None:
         install()
         with self._lock:
-            self._raise_pending()
+            _raise_pending()
             if captured:
                 self.clock(stream).join(captured)
 
@@ -323,18 +337,18 @@ class Sanitizer:
         with self._lock:
             if captured:
                 self.host.join(captured)
-            self._raise_pending()
+            _raise_pending()
 
     def on_stream_sync(self, stream: Any) -> None:
         with self._lock:
             self.host.join(self.clock(stream).vc)
-            self._raise_pending()
+            _raise_pending()
 
     def on_synchronize_all(self, streams: Iterable[Any]) -> None:
         with self._lock:
             for stream in streams:
                 self.host.join(self.clock(stream).vc)
-            self._raise_pending()
+            _raise_pending()
 
     # -- memory ----------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, kind: str) -> None:
@@ -345,7 +359,7 @@ class Sanitizer:
         key = _key(tensor)
         nbytes = tensor.untyped_storage().nbytes()
         with self._lock:
-            self._raise_pending()
+            _raise_pending()
             alloc = self.clock(self._current_stream()) if kind == "device" else self.host
             ghosts = self._ghosts.get(alloc.id, {})
             for k in [k for k, a in ghosts.items() if self.host.knows(a.stream, a.seq)]:
@@ -370,20 +384,40 @@ class Sanitizer:
                     if old is None or old.seq < a.seq:
                         ghosts[(a.stream, a.write)] = a  # the memory's next user must order after it
                     continue
-                self._pending.append(
+                report = (
                     f"{tracked.kind} memory was freed (its last reference dropped) while work that touches it "
                     f"may still run: on a device the allocator can hand it to the next tensor at once.\n"
                     f"  {a.site.render('pending ' + ('write' if a.write else 'read'), a.start, a.end)}\n"
                     f"  neither the host nor stream {alloc.name!r} (where it was allocated) is known to have "
                     f"waited for that op: synchronize an event recorded after it before dropping the buffer"
                 )
+                with _PENDING_LOCK:
+                    _PENDING.append(report)
 
     # -- accesses --------------------------------------------------------------------------
+    def on_collective(self, output: torch.Tensor, input: torch.Tensor, stream: Any) -> dict[int, int]:
+        """An all-gather issued on ``stream``. As NCCL and HCCL do, it runs on the library's own
+        stream, after the work already on ``stream``; later work on ``stream`` is ordered after
+        the gather only through its waitable. Returns the clock that waitable captures."""
+        install()
+        frames = _frames()
+        with self._lock:
+            _raise_pending()
+            issuing = self.clock(stream)
+            comm = self._collective_clocks.get(issuing.id)
+            if comm is None:
+                comm = self._collective_clocks[issuing.id] = Clock(next(self._ids), f"{issuing.name} collectives")
+            comm.join(issuing.vc)
+            comm, seq = self._tick_clock(comm)
+            self._access(input, False, comm, seq, "all_gather", frames)
+            self._access(output, True, comm, seq, "all_gather", frames)
+            return dict(comm.vc)
+
     def on_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str) -> None:
         install()
         frames = _frames()
         with self._lock:
-            self._raise_pending()
+            _raise_pending()
             clock, seq = self._tick(stream)
             self._access(src, False, clock, seq, what, frames)
             self._access(dst, True, clock, seq, what, frames)
@@ -392,7 +426,7 @@ class Sanitizer:
         """A torch operation issued by the host: device memory on the current stream, pinned memory
         on the host itself."""
         with self._lock:
-            self._raise_pending()
+            _raise_pending()
             on_device = [h for h in hits if h[2].kind == "device"]
             if on_device:
                 clock, seq = self._tick(self._current_stream())
@@ -444,12 +478,6 @@ class Sanitizer:
             f"  fix: record an event on {a.site.stream!r} after the earlier access and make "
             f"{clock.name!r} wait for it before this one"
         )
-
-    def _raise_pending(self) -> None:
-        if self._pending:
-            message = "\n".join(self._pending)
-            self._pending.clear()
-            raise StreamRaceError(message)
 
 
 # -- installation -----------------------------------------------------------------------------

@@ -325,3 +325,32 @@ class FakeEvent:
             self._timeline.add(target.name, f"wait {source.name}", start, now_ns())
             return
         target.submit(lambda: source.wait_for(seq), f"wait {source.name}")
+
+
+class FakeTimingEvent(FakeEvent):
+    """An event that also notes when its stream reached it (``new_event(timing=True)``), like a
+    ``torch.Event(enable_timing=True)``: the default stream is reached at once, a side stream when
+    its worker runs a stamp queued at the record."""
+
+    def __init__(
+        self, current: Callable[[], FakeStream | DefaultStream], timeline: Timeline, sanitizer=None
+    ) -> None:
+        super().__init__(current, timeline, sanitizer)
+        self._reached_ns: int | None = None
+
+    def record(self, stream: FakeStream | DefaultStream | None = None) -> None:
+        stream = stream if stream is not None else self._current()
+        self._reached_ns = None
+        stream.submit(self._stamp, "event", inline=True)
+        super().record(stream)
+
+    def _stamp(self) -> None:
+        self._reached_ns = now_ns()
+
+    def elapsed_time(self, end: FakeTimingEvent) -> float:
+        """Milliseconds from this event to ``end``; both must have been recorded (host-blocking)."""
+        for event in (self, end):
+            event.synchronize()
+            if event._reached_ns is None:
+                raise RuntimeError("elapsed_time needs two recorded events")
+        return (end._reached_ns - self._reached_ns) / 1e6

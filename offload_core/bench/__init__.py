@@ -1,5 +1,5 @@
 """Benchmarks behind ``offload-core bench``: every figure is a ratio measured in one run, the
-variants interleaved (DESIGN §9). Timed tests would be flaky; these report, and the targets are
+variants interleaved (docs/benchmarks.md). Timed tests would be flaky; these report, and the targets are
 printed beside the measurements."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from .layerwise import copies_per_block, overhead_per_block, step_ratio
 from .pipeline import strategies_side_by_side
+from .sanitizer import sanitizer_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
                                                     repeats=3 if quick else 8),
     "copies_per_block": lambda quick: copies_per_block(),
     "strategies": lambda quick: strategies_side_by_side(repeats=2 if quick else 5),
+    "sanitizer": lambda quick: sanitizer_cost(repeats=2 if quick else 5),
 }
 
 HEADLINES = [
@@ -41,6 +43,8 @@ HEADLINES = [
     Headline("model-level swap cost per call, overlapped / synchronous", "strategies",
              "overlapped_to_sync_swap_cost", 1.0),
     Headline("layerwise pipeline call / resident (bandwidth model)", "strategies", "ratio_to_resident.layerwise", None),
+    Headline("fake backend: layerwise pipeline call, race sanitizer on / off", "sanitizer", "sanitized_to_unsanitized",
+             None),
 ]
 
 

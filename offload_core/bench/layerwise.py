@@ -1,4 +1,4 @@
-"""Layerwise benchmarks (DESIGN §9): framework overhead per block against diffusers' group
+"""Layerwise benchmarks (docs/benchmarks.md): framework overhead per block against diffusers' group
 offloading, step-time ratios on a compute-heavy stack with and without a bandwidth model, and
 copies per block per forward."""
 

@@ -1,4 +1,4 @@
-"""The supported-model table (DESIGN §7) as block registrations.
+"""The supported-model table (docs/models.md) as block registrations.
 
 Names were read from each diffusers 0.42 class; where the upstream table names a list the class
 does not have, the class's real lists are registered (noted per row). Architectures diffusers
@@ -29,6 +29,8 @@ KNOWN_MODELS: dict[str, tuple[str, ...]] = {
     "Cosmos3LanguageModel": ("layers", "gen_layers"),
     "NextStepModel": ("layers",),
     "Qwen2MoTModel": ("layers",),
+    # beyond the table (the pipeline sweep): classes whose lists run in another order than they are declared
+    "Lumina2Transformer2DModel": ("context_refiner", "noise_refiner", "layers"),
 }
 
 for _name, _attrs in KNOWN_MODELS.items():

@@ -8,6 +8,10 @@ and counts a miss), queues the prefetch of the next ``prefetch_depth`` blocks, a
 compute stream wait for ``i``'s ready event. A copy into a slot always waits for the slot's free
 event, so a slot is never overwritten while a block reads it. The ring wraps, so the end of one
 forward prefetches the start of the next.
+
+A model with one block gets one slot: nothing can be copied while the block computes, so the
+copy cannot overlap (the enable log says so). The block stays in its slot between forwards, and a
+reload (a miss) waits for the slot's free event, recorded when the block's last forward ended.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from .common import (
     Counters,
@@ -42,6 +47,9 @@ class LayerwiseOffload:
     """Streams the blocks of one model; everything outside the blocks stays resident."""
 
     strategy = "layerwise"
+    #: set while ``handle.trace()`` records; spans are named "<label>.<block name>", the label being
+    #: the model's class name, or its component name in a pipeline
+    timeline = None
 
     def __init__(
         self,
@@ -51,13 +59,12 @@ class LayerwiseOffload:
         prefetch_depth: int = 1,
         pin_memory: bool = True,
     ) -> None:
-        if len(blocks) < 2:
-            raise ValueError(
-                f"layerwise offload of {type(model).__name__} needs at least two blocks, found {len(blocks)}"
-            )
+        if not blocks:
+            raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.model = model
+        self.label = type(model).__name__
         self.block_names = [name for name, _ in blocks]
         self.blocks = [block for _, block in blocks]
         self.backend = backend
@@ -131,10 +138,13 @@ class LayerwiseOffload:
         txn.on_rollback(self._remove_hooks)
         for i in range(self.num_slots):
             self._load(i)
+        # undone first: a later failure must not free slots and host buffers under queued copies
+        txn.on_rollback(self.copy_stream.synchronize)
         logger.info(
-            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident",
+            "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
             self.resident_bytes / 2**20,
+            "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
 
     def _state_dict_hook(self, i: int):
@@ -219,7 +229,11 @@ class LayerwiseOffload:
         stream = self.copy_stream
         self.freed[slot].wait(stream)
         self._occupant[slot] = i
-        copies = self._issue(i, stream)
+        if self.timeline is None:
+            copies = self._issue(i, stream)
+        else:
+            issue = functools.partial(self._issue, i, stream)
+            copies = self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
         self.ready[i].record(stream)
         counters = self.counters
         counters.loads += 1
@@ -245,7 +259,12 @@ class LayerwiseOffload:
             self._load(j)
 
     def _wait_ready(self, i: int) -> None:
-        self.ready[i].wait(self.backend.current_stream())
+        stream = self.backend.current_stream()
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
+            self.ready[i].wait(stream)
+
+    def _span_name(self, i: int) -> str:
+        return f"{self.label}.{self.block_names[i]}"
 
     def _finish_running(self) -> None:
         """Mark the slot of the block that ran last as free: its compute has all been issued."""
@@ -254,6 +273,8 @@ class LayerwiseOffload:
             return
         self._running = -1
         self.freed[last % self.num_slots].record(self.backend.current_stream())
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         if self._deferred:
             self._deferred = False
             self._prefetch(last, running=False)
@@ -263,6 +284,8 @@ class LayerwiseOffload:
         if self._occupant[i % self.num_slots] != i:
             self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            if self.timeline is not None:
+                self.timeline.prefetch_miss(self._span_name(i))
             self._load(i)
         self._prefetch(i, running=True)
         self._wait_ready(i)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend, Event
+from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import (
@@ -66,6 +67,9 @@ class Group:
 
 class ModelLevelOffload:
     """Swaps named groups of modules; the order hint is the groups' usual order of use."""
+
+    #: set while ``handle.trace()`` records; spans are named after the groups
+    timeline = None
 
     def __init__(
         self,
@@ -161,6 +165,8 @@ class ModelLevelOffload:
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
+        if self.timeline is not None:
+            self.timeline.end_compute(self.backend.current_stream())
         for group in self.groups:
             self._swap_out(group)
         self._active = None
@@ -174,6 +180,8 @@ class ModelLevelOffload:
     def _before_use(self, index: int, module: nn.Module, args) -> None:
         if self._active == index:
             return
+        if self.timeline is not None:  # the active group's compute has all been issued
+            self.timeline.end_compute(self.backend.current_stream())
         previous = self._active
         for i, group in enumerate(self.groups):
             if i != index and group.state != "host":
@@ -182,7 +190,8 @@ class ModelLevelOffload:
         if group.state == "host":
             self._load(group)
         compute = self.backend.current_stream()
-        group.ready.wait(compute)
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(compute, group.name):
+            group.ready.wait(compute)
         for c in group.components:
             c.unit.bind(c.device)
             c.versions = [p._version for p in c.module.parameters()]
@@ -198,12 +207,18 @@ class ModelLevelOffload:
         """Allocate the group's device buffers and queue its copies (one per dtype per component)."""
         group.state = "loading"
         self._freed().wait(self.copy_stream)
-        for c in group.components:
-            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
-            copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
+        if self.timeline is None:
+            self._copy_in(group)
+        else:
+            self.timeline.copy(self.copy_stream, group.name, group.nbytes, functools.partial(self._copy_in, group))
         group.ready.record(self.copy_stream)
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
+
+    def _copy_in(self, group: Group) -> None:
+        for c in group.components:
+            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
+            copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
 
     def _freed(self) -> Event:
         """An event after all compute issued so far: buffers freed before it may be reused."""
@@ -223,8 +238,9 @@ class ModelLevelOffload:
     def _swap_out(self, group: Group) -> None:
         if group.state == "host":
             return
-        if group.state == "loading":
-            group.ready.synchronize()  # its copies still read the host buffers; cheap, rare
+        if group.state == "loading":  # its copies still read the host buffers; cheap, rare
+            with UNTRACED if self.timeline is None else self.timeline.host_wait(f"unload {group.name} (still loading)"):
+                group.ready.synchronize()
         for c in group.components:
             if group.state == "active":
                 self._keep_inplace_changes(c)

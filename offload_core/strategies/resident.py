@@ -24,6 +24,9 @@ from .common import (
 class ResidentModules:
     """Copies modules to the device once; their inputs are moved to the device on the way in."""
 
+    #: set while ``handle.trace()`` records; nothing moves after enable, so nothing is recorded
+    timeline = None
+
     def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend, pin_memory: bool = True) -> None:
         self.backend = backend
         self.pin_memory = pin_memory

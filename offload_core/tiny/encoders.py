@@ -190,8 +190,9 @@ def qwen2_vl_processor(tokenizer):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def mistral3(tokenizer, hidden_size: int = 16):
-    """``Mistral3ForConditionalGeneration`` (Flux2): a 2-layer Mistral text model and a 1-layer Pixtral tower."""
+def mistral3(tokenizer, hidden_size: int = 16, num_layers: int = 2):
+    """``Mistral3ForConditionalGeneration`` (Flux2): a ``num_layers``-layer Mistral text model and a 1-layer
+    Pixtral tower."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     ids = _token_ids(tokenizer)
@@ -201,7 +202,7 @@ def mistral3(tokenizer, hidden_size: int = 16):
             **ids,
             "hidden_size": hidden_size,
             "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": 2,
+            "num_hidden_layers": num_layers,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
             "head_dim": hidden_size // 2,
@@ -284,6 +285,59 @@ def umt5_encoder(tokenizer, d_model: int = 16):
     from transformers import UMT5Config, UMT5EncoderModel
 
     return finish(UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, d_model)))
+
+
+def _decoder_config(tokenizer, hidden_size: int, num_layers: int, head_dim: int = 8) -> dict:
+    """A small decoder-only text config (Gemma, Llama, GLM) sized to ``tokenizer``."""
+    return {
+        **_token_ids(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": head_dim,
+        "max_position_embeddings": 512,
+    }
+
+
+def gemma2(tokenizer, hidden_size: int = 16, num_layers: int = 2):
+    """``Gemma2Model`` (Sana, Lumina 2)."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    config = Gemma2Config(**_decoder_config(tokenizer, hidden_size, num_layers), sliding_window=16)
+    return finish(Gemma2Model(config))
+
+
+def llama(tokenizer, hidden_size: int = 16, num_layers: int = 2, causal_lm: bool = False):
+    """``LlamaModel`` (HunyuanVideo), or ``LlamaForCausalLM`` with ``causal_lm`` (HiDream)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    config = LlamaConfig(**_decoder_config(tokenizer, hidden_size, num_layers))
+    return finish((LlamaForCausalLM if causal_lm else LlamaModel)(config))
+
+
+def glm(tokenizer, hidden_size: int = 16, num_layers: int = 2):
+    """``GlmModel`` (CogView4)."""
+    from transformers import GlmConfig, GlmModel
+
+    return finish(GlmModel(GlmConfig(**_decoder_config(tokenizer, hidden_size, num_layers))))
+
+
+def bert(tokenizer, hidden_size: int = 16):
+    """``BertModel`` (HunyuanDiT's CLIP-like bilingual encoder)."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return finish(BertModel(config))
 
 
 # --------------------------------------------------------------------------------------------------------------

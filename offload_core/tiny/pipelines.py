@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised diffusers pipelines for the supported-model table (DESIGN.md section 7).
+"""Tiny, randomly initialised diffusers pipelines for the supported-model table (docs/models.md).
 
 Each pipeline is a real diffusers ``DiffusionPipeline`` of the named class, with every model shrunk to hidden
 sizes of 8 to 32 and two blocks per block list, so that a full call (text encoding, two denoising steps, VAE
@@ -129,25 +129,26 @@ def _call(size: int, **settings: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _flux2(seed: int) -> TinyPipeline:
+def _flux2(seed: int, text_layers: int = 2, name: str = "flux2", **dit_overrides: Any) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
     tokenizer = tok.mistral_tokenizer()
+    # Flux2 stacks the hidden states of text-encoder layers (all of the tiny encoder's) as the DiT's text input.
+    out_layers = tuple(range(1, text_layers + 1))
     components = _seeded_components(
         seed,
-        text_encoder=lambda: enc.mistral3(tokenizer, hidden_size=16),
+        text_encoder=lambda: enc.mistral3(tokenizer, hidden_size=16, num_layers=text_layers),
         vae=enc.autoencoder_kl_flux2,
-        transformer=lambda: build_dit("flux2"),
+        transformer=lambda: build_dit("flux2", joint_attention_dim=16 * text_layers, **dit_overrides),
     )
     pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **components)
     call = _call(
         16,
         guidance_scale=4.0,  # guidance-distilled: an embedding, not a second pass
         max_sequence_length=16,
-        # Flux2 stacks hidden states of several text-encoder layers; the tiny encoder has two.
-        text_encoder_out_layers=(1, 2),
+        text_encoder_out_layers=out_layers,
     )
-    return _finish("flux2", pipe, call, "images")
+    return _finish(name, pipe, call, "images")
 
 
 def _longcat_image(seed: int) -> TinyPipeline:
@@ -177,7 +178,7 @@ def _longcat_image(seed: int) -> TinyPipeline:
     return _finish("longcat-image", pipe, call, "images")
 
 
-def _joyimage_edit(seed: int) -> TinyPipeline:
+def _joyimage_edit(seed: int, **dit_overrides: Any) -> TinyPipeline:
     from diffusers import FlowMatchEulerDiscreteScheduler, JoyImageEditPipeline
 
     tokenizer = tok.qwen2_tokenizer()
@@ -185,7 +186,7 @@ def _joyimage_edit(seed: int) -> TinyPipeline:
         seed,
         text_encoder=lambda: enc.qwen3_vl(tokenizer, hidden_size=16),
         vae=lambda: enc.autoencoder_kl_wan(z_dim=4),
-        transformer=lambda: build_dit("joyimage-edit"),
+        transformer=lambda: build_dit("joyimage-edit", **dit_overrides),
     )
     pipe = JoyImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
@@ -387,12 +388,14 @@ def _wan22_i2v(seed: int) -> TinyPipeline:
     return _finish("wan2.2-i2v", pipe, _wan22_call(image=_reference_image(32)), "frames")
 
 
-def _cosmos3_omni(seed: int) -> TinyPipeline:
+def _cosmos3_omni(seed: int, **dit_overrides: Any) -> TinyPipeline:
     from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 
     tokenizer = tok.qwen2_tokenizer()
     components = _seeded_components(
-        seed, vae=lambda: enc.autoencoder_kl_wan(z_dim=4), transformer=lambda: build_dit("cosmos3-omni")
+        seed,
+        vae=lambda: enc.autoencoder_kl_wan(z_dim=4),
+        transformer=lambda: build_dit("cosmos3-omni", **dit_overrides),
     )
     # The safety checker needs the external `cosmos_guardrail` package and model downloads: left out.
     pipe = Cosmos3OmniPipeline(
@@ -448,10 +451,25 @@ PIPELINES: dict[str, PipelineSpec] = {
 }
 
 
+#: Pipelines built to show something rather than to test a row of the table. ``flux2-deep``, the default of
+#: ``offload-core run``, is FLUX.2 with a DiT of 8 double and 16 single blocks of width 64: its blocks hold about
+#: 90% of the pipeline's weights (in the zoo's FLUX.2 the text encoder dwarfs them), so layerwise streaming keeps
+#: a small fraction of them on the device; a call still takes a fraction of a second on a CPU.
+DEMOS: dict[str, PipelineSpec] = {
+    "flux2-deep": PipelineSpec(
+        "Flux2Pipeline", "FLUX.2 with a 24-block DiT holding most of the weights (the demo)", _T,
+        functools.partial(
+            _flux2, name="flux2-deep", num_layers=8, num_single_layers=16, num_attention_heads=4,
+            attention_head_dim=16, axes_dims_rope=(4, 4, 4, 4),
+        ),
+    ),
+}
+
+
 def build_pipeline(name: str, seed: int = 0) -> TinyPipeline:
-    """Build the tiny pipeline ``name`` (a key of :data:`PIPELINES`) with weights drawn from ``seed``."""
-    try:
-        spec = PIPELINES[name]
-    except KeyError:
-        raise KeyError(f"unknown tiny pipeline {name!r}; known: {', '.join(PIPELINES)}") from None
+    """Build the tiny pipeline ``name`` (a key of :data:`PIPELINES` or :data:`DEMOS`) with weights drawn from
+    ``seed``."""
+    spec = PIPELINES.get(name) or DEMOS.get(name)
+    if spec is None:
+        raise KeyError(f"unknown tiny pipeline {name!r}; known: {', '.join([*DEMOS, *PIPELINES])}")
     return spec.build(seed)

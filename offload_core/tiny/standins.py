@@ -1,4 +1,4 @@
-"""Stand-ins for architectures that diffusers does not ship (DESIGN.md section 7).
+"""Stand-ins for architectures that diffusers does not ship (docs/models.md).
 
 NextStep-1.1, BAGEL and the upstream split of Cosmos 3 into a video foundation model (VFM) and a language model
 are not diffusers classes, but the supported-model table names them. The offloader recognises models by class

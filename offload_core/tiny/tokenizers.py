@@ -210,3 +210,59 @@ def t5_tokenizer(model_max_length: int = 512):
     pieces += [("\u2581" + ch, -8.0) for ch in letters]
     pieces += [("\u2581" + word, -4.0) for word in common_words()]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+@lru_cache(maxsize=None)
+def _sentencepiece_vocab(special_tokens: tuple[str, ...]) -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
+    """A SentencePiece-style BPE vocabulary (``▁`` marks a leading space): the special tokens first,
+    then ``▁`` and printable ASCII, then whole-word merges of the common words."""
+    vocab = {token: i for i, token in enumerate(special_tokens)}
+    for symbol in ["\u2581"] + [chr(c) for c in range(33, 127)]:
+        vocab.setdefault(symbol, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in common_words():
+        _chain_merges("\u2581" + word, vocab, merges)
+    return vocab, tuple(merges)
+
+
+def gemma_tokenizer():
+    """A real ``GemmaTokenizer`` (Sana's and Lumina 2's Gemma 2 encoders); ``<pad>`` is id 0."""
+    from transformers import GemmaTokenizer
+
+    vocab, merges = _sentencepiece_vocab(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"))
+    return GemmaTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=4096)
+
+
+def llama_tokenizer():
+    """A real ``LlamaTokenizer`` (HunyuanVideo's and HiDream's Llama encoders), with ``<pad>`` added:
+    the pipelines pad prompts to a fixed length."""
+    from transformers import LlamaTokenizer
+
+    vocab, merges = _sentencepiece_vocab(("<unk>", "<s>", "</s>", "<pad>"))
+    return LlamaTokenizer(vocab=dict(vocab), merges=list(merges), pad_token="<pad>", model_max_length=4096)
+
+
+def bert_tokenizer():
+    """A real ``BertTokenizer`` (WordPiece, lower case): HunyuanDiT's bilingual CLIP-like encoder."""
+    from transformers import BertTokenizer
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = specials + [chr(c) for c in range(33, 127)] + ["##" + chr(c) for c in range(33, 127)]
+    pieces += [w for w in common_words() if w.islower()]
+    return BertTokenizer(vocab={piece: i for i, piece in enumerate(dict.fromkeys(pieces))}, model_max_length=512)
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with ``<s>``, ``</s>`` and ``<pad>``: for encoders
+    whose pipelines only tokenise, pad and truncate (CogView4's GLM)."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ("<unk>", "<s>", "</s>", "<pad>")
+    vocab, merges = _byte_level_vocab(specials)
+    backend = Tokenizer(BPE(vocab=dict(vocab), merges=list(merges), fuse_unk=False, ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=4096,
+    )

@@ -21,7 +21,7 @@ class AcmeBackend(FakeBackend):
     priority = 10  # orders it among other available third-party accelerators
     dist_backend = "gloo"  # the torch.distributed backend its collectives use
     # device_type and capabilities are the simulator's: "cpu"; chaos, capacity, bandwidth,
-    # trace, collectives.
+    # trace, collectives, sanitize.
 
     @classmethod
     def probe(cls) -> bool:

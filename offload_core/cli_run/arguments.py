@@ -1,0 +1,163 @@
+"""``offload-core run``'s arguments: the parser, and every check that needs no model.
+
+Everything a user can get wrong on the command line is found here, before a pipeline is built or
+loaded, so that a typo costs nothing: unknown names, flags that do not apply to the strategy,
+values out of range, and output paths that cannot be written (a missing or read-only directory,
+a directory where a file is wanted). Each is a :class:`~offload_core.cli_common.UsageError`: one
+line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+from ..backend import DeviceBackend
+from ..cli_common import UsageError, available_backend, check_writable
+from ..tiny import DEMOS, PIPELINES
+
+STRATEGIES = ("none", "model", "layerwise")
+#: every pipeline ``--pipeline`` can build, the demos first
+EMBEDDED = {**DEMOS, **PIPELINES}
+DEFAULT_PIPELINE = "flux2-deep"
+#: command-line flag (argparse dest) -> the pipeline ``__call__`` parameter it sets
+CALL_PARAMETERS = {
+    "steps": "num_inference_steps",
+    "height": "height",
+    "width": "width",
+    "frames": "num_frames",
+    "prompt": "prompt",
+}
+#: flags that only mean something when offloading is on
+OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth")
+#: largest accepted values: past them a request is a typo, and a run would exhaust memory before
+#: saying anything (2**31 steps: the scheduler's timestep table alone does)
+MAX_STEPS = 1000
+MAX_PIXELS = 16384
+MAX_FRAMES = 1024
+MAX_PREFETCH_DEPTH = 64
+MAX_SEED = 2**63 - 1
+
+HELP_EPILOG = f"""\
+Without --model, runs one of the embedded tiny pipelines (random weights, seconds on a CPU);
+'--pipeline list' lists them. The default, {DEFAULT_PIPELINE}, is FLUX.2 with a DiT whose blocks
+hold most of the weights, so streaming them shows. With --model, loads a local diffusers folder
+(no download). Sizes, steps and prompt default to the tiny pipeline's settings, or to the
+model's own defaults.
+
+Strategies: 'none' runs the pipeline as loaded, without offload (the reference output and time);
+'model' swaps whole components (enable_cpu_offload); 'layerwise' streams the DiT block by block
+(enable_layerwise_offload). Offloading is enabled before the clock starts; the report times the
+one call, counts the copies made during it (and since enable), and ends with a one-line verdict.
+'overlap' is the share of host-to-device copy time during which compute did not wait for a copy,
+read from the timeline the strategies record (n/a on a backend without device timing).
+
+--trace FILE.json writes that timeline as Chrome trace JSON (open it in Perfetto): per-block
+compute on the 'compute' lane, copies on the 'copy' lanes, waits for copies, host waits and
+prefetch misses. --timeline FILE.png draws the same lanes (needs matplotlib: pip install
+"offload-core[plot]").
+
+--output FILE.png writes an image output to FILE.png; a video (or several images) is written as
+one PNG per frame: FILE_0000.png, FILE_0001.png, ... next to FILE.png. Files are written only when
+the run succeeded, all or none.
+
+Exit status: 0 done, 1 the run failed (one line; --debug for the traceback), 2 bad input."""
+
+
+def _count(minimum: int, maximum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between {minimum} and {maximum}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--pipeline",
+        metavar="NAME",
+        help=f"embedded tiny pipeline to run (default: {DEFAULT_PIPELINE}); 'list' lists them",
+    )
+    source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="layerwise", help="default: layerwise")
+    parser.add_argument(
+        "--backend", metavar="NAME", help="offload backend (default: auto-detect; see 'offload-core backends')"
+    )
+    parser.add_argument("--steps", type=_count(1, MAX_STEPS), metavar="N", help="denoising steps (num_inference_steps)")
+    parser.add_argument("--height", type=_count(1, MAX_PIXELS), metavar="H", help="output height in pixels")
+    parser.add_argument("--width", type=_count(1, MAX_PIXELS), metavar="W", help="output width in pixels")
+    parser.add_argument(
+        "--frames", type=_count(1, MAX_FRAMES), metavar="F", help="video frames (num_frames; video pipelines only)"
+    )
+    parser.add_argument("--prompt", metavar="TEXT", help="text prompt")
+    parser.add_argument(
+        "--seed", type=_count(0, MAX_SEED), default=0, metavar="N", help="seed of the CPU generator (default: 0)"
+    )
+    parser.add_argument(
+        "--prefetch-depth",
+        type=_count(1, MAX_PREFETCH_DEPTH),
+        metavar="N",
+        help="layerwise: blocks copied ahead of the one computing (default: 1)",
+    )
+    parser.add_argument("--trace", metavar="FILE.json", help="write the call's timeline as Chrome trace JSON")
+    parser.add_argument("--timeline", metavar="FILE.png", help="draw the call's timeline as a PNG (needs matplotlib)")
+    parser.add_argument("--output", metavar="FILE.png", help="save the output as PNG (video: FILE_0000.png, ...)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object; no progress bars")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log offload_core at INFO level on stderr")
+    parser.add_argument("--debug", action="store_true", help="log at DEBUG level; print the traceback of a failure")
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline call arguments the flags set (``__call__`` parameter -> value)."""
+    given = {flag: getattr(args, flag) for flag in CALL_PARAMETERS}
+    return {CALL_PARAMETERS[flag]: value for flag, value in given.items() if value is not None}
+
+
+def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
+    """Every check that needs no model. ``backend``: an instance replacing ``--backend``."""
+    if args.pipeline is not None and args.pipeline not in EMBEDDED:
+        raise UsageError(f"unknown pipeline {args.pipeline!r}; embedded pipelines: {', '.join(EMBEDDED)}")
+    if args.strategy == "none":
+        for flag in OFFLOAD_FLAGS:
+            if getattr(args, flag) is not None:
+                raise UsageError(f"{_flag(flag)} does not apply to --strategy none (no offload, no backend)")
+    elif args.prefetch_depth is not None and args.strategy != "layerwise":
+        raise UsageError(f"--prefetch-depth applies to --strategy layerwise only, not {args.strategy!r}")
+    files = {flag: getattr(args, flag) for flag in ("output", "trace", "timeline") if getattr(args, flag) is not None}
+    for flag in ("output", "timeline"):
+        if flag in files and Path(files[flag]).suffix.lower() != ".png":
+            raise UsageError(f"--{flag} must name a .png file, got {files[flag]!r}")
+    for flag, path in files.items():
+        check_writable(f"--{flag}", path)
+    paths = [Path(p).resolve() for p in files.values()]
+    if len(set(paths)) < len(paths):
+        raise UsageError(f"{', '.join('--' + f for f in files)} must name different files")
+    if args.timeline is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError('--timeline needs matplotlib, which is not installed: pip install "offload-core[plot]"')
+    if args.strategy != "none" and backend is None:
+        available_backend(args.backend)
+
+
+def check_applies(cls: type, overrides: dict[str, Any]) -> None:
+    """Each call flag names a parameter of the pipeline's ``__call__``."""
+    params = inspect.signature(cls.__call__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    flags = {param: flag for flag, param in CALL_PARAMETERS.items()}
+    for param in overrides:
+        if param not in params:
+            raise UsageError(f"--{flags[param]} does not apply to {cls.__name__} (its __call__ has no {param!r})")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")

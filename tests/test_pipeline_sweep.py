@@ -1,0 +1,85 @@
+"""The sweep: every diffusers pipeline of :data:`offload_core.tiny.sweep.SWEEP` (classes beyond the supported
+table, and table pipelines in the one-block shapes of diffusers' fast tests) gives, on the fake backend in
+chaos mode, images ``torch.equal`` to no offload with model-level offload, layerwise offload and layerwise
+offload of every component group; no component makes enable fail.
+
+Marked ``sweep`` (``pytest -m "not sweep"`` leaves it out while working); CI runs it with everything else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload_core
+from offload_core.pipelines import component_kind, pipeline_modules
+from offload_core.strategies.layerwise import LayerwiseOffload
+from offload_core.strategies.model_level import ModelLevelOffload
+from offload_core.tiny.sweep import SWEEP, build_sweep_pipeline
+
+from helpers import chaos_backend
+
+pytestmark = pytest.mark.sweep
+
+EVERY_GROUP = ("dit", "text_encoder", "vae")
+
+
+@pytest.fixture(scope="module", params=list(SWEEP))
+def tiny(request):
+    """A sweep pipeline and its output without offload."""
+    tiny = build_sweep_pipeline(request.param)
+    tiny.expected = tiny.run(seed=0)
+    assert not tiny.expected.isnan().any(), "the pipeline without offload gives NaN: the comparison would be void"
+    return tiny
+
+
+def _placement(handle) -> dict[int, str]:
+    """id(component module) -> "streamed" | "staged" for the components the handle moves."""
+    where = {}
+    for part in handle.parts:
+        if isinstance(part, LayerwiseOffload):
+            where[id(part.model)] = "streamed"
+            assert part.num_slots == min(1, len(part.units) - 1) + 1, "one block gets one slot, more get two"
+        elif isinstance(part, ModelLevelOffload):
+            for group in part.groups:
+                for c in group.components:
+                    where[id(c.module)] = "staged"
+    return where
+
+
+def _run_offloaded(tiny, **options):
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **options)
+    try:
+        assert torch.equal(tiny.run(seed=0), tiny.expected)
+        return handle, _placement(handle)
+    finally:
+        handle.disable()
+
+
+def _components(tiny, kinds) -> list[tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in pipeline_modules(tiny.pipe) if component_kind(tiny.pipe, n) in kinds]
+
+
+def test_model_level_equals_no_offload(tiny):
+    _, where = _run_offloaded(tiny, enable_cpu_offload=True)
+    assert {id(m) for _, m in pipeline_modules(tiny.pipe)} <= where.keys()
+
+
+def test_layerwise_equals_no_offload(tiny):
+    handle, where = _run_offloaded(tiny, enable_layerwise_offload=True)
+    for name, module in _components(tiny, ("dit",)):
+        assert where.get(id(module)) == "streamed", f"{name} ({type(module).__name__}) is not streamed"
+    assert handle.stats()["prefetch_misses"] == 0
+
+
+def test_layerwise_every_component_group_equals_no_offload(tiny):
+    _, where = _run_offloaded(tiny, enable_layerwise_offload=True, components=EVERY_GROUP)
+    for name, module in _components(tiny, EVERY_GROUP):
+        assert id(module) in where, f"{name} ({type(module).__name__}) stayed resident"
+    assert torch.equal(tiny.run(seed=0), tiny.expected), "disable did not restore the pipeline"
+
+
+def test_the_sweep_covers_at_least_thirty_pipeline_classes_beyond_the_supported_table():
+    from offload_core.discovery.support import beyond_table
+
+    assert len(beyond_table([spec.cls_name for spec in SWEEP.values()])) >= 30
