@@ -40,6 +40,8 @@ DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_rank
 CONFIG = "tests/test_config_and_priority.py"
 ROLLBACK = "tests/test_config_and_priority.py::test_failure_in_a_later_component_rolls_back_the_earlier_ones"
 IN_PLACE = "tests/test_config_and_priority.py::test_in_place_changes_to_swapped_weights_are_kept_and_logged"
+STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
+STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ M = "offload_core/strategies/model_level.py"
 D = "offload_core/strategies/distributed.py"
 R = "offload_core/strategies/resident.py"
 P = "offload_core/pipelines.py"
+S = "offload_core/hostmem/staging.py"
 
 MUTANTS = [
     # -- layerwise ----------------------------------------------------------------------------
@@ -67,7 +70,7 @@ MUTANTS = [
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: disable waits for queued copies", L, "self.copy_stream.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: a rolled-back enable waits for its queued copies", L,
-           "txn.on_rollback(self.copy_stream.synchronize)", (ROLLBACK,)),
+           "txn.on_rollback(self._settle)", (ROLLBACK,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (LIFECYCLE,)),
@@ -75,6 +78,8 @@ MUTANTS = [
            (LIFECYCLE,)),
     Mutant("layerwise: compute waits for the block's ready event", L,
            "self.ready[i].wait(stream)", (LIFECYCLE,)),
+    Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
+           "self.ready[i].wait(reader)", (DISTRIBUTED,)),
     Mutant("layerwise: the slot of the block that ran is marked free", L,
            "self.freed[last % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("layerwise: the running block is remembered", L, "self._running = i", (STRATEGIES, LIFECYCLE)),
@@ -84,11 +89,17 @@ MUTANTS = [
            "self._prefetch(last, running=False)", (PROPERTIES,)),
     Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,), occurrence=1,
            occurrences=2),
+    Mutant("layerwise: the resident copy is issued (by the stager) before its done event", L,
+           "self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, "
+           "self.counters))", (STAGED,),
+           replacement="copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters)"),
+    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
+           "self.placement.wait(self._tickets.pop(i, None))", (STAGED,)),
     # -- distributed --------------------------------------------------------------------------
     Mutant("distributed: the slot is used only after its all-gather", D,
            "self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)", (DISTRIBUTED,),
            replacement="self.backend.all_gather_into_tensor(out, staging, self.group, stream)"),
-    Mutant("distributed disable: the read-back waits for the block's gather", D, "self.ready[i].wait(host)",
+    Mutant("distributed disable: the read-back waits for the block's gather", D, "self._wait_ready(i, host)",
            (DISTRIBUTED,)),
     Mutant("distributed disable: host waits for the read-back", D, "host.synchronize()", (DISTRIBUTED,)),
     Mutant("distributed disable: the slot is freed after its read-back", D,
@@ -97,10 +108,12 @@ MUTANTS = [
     Mutant("model-level: disable waits for queued copies", M, "self.copy_stream.synchronize()", (PIPELINES,),
            occurrence=0, occurrences=2),
     Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES,)),
+    Mutant("model-level: a staged group's ticket is waited before its ready event", M,
+           "self.placement.wait(ticket)", (STAGED_PIPELINE,)),
     Mutant("model-level: a group's copies wait for earlier compute (the free wait)", M,
-           "self._freed().wait(self.copy_stream)", (STRATEGIES,)),
+           "freed.wait(stream)", (STRATEGIES,)),
     Mutant("model-level: the group's ready event is recorded after its copies", M,
-           "group.ready.record(self.copy_stream)", (PIPELINES,)),
+           "group.ready.record(stream)", (PIPELINES,)),
     Mutant("model-level: the free event is recorded after all compute issued", M,
            "event.record(self.backend.current_stream())", (STRATEGIES,)),
     Mutant("model-level: swapping out a loading group waits for its copies", M, "group.ready.synchronize()",
@@ -118,7 +131,14 @@ MUTANTS = [
     Mutant("resident: copies wait for earlier compute", R,
            "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES,)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
+    Mutant("resident: a staged copy is issued before the host waits for the stream", R,
+           "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_PIPELINE,),
+           replacement="copy_unit(unit, buf, self.placement, stream, self.counters)"),
     Mutant("pipeline: staged components are released at the end of a call", P, "part.release_all()", (PIPELINES,)),
+    # -- the bounce ring ----------------------------------------------------------------------
+    Mutant("bounce ring: a buffer is refilled only after the copy that read it", S,
+           "self.read_done[k].synchronize()", (STAGED,)),
+    Mutant("bounce ring: the read of a buffer is marked by an event", S, "self.read_done[k].record(stream)", (STAGED,)),
 ]
 
 

@@ -11,6 +11,7 @@ from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, register_blocks
 from .handle import AlreadyEnabledError, OffloadHandle
 from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
+from .pretrained import from_pretrained
 from .weights import UnsupportedTensorError
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "OffloadHandle",
     "UnsupportedTensorError",
     "enable_offload",
+    "from_pretrained",
     "register_blocks",
     "BackendNotFoundError",
     "Capability",

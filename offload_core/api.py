@@ -11,6 +11,7 @@ from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
+from .hostmem.placement import plan_placement
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend
 from .strategies.common import Transaction
@@ -32,20 +33,31 @@ def enable_offload(target: Any, config: OffloadConfig | None = None, **options: 
         raise OffloadConfigError(
             f"target must be a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}"
         )
+    config = resolve_config(config, options)
+    config.warn_ignored()
+    config.check_applies(kind)
+    return enable_checked(target, kind, config)
+
+
+def resolve_config(config: OffloadConfig | None, options: dict[str, Any]) -> OffloadConfig:
+    """The validated config of ``config=`` or keyword ``options``, with a strategy selected."""
     if config is not None and options:
         raise OffloadConfigError(f"pass either config= or keyword options, not both (got {', '.join(options)})")
     if config is None:
         config = OffloadConfig.from_options(options)
     elif not isinstance(config, OffloadConfig):
         raise OffloadConfigError(f"config must be an offload_core.OffloadConfig, got {type(config).__name__}")
-    strategy = config.strategy
-    if strategy is None:
+    if config.strategy is None:
         raise OffloadConfigError(
             "no strategy selected: set enable_cpu_offload, enable_layerwise_offload or "
             "enable_distributed_layerwise_offload"
         )
-    config.warn_ignored()
-    config.check_applies(kind)
+    return config
+
+
+def enable_checked(target: Any, kind: str, config: OffloadConfig) -> OffloadHandle:
+    """``enable_offload`` once ``config`` has been checked against ``kind`` of target ("pipeline"
+    or "module"), as ``from_pretrained`` does before it loads anything."""
     if getattr(target, HANDLE_ATTRIBUTE, None) is not None:
         raise AlreadyEnabledError(
             f"offloading is already enabled on this {type(target).__name__}; call handle.disable() first"
@@ -90,9 +102,11 @@ def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> Offl
         else:
             logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
                         config.strategy, type(module).__name__, no_blocks_hint(module))
-            part = ResidentModules([(type(module).__name__, module)], backend, config.pin_memory)
+            part = ResidentModules([(type(module).__name__, module)], backend)
     else:
-        part = ModelLevelOffload.for_module(module, backend, config.pin_memory)
+        part = ModelLevelOffload.for_module(module, backend)
+    placement = plan_placement([part], config, backend)
     with Transaction() as txn:
+        placement.attach([part], txn)
         part.enable(txn)
-    return OffloadHandle(module, config.strategy, backend, [part], baseline)
+    return OffloadHandle(module, config.strategy, backend, [part], baseline, placement=placement)

@@ -20,6 +20,8 @@ import os
 import warnings
 from typing import Any, Callable, Sequence, TypeVar
 
+from .hostmem.budget import Budget, budget, parse_budget
+
 T = TypeVar("T")
 
 #: strategy flags, highest priority first, and the strategy each selects
@@ -128,6 +130,12 @@ def _process_group(value: Any) -> Any:
     raise TypeError(f"expected None (the world group) or a torch.distributed.ProcessGroup, got {type(value).__name__}")
 
 
+def _path(value: Any) -> str | os.PathLike:
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return value
+    raise TypeError(f"expected a folder path, got {type(value).__name__}")
+
+
 def _optional(parse: Callable[[Any], T]) -> Callable[[Any], T | None]:
     return lambda value: None if value is None else parse(value)
 
@@ -162,6 +170,12 @@ class OffloadConfig:
     ``components`` (pipelines; layerwise and distributed): the groups whose weights stream, of
     ``"dit"``, ``"text_encoder"``, ``"vae"``; default ``("dit",)``. ``blocks``: block attribute
     names overriding discovery (of a bare module, or of a pipeline's DiTs).
+
+    ``pinned_memory`` / ``host_memory``: budgets for page-locked memory and for weights in RAM at
+    all (bytes, ``"12GiB"``, a fraction of RAM, or None / ``"auto"``); blocks beyond
+    ``host_memory`` are read from disk, from the checkpoint (``from_pretrained``) or from
+    ``offload_folder``, where an already-loaded model's blocks are spilled. See
+    ``docs/bigger-than-ram.md``.
     """
 
     enable_cpu_offload: bool = option(False, boolean)
@@ -176,10 +190,26 @@ class OffloadConfig:
         None, _optional(names(COMPONENT_GROUPS)), strategies=("layerwise", "distributed"), targets=("pipeline",)
     )
     blocks: Sequence[str] | None = option(None, _optional(names()), strategies=("layerwise", "distributed"))
+    pinned_memory: Any = option(None, budget)
+    host_memory: Any = option(None, budget, strategies=("layerwise",))
+    offload_folder: str | os.PathLike | None = option(None, _optional(_path), strategies=("layerwise",))
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, check_value(field.name, getattr(self, field.name), field.metadata[OPTION].parse))
+        if not self.pin_memory and not self.pinned_budget.auto:
+            raise OffloadConfigError(
+                f"pinned_memory={self.pinned_memory!r} is a budget for pinned memory, but pin_memory=False pins "
+                "nothing; set one or the other"
+            )
+
+    @property
+    def pinned_budget(self) -> Budget:
+        return parse_budget(self.pinned_memory)
+
+    @property
+    def host_budget(self) -> Budget:
+        return parse_budget(self.host_memory)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "OffloadConfig":

@@ -7,6 +7,7 @@ import logging
 from typing import Any, Iterator, Protocol, Sequence
 
 from .backend import DeviceBackend
+from .hostmem.budget import Trimmer
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -20,8 +21,6 @@ class Part(Protocol):
     counters: Any
     device_weight_bytes: int
     host_bytes: int
-    pinned_bytes: int  # real pinned bytes of its host homes still alive, rounding included
-    pin_memory: bool
     timeline: Timeline | None  # set while a trace records; the strategy records into it
 
     def disable(self) -> None: ...
@@ -42,6 +41,8 @@ class OffloadHandle:
         parts: Sequence[Part],
         baseline: int,
         undo: Sequence = (),
+        *,
+        placement: Any,
     ) -> None:
         self.target = target
         self.strategy = strategy
@@ -50,6 +51,7 @@ class OffloadHandle:
         self._undo = list(undo)
         self.enabled = True
         self._baseline = baseline  # device bytes other users of the backend held before enable
+        self.placement = placement  # where the weights' host homes are (hostmem.placement)
 
     @property
     def device_weight_bytes(self) -> int:
@@ -59,10 +61,11 @@ class OffloadHandle:
         """Transfer and memory figures since enable.
 
         ``device_peak_bytes`` is the backend's peak allocation since enable, less what other users
-        of the backend held before it; ``pinned_host_bytes`` the pinned host memory really held for
-        the weights, as the backend counts it (its allocator's rounding included): the pinned slabs
-        this handle allocated that are still alive; ``host_bytes`` the bytes of the packed weights;
-        ``device_weight_bytes`` the device memory the strategy itself holds at most.
+        of the backend held before it; ``device_weight_bytes`` the device memory the strategy
+        itself holds at most. Host side: ``pinned_host_bytes`` (weights in pinned memory, and the
+        bounce ring), ``pageable_host_bytes`` (weights in ordinary memory), ``disk_bytes``
+        (weights read from disk), ``bounce_bytes`` (the ring) and ``staged_bytes`` (bytes copied
+        through the ring so far); ``host_bytes`` is the weights held in RAM.
         """
         totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0}
         for part in self.parts:
@@ -70,8 +73,8 @@ class OffloadHandle:
                 totals[key] = totals.get(key, 0) + value
         totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
-        totals["pinned_host_bytes"] = sum(p.pinned_bytes for p in self.parts)
-        totals["host_bytes"] = sum(p.host_bytes for p in self.parts)
+        totals.update(self.placement.stats())
+        totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
 
     @contextlib.contextmanager
@@ -100,8 +103,11 @@ class OffloadHandle:
             part.disable()
         for fn in reversed(self._undo):
             fn()
-        self.backend.empty_host_cache()  # pinned blocks the host allocator still caches
+        self.placement.close()
         self.enabled = False
+        trimmer = Trimmer()
+        trimmer.add(sum(p.host_bytes for p in self.parts))  # the homes just freed, device buffers on CPU backends
+        trimmer.flush()
         logger.info("offload (%s) disabled on %s", self.strategy, type(self.target).__name__)
 
     def __repr__(self) -> str:

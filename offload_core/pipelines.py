@@ -14,6 +14,7 @@ same-named subclass, restored by ``disable()``.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, find_blocks
 from .discovery.blocks import no_blocks_hint
 from .handle import OffloadHandle
+from .hostmem.placement import plan_placement
 from .strategies.common import Transaction
 from .strategies import streaming_part
 from .strategies.model_level import ModelLevelOffload
@@ -43,11 +45,11 @@ PIPELINE_OVERRIDES: dict[str, dict[str, str]] = {
 
 
 def is_pipeline(target: Any) -> bool:
-    try:
-        from diffusers import DiffusionPipeline
-    except ImportError:  # pragma: no cover - diffusers is a dependency
-        return False
-    return isinstance(target, DiffusionPipeline)
+    """True for a diffusers ``DiffusionPipeline``. Asked of every target, so it must not import
+    diffusers' pipelines (over a second): if their base module is not loaded yet, no pipeline
+    can exist."""
+    module = sys.modules.get("diffusers.pipelines.pipeline_utils")
+    return module is not None and isinstance(target, module.DiffusionPipeline)
 
 
 def component_kind(pipe: Any, name: str) -> str:
@@ -105,9 +107,11 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
     parts: list = []
     with Transaction() as txn:
         if config.strategy == "model":
-            parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend, config.pin_memory))
+            parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend))
         else:
             parts.extend(_layerwise_parts(pipe, modules, config, backend))
+        placement = plan_placement(parts, config, backend)
+        placement.attach(parts, txn)
         for part in parts:
             part.enable(txn)
         staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
@@ -120,7 +124,7 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
         pipe.__class__ = _pipeline_subclass(original, backend.device(), on_call_end)
         txn.on_rollback(lambda: setattr(pipe, "__class__", original))
     undo = [lambda: setattr(pipe, "__class__", original)]
-    return OffloadHandle(pipe, config.strategy, backend, parts, baseline, undo)
+    return OffloadHandle(pipe, config.strategy, backend, parts, baseline, undo, placement=placement)
 
 
 def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceBackend) -> list:
@@ -148,9 +152,9 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
         else:
             resident.append((name, module))
     if staged:
-        parts.append(ModelLevelOffload(staged, backend, config.pin_memory, prefetch=False))
+        parts.append(ModelLevelOffload(staged, backend, prefetch=False))
     if resident:
-        parts.append(ResidentModules(resident, backend, config.pin_memory))
+        parts.append(ResidentModules(resident, backend))
     return parts
 
 

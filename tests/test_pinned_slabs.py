@@ -14,7 +14,7 @@ import offload_core
 from offload_core.weights import WeightUnit, split_units
 from offload_core.weights import slabs as slabs_module
 from offload_core.weights.slabs import SlabAllocator, aligned
-from offload_core.weights.unit import ALIGN_BYTES
+from offload_core.weights.unit import ALIGN_BYTES, collect_tensors
 
 MIB = 1 << 20
 D = 396  # a float32 DxD weight is 627 264 bytes: 0.598 of a power of two (1 MiB)
@@ -105,7 +105,7 @@ def test_slabs_keep_real_pinned_bytes_within_one_slab_of_the_packed_bytes(strate
     stats = handle.stats()
     real = backend.pinned_memory_allocated()
     assert stats["pinned_host_bytes"] == real  # the backend's measurement, rounding included
-    slabs = handle.parts[0].slabs
+    slabs = handle.placement.slabs
     largest_slab = max(s.capacity for s in slabs._slabs)
     packed = stats["host_bytes"]
     assert packed <= real <= packed + largest_slab
@@ -128,7 +128,7 @@ def test_disable_returns_pinned_memory_slab_by_slab(monkeypatch):
     model = Stack(blocks=24)
     backend = pow2_backend()
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
-    assert handle.parts[0].slabs.live_slabs >= 4
+    assert handle.placement.slabs.live_slabs >= 4
     held: list[int] = []
     unpack = WeightUnit.unpack
 
@@ -168,15 +168,20 @@ def test_views_are_aligned_disjoint_typed_and_live_as_long_as_the_slab():
     assert slabs.live_slabs == 0 and slabs.live_bytes == 0 and backend.pinned_memory_allocated() == 0
 
 
-def test_requests_fill_the_tightest_open_tail_first():
+def test_requests_fill_slabs_in_order_so_that_they_free_in_order():
+    """A request that does not fit opens the next slab; later, smaller requests do not go back to
+    an earlier slab's tail, which would keep that slab alive until they are unpacked."""
     backend = offload_core.get_backend("fake", chaos=False)
     slabs = SlabAllocator(backend, slab_bytes=1024)
-    big = slabs.allocate(960, torch.uint8)  # 1024-byte slab, 64-byte tail
-    other = slabs.allocate(640, torch.uint8)  # a second slab, 384-byte tail
-    small = slabs.allocate(64, torch.uint8)  # fits both tails: the tighter one, the first slab's
-    assert small.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
-    assert slabs.live_slabs == 2 and slabs.tail_bytes() == 384
-    del other
+    first = slabs.allocate(640, torch.uint8)  # a 1024-byte slab, 384-byte tail
+    second = slabs.allocate(640, torch.uint8)  # does not fit: a second slab
+    small = slabs.allocate(64, torch.uint8)  # would fit the first tail; goes to the newest slab
+    assert small.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert slabs.live_slabs == 2 and slabs.tail_bytes() == 384 + 320
+    del first
+    gc.collect()
+    assert slabs.live_slabs == 1  # the first slab went with its only buffer
+    del second, small
 
 
 def test_a_slab_over_a_pinned_cap_falls_back_to_the_request_alone():
@@ -234,3 +239,22 @@ def test_a_storage_dying_while_labels_are_updated_does_not_deadlock(monkeypatch)
     kept = torch.empty(8)
     labels.label(kept, "kept")
     assert labels.describe(kept) == "kept"
+
+
+def test_units_packed_side_by_side_in_a_slab_view_their_own_bytes():
+    """A home is a view at an offset into a slab: every tensor bound to it, at packing and after,
+    sees its own values."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    before = [(l.weight.detach().clone(), l.bias.detach().clone()) for l in layers]
+    units = [WeightUnit(f"layer{i}", collect_tensors([l])) for i, l in enumerate(layers)]
+    slabs = SlabAllocator(offload_core.get_backend("fake", chaos=False), [u.nbytes for u in units])
+    for unit in units:
+        unit.pack(slabs.allocate)
+    assert slabs.live_slabs == 1 and units[1].host[torch.float32].storage_offset() > 0
+    for unit, layer, (weight, bias) in zip(units, layers, before):
+        assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias), unit.name  # bound at packing
+        unit.bind(unit.host)
+        assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias), unit.name  # bound again
+        unit.unpack()
+        assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias), unit.name

@@ -161,6 +161,9 @@ def _gather_worker(rank: int, port: int, chaos: bool) -> None:
     done.wait()
     assert torch.equal(out, torch.cat([torch.zeros(N), torch.ones(N)]))
     b.synchronize()
+    b.close()
+    torch.distributed.barrier()  # neither rank leaves while the other still talks to it
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("chaos", [False, True], ids=["plain", "chaos"])

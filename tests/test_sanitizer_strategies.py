@@ -74,7 +74,7 @@ def test_model_level_without_the_free_wait_is_a_reported_race():
     with pytest.raises(StreamRaceError) as race, torch.no_grad():
         model(X)
     report = str(race.value)
-    _assert_names_both_lines(report, r"at offload_core/strategies/model_level\.py:\d+ in _load")
+    _assert_names_both_lines(report, r"at offload_core/strategies/model_level\.py:\d+ in _queue_load")
     assert "Stack on the device (Stack group)" in report
     handle.disable()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from .hostmem import host_memory
 from .layerwise import copies_per_block, overhead_per_block, step_ratio
 from .pipeline import strategies_side_by_side
 from .sanitizer import sanitizer_cost
@@ -30,6 +31,7 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "copies_per_block": lambda quick: copies_per_block(),
     "strategies": lambda quick: strategies_side_by_side(repeats=2 if quick else 5),
     "sanitizer": lambda quick: sanitizer_cost(repeats=2 if quick else 5),
+    "host_memory": host_memory,
 }
 
 HEADLINES = [
@@ -45,6 +47,18 @@ HEADLINES = [
     Headline("layerwise pipeline call / resident (bandwidth model)", "strategies", "ratio_to_resident.layerwise", None),
     Headline("fake backend: layerwise pipeline call, race sanitizer on / off", "sanitizer", "sanitized_to_unsanitized",
              None),
+    Headline("host peak / model: load with from_pretrained", "host_memory", "load", None),
+    Headline("  same / its bound, 1.15 x model + 1 GB", "host_memory", "load_over_bound", 1.0),
+    Headline("host peak / model: enable on a built model", "host_memory", "enable_built", None),
+    Headline("host peak / model: disable", "host_memory", "disable", 1.1),
+    Headline("host RSS after a second enable/disable cycle / after the first", "host_memory",
+             "second_cycle_over_first", 1.05),
+    Headline("host peak / model: load with pinned_memory = model / 2", "host_memory", "pinned_half_load", None),
+    Headline("host peak / model: disk tier, host_memory = model / 4 (load, forward)", "host_memory",
+             "disk_quarter_forward", None),
+    Headline("  same / its bound, budget + one block + 1 GB", "host_memory", "disk_over_bound", 1.0),
+    Headline("enable time / plain copy of the same bytes", "host_memory", "enable_over_memcpy", 1.3),
+    Headline("from_pretrained load, seconds per GB", "host_memory", "load_s_per_gb", None),
 ]
 
 

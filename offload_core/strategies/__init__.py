@@ -18,6 +18,6 @@ def streaming_part(
     """The block-streaming strategy ``config`` selects for one model: layerwise or distributed."""
     if config.strategy == "distributed":
         return DistributedLayerwiseOffload(
-            model, blocks, backend, config.process_group, config.shard_host_weights, config.pin_memory
+            model, blocks, backend, config.process_group, config.shard_host_weights
         )
-    return LayerwiseOffload(model, blocks, backend, config.prefetch_depth, config.pin_memory)
+    return LayerwiseOffload(model, blocks, backend, config.prefetch_depth)

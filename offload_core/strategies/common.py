@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ..config import OffloadConfig
+from ..hostmem.budget import Trimmer
+from ..hostmem.placement import Tier, plan_placement
 from ..labels import Label, label
-from ..weights.slabs import SlabAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +75,14 @@ def inputs_to_device(device: torch.device) -> Callable:
     return hook
 
 
-def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], backend, stream, counters: Counters) -> None:
-    """Queue ``unit``'s host buffers into the per-dtype buffers ``dst``: one copy per dtype."""
-    for dtype, src in unit.host.items():
-        backend.copy_async(dst[dtype][: src.numel()], src, stream)
-    counters.h2d_copies += len(unit.host)
+def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, counters: Counters):
+    """Queue ``unit``'s home into the per-dtype buffers ``dst`` on ``stream``: one copy per dtype
+    (one per bounce chunk for a home outside pinned memory). Returns the load's ticket (see
+    ``Placement.run``), None when it was issued at once."""
+    transfers = placement.transfers(unit, dst)
+    counters.h2d_copies += placement.copies(transfers)
     counters.h2d_bytes += unit.nbytes
+    return placement.run(functools.partial(placement.issue, transfers, stream))
 
 
 def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
@@ -88,50 +93,48 @@ def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict
     return buffers
 
 
-def pack_units(units, backend, pin_memory: bool, txn: Transaction, desc: str,
-               slabs: SlabAllocator | None = None) -> SlabAllocator | None:
-    """Pack each unit into its host home, one unit at a time, with a progress bar in bytes.
+def default_placement(part, txn: Transaction) -> None:
+    """A part enabled on its own, not through ``enable_offload``, gets the default placement
+    (every home pinned within the default budget)."""
+    if part.placement is None:
+        plan_placement([part], OffloadConfig(), part.backend).attach([part], txn)
 
-    Pinned homes are views into slabs (``slabs``, else an allocator planned for ``units``; see
-    :mod:`offload_core.weights.slabs`), returned so that the part can report its real pinned bytes.
-    """
+
+def pack_units(units, placement, txn: Transaction, desc: str) -> None:
+    """Give each unit its host home, one unit at a time, with a progress bar in bytes: packed into
+    pinned or pageable memory, or (tier ``disk``) left on disk, spilled there first when the
+    model is in RAM. Units read from a checkpoint are loaded straight into their home."""
     from tqdm.auto import tqdm
 
-    if pin_memory:
-        slabs = slabs or SlabAllocator.for_units(backend, units)
-        allocate = slabs.allocate
-        txn.on_rollback(backend.empty_host_cache)  # undone last: after every slab has died
-    else:
-        slabs = None
-        allocate = lambda n, dtype: torch.empty(n, dtype=dtype)  # noqa: E731
     total = sum(u.nbytes for u in units)
+    trimmer = Trimmer()
     with torch.no_grad(), tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None, leave=False) as bar:
         for unit in units:
-            unit.pack(allocate)
-            for buffer in unit.host.values():
-                label(buffer, f"host copy of {unit.name}")
+            if placement.tier(unit) is Tier.DISK:
+                bar.set_description(f"spilling {desc}" if not unit.from_checkpoint else f"indexing {desc}")
+                placement.spill(unit)
+            else:
+                bar.set_description(f"loading {desc}" if unit.from_checkpoint else f"packing {desc}")
+                unit.pack(placement.allocator(unit))
+                for buffer in unit.host.values():
+                    label(buffer, f"host copy of {unit.name}")
             txn.on_rollback(unit.unpack)
             bar.update(unit.nbytes)
-    logger.info("%s: packed %d units, %.1f MB, into %s host memory", desc, len(units), total / 2**20,
-                "pinned" if pin_memory else "pageable")
-    return slabs
+            trimmer.add(unit.nbytes)
+    trimmer.flush()
+    logger.info("%s: %d units, %.1f MB, placed: %s", desc, len(units), total / 2**20, placement.summary())
 
 
-def unpack_units(units, backend, slabs: SlabAllocator | None) -> None:
-    """Give every packed unit ordinary host tensors again. A slab dies with its last unit; the
-    host allocator's cache is emptied then, so pinned memory goes back as disable proceeds."""
+def unpack_units(units, placement) -> None:
+    """Give every unit's tensors ordinary host memory again, one unit at a time, releasing each
+    home as soon as its unit is unpacked (pinned slabs included, see ``Placement.unpack``): host
+    memory stays near one copy of the model."""
+    trimmer = Trimmer()
     for unit in units:
-        if not unit.host:
-            continue
-        before = slabs.live_slabs if slabs is not None else 0
-        unit.unpack()
-        if slabs is not None and slabs.live_slabs < before:
-            backend.empty_host_cache()
-
-
-def pinned_bytes(slabs: SlabAllocator | None) -> int:
-    """Real pinned bytes (the backend's rounding included) of a part's slabs still alive."""
-    return slabs.live_bytes if slabs is not None else 0
+        if unit.host or unit.image is not None:
+            placement.unpack(unit)
+            trimmer.add(unit.nbytes)
+    trimmer.flush()
 
 
 class ForwardWrapper:

@@ -24,8 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..weights import nbytes_of
-from ..weights.slabs import SlabAllocator
 from .common import Transaction, allocate_device, pack_units
 from .layerwise import LayerwiseOffload
 
@@ -46,6 +46,11 @@ def _rebind_all(originals) -> None:
         owner.rebind(tensor)
 
 
+def _read_flat(source: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:
+    """A pageable shard read into the bounce ring."""
+    out.copy_(source[start : start + count])
+
+
 class DistributedLayerwiseOffload(LayerwiseOffload):
     """Two slots, each the largest block padded to a multiple of the world size."""
 
@@ -58,14 +63,13 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         backend: DeviceBackend,
         process_group: Any = None,
         shard_host_weights: bool = True,
-        pin_memory: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "distributed layerwise offload needs an initialised torch.distributed process group "
                 "(backend.init_process_group(rank, world_size, init_method) or torch.distributed.init_process_group)"
             )
-        super().__init__(model, blocks, backend, prefetch_depth=1, pin_memory=pin_memory)
+        super().__init__(model, blocks, backend, prefetch_depth=1)
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -77,10 +81,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def host_bytes(self) -> int:
         if not self.shard:
             return super().host_bytes
-        return self.resident.nbytes + sum(
-            nbytes_of({dtype: _padded(n, self.world) // self.world for dtype, n in unit.numel.items()})
-            for unit in self.units
-        )
+        return self.resident.nbytes + sum(self._shard_bytes(unit) for unit in self.units)
 
     @property
     def device_weight_bytes(self) -> int:
@@ -112,50 +113,65 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
                 for s in range(self.num_slots)
             ]
 
+    def host_units(self) -> list:
+        if not self.shard:
+            return super().host_units()
+        return [HostUnit(self.resident, ONCE, self.resident.nbytes),
+                *(HostUnit(u, STREAM, self._shard_bytes(u), self._shard_buffers(u)) for u in self.units)]
+
+    def _shard_buffers(self, unit) -> tuple[int, ...]:
+        return tuple(_padded(n, self.world) // self.world * dtype.itemsize for dtype, n in unit.numel.items())
+
+    def _shard_bytes(self, unit) -> int:
+        return sum(self._shard_buffers(unit))
+
     def _pack(self, txn: Transaction) -> None:
-        """Keep only this rank's shard of each block; the originals stay referenced by the undo
-        log until enable succeeds, so a failure can put them back untouched."""
+        """Keep only this rank's shard of each block, building one block's padded copy at a time.
+        The owners keep their original tensors until enable binds them to the slots, and the undo
+        log keeps them until enable succeeds, so a failure can put them back untouched."""
         if not self.shard:
             return super()._pack(txn)
-        shard_bytes = [
-            _padded(n, self.world) // self.world * dtype.itemsize for unit in self.units for dtype, n in unit.numel.items()
-        ]
-        resident_bytes = [n * dtype.itemsize for dtype, n in self.resident.numel.items()]
-        slabs = SlabAllocator(self.backend, resident_bytes + shard_bytes) if self.pin_memory else None
-        self.slabs = pack_units([self.resident], self.backend, self.pin_memory, txn, "packing resident weights", slabs)
-        allocate = slabs.allocate if slabs is not None else (lambda n, dtype: torch.empty(n, dtype=dtype))
+        pack_units([self.resident], self.placement, txn, "resident weights")
         for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
             originals = [(owner, owner.get().data) for entry in unit.entries for owner in entry.owners]
             txn.on_rollback(functools.partial(_rebind_all, originals))
-            unit.pack(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
-            shards = {}
-            for dtype, full in unit.host.items():
-                size = full.numel() // self.world
-                shard = allocate(size, dtype)
-                shard.copy_(full[self.rank * size : (self.rank + 1) * size])
-                shards[dtype] = shard
-            self._shards.append(shards)
-            unit.host = {}  # the full temporary buffer lives only until the unit is bound to its slot
+            self._shards.append(self._shard(unit))
+
+    def _shard(self, unit) -> dict[torch.dtype, torch.Tensor]:
+        """This rank's shard of ``unit``, per dtype; the padded copy it is cut from dies on return."""
+        full = unit.take(lambda n, dtype: torch.zeros(_padded(n, self.world), dtype=dtype))
+        allocate = self.placement.allocator(unit)
+        shards = {}
+        for dtype, buffer in full.items():
+            size = buffer.numel() // self.world
+            shards[dtype] = allocate(size, dtype)
+            shards[dtype].copy_(buffer[self.rank * size : (self.rank + 1) * size])
+        return shards
 
     def _plan_transfers(self) -> None:
         if not self.shard:
             return super()._plan_transfers()
         self._transfers = []
-        for i, shards in enumerate(self._shards):
+        for i, (unit, shards) in enumerate(zip(self.units, self._shards)):
             slot, staging = self.slots[i % self.num_slots], self._staging[i % self.num_slots]
+            direct = self.placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
             self._transfers.append([
-                (staging[dtype][: shard.numel()], shard, slot[dtype][: shard.numel() * self.world])
+                (staging[dtype][: shard.numel()], shard if direct else functools.partial(_read_flat, shard),
+                 slot[dtype][: shard.numel() * self.world])
                 for dtype, shard in shards.items()
             ])
+        self._transfer_copies = [
+            self.placement.copies([(staging, src) for staging, src, _ in transfers]) for transfers in self._transfers
+        ]
+        self._images = [None] * len(self.units)  # shards are never on disk
         self._transfer_bytes = [sum(s.numel() * s.element_size() for s in shards.values()) for shards in self._shards]
 
-    def _issue(self, i: int, stream) -> int:
+    def _issue(self, i: int, stream) -> None:
         if not self.shard:
             return super()._issue(i, stream)
         for staging, shard, out in self._transfers[i]:
-            self.backend.copy_async(staging, shard, stream)
+            self.placement.issue([(staging, shard)], stream)
             self.backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
-        return len(self._transfers[i])
 
     def disable(self) -> None:
         """Collective: rebuild every block's full weights from the shards on every rank."""
@@ -165,12 +181,12 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         host = self.backend.new_stream()
         for i, unit in enumerate(self.units):
             self._load(i)
-            self.ready[i].wait(host)
+            self._wait_ready(i, host)
             slot = self.slots[i % self.num_slots]
             unit.host = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
             for dtype, buf in unit.host.items():
                 self.backend.copy_async(buf, slot[dtype][: buf.numel()], host)
             host.synchronize()
             self.freed[i % self.num_slots].record(host)
-        self._shards = []
         super().disable()
+        self._shards = []

@@ -12,6 +12,11 @@ forward prefetches the start of the next.
 A model with one block gets one slot: nothing can be copied while the block computes, so the
 copy cannot overlap (the enable log says so). The block stays in its slot between forwards, and a
 reload (a miss) waits for the slot's free event, recorded when the block's last forward ended.
+
+Blocks whose home is not pinned (a ``pinned_memory`` budget, or on disk with ``host_memory``) are
+loaded by the placement's stager thread through its bounce ring: ``_load`` then hands the whole
+load (slot wait, copies, ready event) to the stager, and the block's ticket is waited before
+compute waits on its ready event.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from .common import (
@@ -34,9 +40,9 @@ from .common import (
     Transaction,
     allocate_device,
     copy_unit,
+    default_placement,
     inputs_to_device,
     pack_units,
-    pinned_bytes,
     unpack_units,
 )
 
@@ -57,7 +63,6 @@ class LayerwiseOffload:
         blocks: Sequence[tuple[str, nn.Module]],
         backend: DeviceBackend,
         prefetch_depth: int = 1,
-        pin_memory: bool = True,
     ) -> None:
         if not blocks:
             raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
@@ -69,14 +74,19 @@ class LayerwiseOffload:
         self.blocks = [block for _, block in blocks]
         self.backend = backend
         self.depth = min(prefetch_depth, len(blocks) - 1)
-        self.pin_memory = pin_memory
         self.counters = Counters()
         self.resident, self.units = split_units(model, blocks)
         self.num_slots = self.depth + 1
         self.slot_shape = slot_numel(self.units)
         self._hooks: list = []
         self._occupant: list[int] = []
-        self.slabs = None  # the pinned slabs holding the host homes, once packed
+        self._tickets: dict[int, object] = {}  # block -> stager ticket of its pending load
+        self.placement = None  # set by the enabling code (plan_placement) before enable
+
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: blocks are streamed every step."""
+        return [HostUnit(self.resident, ONCE, self.resident.nbytes),
+                *(HostUnit(u, STREAM, u.nbytes) for u in self.units)]
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -96,13 +106,10 @@ class LayerwiseOffload:
     def host_bytes(self) -> int:
         return self.resident.nbytes + sum(u.nbytes for u in self.units)
 
-    @property
-    def pinned_bytes(self) -> int:
-        return pinned_bytes(self.slabs)
-
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
         backend = self.backend
+        default_placement(self, txn)
         self._allocate_device()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self._name}")
         txn.on_rollback(self._release)
@@ -117,7 +124,8 @@ class LayerwiseOffload:
         self._running = -1  # the block whose slot is not yet marked free
         self._deferred = False
         self._warned_grad = False
-        copy_unit(self.resident, resident_device, backend, self.copy_stream, self.counters)
+        self._stager = self.placement.stager
+        self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters))
         done = backend.new_event()
         done.record(self.copy_stream)
         done.synchronize()
@@ -139,7 +147,7 @@ class LayerwiseOffload:
         for i in range(self.num_slots):
             self._load(i)
         # undone first: a later failure must not free slots and host buffers under queued copies
-        txn.on_rollback(self.copy_stream.synchronize)
+        txn.on_rollback(self._settle)
         logger.info(
             "%s offload of %s: %d blocks, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), self.num_slots, self.slot_bytes / 2**20,
@@ -168,7 +176,7 @@ class LayerwiseOffload:
         return hook
 
     def _host_views(self, i: int) -> list:
-        return self.units[i].views(self.units[i].host)
+        return self.units[i].views(self.units[i].home())
 
     def _new_copy_stream(self):
         return self.backend.new_stream()
@@ -186,31 +194,41 @@ class LayerwiseOffload:
 
     def _pack(self, txn: Transaction) -> None:
         """Give every unit its host home (here: the whole unit, one buffer per dtype)."""
-        self.slabs = pack_units([self.resident, *self.units], self.backend, self.pin_memory, txn,
-                                f"packing {type(self.model).__name__}")
+        pack_units([self.resident, *self.units], self.placement, txn, type(self.model).__name__)
 
     def _plan_transfers(self) -> None:
-        """(slot view, host buffer) per dtype, per block: the hot path only issues copies."""
+        """(slot view, source) per dtype, per block: the hot path only issues copies. A source is a
+        host buffer copied straight, or a reader staged through the bounce ring."""
         self._transfers = [
-            [(self.slots[i % self.num_slots][dtype][: src.numel()], src) for dtype, src in unit.host.items()]
-            for i, unit in enumerate(self.units)
+            self.placement.transfers(unit, self.slots[i % self.num_slots]) for i, unit in enumerate(self.units)
         ]
+        self._transfer_copies = [self.placement.copies(t) for t in self._transfers]
         self._transfer_bytes = [unit.nbytes for unit in self.units]
+        self._images = [unit.image for unit in self.units]
 
-    def _issue(self, i: int, stream) -> int:
-        """Queue on ``stream`` the transfers that fill block ``i``'s slot; returns the copies issued."""
-        transfers = self._transfers[i]
-        for dst, src in transfers:
-            self.backend.copy_async(dst, src, stream)
-        return len(transfers)
+    def _issue(self, i: int, stream) -> None:
+        """Queue on ``stream`` the transfers that fill block ``i``'s slot."""
+        if self._stager is None:  # every source is a host buffer: the hot path, plain copies
+            for dst, src in self._transfers[i]:
+                self.backend.copy_async(dst, src, stream)
+        else:
+            self.placement.issue(self._transfers[i], stream)
 
     def disable(self) -> None:
-        """Wait for queued copies, give every tensor back an ordinary host copy, free the device."""
+        """Wait for queued copies, give every tensor back an ordinary host copy, free the device.
+        Each unit's home is released as soon as it is unpacked (the transfer plan, which also
+        references the homes, goes first), so host memory stays near one copy of the model."""
         self._remove_hooks()
         if self._occupant:
-            self.copy_stream.synchronize()
-        self._release()  # the transfer plan references the host buffers: drop it first
-        unpack_units([self.resident, *self.units], self.backend, self.slabs)
+            self._settle()
+        self._transfers = self._images = []
+        unpack_units([self.resident, *self.units], self.placement)
+        self._release()
+
+    def _settle(self) -> None:
+        """Let every queued load finish: their copies read the homes that a rollback frees."""
+        self.placement.drain()
+        self.copy_stream.synchronize()
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
@@ -219,26 +237,38 @@ class LayerwiseOffload:
 
     def _release(self) -> None:
         self.slots = []
-        self._transfers = []
+        self._transfers = self._images = []
         self._occupant = []
+        self._tickets = {}
 
     # -- streaming ------------------------------------------------------------------------
     def _load(self, i: int) -> None:
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
-        stream = self.copy_stream
-        self.freed[slot].wait(stream)
         self._occupant[slot] = i
-        if self.timeline is None:
-            copies = self._issue(i, stream)
+        if self._stager is None:
+            self._queue_load(i, slot)
         else:
-            issue = functools.partial(self._issue, i, stream)
-            copies = self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
-        self.ready[i].record(stream)
+            image = self._images[i]
+            if image is not None:  # on disk: the kernel reads ahead while earlier loads are staged
+                image.advise()
+            # The stager waits on freed[slot] later: safe, because freed[slot] is recorded again
+            # only after block i has run, and block i runs only after this load's ticket.
+            self._tickets[i] = self._stager.submit(functools.partial(self._queue_load, i, slot))
         counters = self.counters
         counters.loads += 1
-        counters.h2d_copies += copies
+        counters.h2d_copies += self._transfer_copies[i]
         counters.h2d_bytes += self._transfer_bytes[i]
+
+    def _queue_load(self, i: int, slot: int) -> None:
+        stream = self.copy_stream
+        self.freed[slot].wait(stream)
+        if self.timeline is None:
+            self._issue(i, stream)
+        else:
+            issue = functools.partial(self._issue, i, stream)
+            self.timeline.copy(stream, self._span_name(i), self._transfer_bytes[i], issue)
+        self.ready[i].record(stream)
 
     def _prefetch(self, i: int, running: bool) -> None:
         """Queue the next ``depth`` blocks after ``i`` whose slot holds no block still needed first.
@@ -258,7 +288,14 @@ class LayerwiseOffload:
                 continue  # the occupant runs before j: a later hook queues j
             self._load(j)
 
-    def _wait_ready(self, i: int) -> None:
+    def _wait_ready(self, i: int, reader=None) -> None:
+        """Make compute (a trace records the wait), or the stream ``reader``, wait until block
+        ``i`` is in its slot."""
+        if self._tickets:
+            self.placement.wait(self._tickets.pop(i, None))
+        if reader is not None:  # not compute: the distributed read-back at disable
+            self.ready[i].wait(reader)
+            return
         stream = self.backend.current_stream()
         with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
             self.ready[i].wait(stream)

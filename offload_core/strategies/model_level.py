@@ -24,18 +24,12 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend, Event
+from ..hostmem.placement import SWAP, HostUnit
 from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import (
-    Counters,
-    Transaction,
-    allocate_device,
-    copy_unit,
-    inputs_to_device,
-    pack_units,
-    pinned_bytes,
-    unpack_units,
+    Counters, Transaction, allocate_device, default_placement, inputs_to_device, pack_units, unpack_units,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,6 +53,7 @@ class Group:
     components: list[Component]
     ready: Event | None = None
     state: str = "host"  # "host" | "loading" | "active"
+    ticket: object = None  # the stager's ticket of a pending load (homes outside pinned memory)
 
     @property
     def nbytes(self) -> int:
@@ -75,12 +70,10 @@ class ModelLevelOffload:
         self,
         groups: Sequence[tuple[str, Sequence[tuple[str, nn.Module]]]],
         backend: DeviceBackend,
-        pin_memory: bool = True,
         prefetch: bool = True,
         release_after: nn.Module | None = None,
     ) -> None:
         self.backend = backend
-        self.pin_memory = pin_memory
         self.prefetch = prefetch
         self.counters = Counters()
         self.groups: list[Group] = []
@@ -103,15 +96,19 @@ class ModelLevelOffload:
         self._hooks: list = []
         self._release_after = release_after  # a bare module: swap out when its forward returns
         self.peak_weight_bytes = 0
-        self.slabs = None  # the pinned slabs holding the host homes, once packed
+        self.placement = None  # set by the enabling code (plan_placement) before enable
+
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: each swaps in once per call."""
+        return [HostUnit(c.unit, SWAP, c.unit.nbytes) for g in self.groups for c in g.components]
 
     @classmethod
-    def for_module(cls, module: nn.Module, backend: DeviceBackend, pin_memory: bool = True) -> "ModelLevelOffload":
+    def for_module(cls, module: nn.Module, backend: DeviceBackend) -> "ModelLevelOffload":
         """A bare module is one group: it lives on the host between calls, is copied in (one copy
         per dtype) when it runs, and is dropped when its forward returns, as a pipeline's
         components are at the end of a pipeline call."""
         name = type(module).__name__
-        return cls([(name, [(name, module)])], backend, pin_memory, prefetch=False, release_after=module)
+        return cls([(name, [(name, module)])], backend, prefetch=False, release_after=module)
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -124,10 +121,6 @@ class ModelLevelOffload:
         return sum(g.nbytes for g in self.groups)
 
     @property
-    def pinned_bytes(self) -> int:
-        return pinned_bytes(self.slabs)
-
-    @property
     def largest_group_bytes(self) -> int:
         return max(g.nbytes for g in self.groups)
 
@@ -136,8 +129,9 @@ class ModelLevelOffload:
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
+        default_placement(self, txn)
         units = [c.unit for g in self.groups for c in g.components]
-        self.slabs = pack_units(units, self.backend, self.pin_memory, txn, "packing components")
+        pack_units(units, self.placement, txn, "components")
         self.copy_stream = self.backend.new_stream()
         device = self.backend.device()
         for index, group in enumerate(self.groups):
@@ -158,10 +152,11 @@ class ModelLevelOffload:
 
     def disable(self) -> None:
         self._remove_hooks()
+        self.placement.drain()
         self.copy_stream.synchronize()
         for group in self.groups:
             self._swap_out(group)
-        unpack_units([c.unit for g in self.groups for c in g.components], self.backend, self.slabs)
+        unpack_units([c.unit for g in self.groups for c in g.components], self.placement)
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
@@ -190,6 +185,7 @@ class ModelLevelOffload:
         if group.state == "host":
             self._load(group)
         compute = self.backend.current_stream()
+        self._issued(group)
         with UNTRACED if self.timeline is None else self.timeline.compute_after(compute, group.name):
             group.ready.wait(compute)
         for c in group.components:
@@ -204,21 +200,36 @@ class ModelLevelOffload:
             self._maybe_prefetch(following)
 
     def _load(self, group: Group) -> None:
-        """Allocate the group's device buffers and queue its copies (one per dtype per component)."""
+        """Allocate the group's device buffers and queue its copies (one per dtype per component),
+        after all compute issued so far: the device buffers freed before may be reused."""
         group.state = "loading"
-        self._freed().wait(self.copy_stream)
-        if self.timeline is None:
-            self._copy_in(group)
-        else:
-            self.timeline.copy(self.copy_stream, group.name, group.nbytes, functools.partial(self._copy_in, group))
-        group.ready.record(self.copy_stream)
+        freed = self._freed()
+        transfers = []
+        for c in group.components:
+            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
+            transfers += self.placement.transfers(c.unit, c.device)
+            self.counters.h2d_bytes += c.unit.nbytes
+        self.counters.h2d_copies += self.placement.copies(transfers)
+        group.ticket = self.placement.run(functools.partial(self._queue_load, group, freed, transfers))
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
 
-    def _copy_in(self, group: Group) -> None:
-        for c in group.components:
-            c.device = allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
-            copy_unit(c.unit, c.device, self.backend, self.copy_stream, self.counters)
+    def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
+        """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
+        the stager thread when some component is staged)."""
+        stream = self.copy_stream
+        freed.wait(stream)
+        issue = functools.partial(self.placement.issue, transfers, stream)
+        if self.timeline is None:
+            issue()
+        else:
+            self.timeline.copy(stream, group.name, group.nbytes, issue)
+        group.ready.record(stream)
+
+    def _issued(self, group: Group) -> None:
+        """Block until the stager has queued ``group``'s load, so its ready event is recorded."""
+        ticket, group.ticket = group.ticket, None
+        self.placement.wait(ticket)
 
     def _freed(self) -> Event:
         """An event after all compute issued so far: buffers freed before it may be reused."""
@@ -239,6 +250,7 @@ class ModelLevelOffload:
         if group.state == "host":
             return
         if group.state == "loading":  # its copies still read the host buffers; cheap, rare
+            self._issued(group)
             with UNTRACED if self.timeline is None else self.timeline.host_wait(f"unload {group.name} (still loading)"):
                 group.ready.synchronize()
         for c in group.components:
@@ -257,6 +269,7 @@ class ModelLevelOffload:
             "%d weights of %s were modified in place while on the device; copying them back to the host "
             "(offloaded weights are meant to be frozen)", len(changed), c.name,
         )
+        self.placement.drain()  # the stager issues on the copy stream too
         self.backend.wait_stream(self.copy_stream, self.backend.current_stream())
         for dtype, buf in c.device.items():
             self.backend.copy_async(c.unit.host[dtype], buf, self.copy_stream)

@@ -7,17 +7,11 @@ from typing import Sequence
 from torch import nn
 
 from ..backend import DeviceBackend
+from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
 from .common import (
-    Counters,
-    Transaction,
-    allocate_device,
-    copy_unit,
-    inputs_to_device,
-    pack_units,
-    pinned_bytes,
-    unpack_units,
+    Counters, Transaction, allocate_device, copy_unit, default_placement, inputs_to_device, pack_units, unpack_units,
 )
 
 
@@ -27,14 +21,17 @@ class ResidentModules:
     #: set while ``handle.trace()`` records; nothing moves after enable, so nothing is recorded
     timeline = None
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend, pin_memory: bool = True) -> None:
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend) -> None:
         self.backend = backend
-        self.pin_memory = pin_memory
         self.counters = Counters()
         self.modules = list(modules)
         self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.modules]
         self._hooks: list = []
-        self.slabs = None  # the pinned slabs holding the host homes, once packed
+        self.placement = None  # set by the enabling code (plan_placement) before enable
+
+    def host_units(self) -> list:
+        """The units whose homes the placement policy decides: each is copied once, at enable."""
+        return [HostUnit(u, ONCE, u.nbytes) for u in self.units]
 
     @property
     def device_weight_bytes(self) -> int:
@@ -42,18 +39,15 @@ class ResidentModules:
 
     host_bytes = device_weight_bytes
 
-    @property
-    def pinned_bytes(self) -> int:
-        return pinned_bytes(self.slabs)
-
     def enable(self, txn: Transaction) -> None:
+        default_placement(self, txn)
         buffers = [allocate_device(self.backend, u.numel, f"{u.name} (resident)") for u in self.units]
-        self.slabs = pack_units(self.units, self.backend, self.pin_memory, txn, "packing resident modules")
+        pack_units(self.units, self.placement, txn, "resident modules")
         stream = self.backend.new_stream()
         # the new buffers may reuse memory that earlier compute still reads: copy after it
         self.backend.wait_stream(stream, self.backend.current_stream())
         for unit, buf in zip(self.units, buffers):
-            copy_unit(unit, buf, self.backend, stream, self.counters)
+            self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))
         stream.synchronize()
         for unit, buf in zip(self.units, buffers):
             unit.bind(buf)
@@ -69,4 +63,4 @@ class ResidentModules:
 
     def disable(self) -> None:
         self._remove_hooks()
-        unpack_units(self.units, self.backend, self.slabs)
+        unpack_units(self.units, self.placement)

@@ -7,13 +7,19 @@ is always a size the backend hands out without rounding (``DeviceBackend.pinned_
 or the whole rounded block, used to its end.
 
 Slab sizes follow what is left to pack (the caller plans every request up front): a slab holds at
-least ``REQUESTS_PER_SLAB`` of the largest request unless less is left, and when the rounded
-block for what is left would waste more than one request, the slab is the next size down and
-the rest goes into later, smaller slabs. Requests go to the open slab they fit best. A slab is
-left with an unused tail only where a request did not fit in it, or at the end of packing.
+least ``REQUESTS_PER_SLAB`` of the largest request (and ``MIN_SLAB_BYTES``) unless less is left,
+and when the rounded block for what is left would waste more than one request, the slab is the
+next size down and the rest goes into later, smaller slabs.
 
-The allocator holds slabs weakly: a slab lives exactly as long as some view of it does, so the
-pinned memory of a model is given back slab by slab as its units are unpacked.
+Requests fill the newest slab in order; one that does not fit opens the next slab, leaving the
+previous one an unused tail smaller than that request. The allocator holds slabs weakly: a slab
+lives exactly as long as some view of it does. Filling in order is what makes the pinned memory of
+a model come back slab by slab as its units are unpacked (in the order they were packed): a later
+unit tucked into an earlier slab's tail would keep that slab alive to the end.
+
+The slab size trades waste against that release: a slab wastes less than one request (so at most
+1/``REQUESTS_PER_SLAB`` of it), and ``disable`` holds at most about one slab beyond the weights
+it has not yet given back.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ logger = logging.getLogger(__name__)
 MIN_SLAB_BYTES = 64 * 2**20
 #: a slab holds at least this many of the largest request, so a tail left because a request did
 #: not fit wastes at most 1/REQUESTS_PER_SLAB of the slab
-REQUESTS_PER_SLAB = 16
+REQUESTS_PER_SLAB = 4
 
 
 def aligned(nbytes: int) -> int:
@@ -83,7 +89,7 @@ class SlabAllocator:
         need = aligned(nbytes)
         with self._lock:
             self.largest = max(self.largest, need)
-            slab, storage = self._best_fit(need)
+            slab, storage = self._newest(need)
             if slab is None:
                 slab, storage = self._new_slab(need)
             offset = slab.used
@@ -98,18 +104,16 @@ class SlabAllocator:
             return sum(s.tail for s in self._slabs if s.storage() is not None)
 
     # -- internals --------------------------------------------------------------------------
-    def _best_fit(self, need: int) -> tuple[Slab | None, torch.UntypedStorage | None]:
-        best, best_storage = None, None
-        alive = []
-        for slab in self._slabs:
-            storage = slab.storage()
-            if storage is None:
-                continue  # every view died: the slab is gone
-            alive.append(slab)
-            if need <= slab.tail and (best is None or slab.tail < best.tail):
-                best, best_storage = slab, storage
-        self._slabs = alive
-        return best, best_storage
+    def _newest(self, need: int) -> tuple[Slab | None, torch.UntypedStorage | None]:
+        """The newest slab, when it is alive and ``need`` fits in its tail."""
+        self._slabs = [slab for slab in self._slabs if slab.storage() is not None]  # the dead are gone
+        if not self._slabs:
+            return None, None
+        slab = self._slabs[-1]
+        storage = slab.storage()
+        if storage is None or need > slab.tail:
+            return None, None
+        return slab, storage
 
     def _size(self, need: int) -> int:
         """The next slab's size: see the module docstring."""

@@ -6,6 +6,11 @@ views of one region: packing works on storage regions, not on tensors. Binding a
 set of per-dtype buffers (a device slot) re-points every owner — parameters through ``.data`` so
 their identity, ``requires_grad`` and ties survive; buffers by replacing them in their module —
 without copying anything, and moving a unit is then one copy per dtype.
+
+A unit's home is in RAM (``host``: pinned or pageable buffers) or on disk (``image``: where each
+region's bytes lie in safetensors files). A tensor on the meta device may carry, as the attribute
+named by :data:`SOURCE_ATTRIBUTE`, the checkpoint slice its values come from (``from_pretrained``
+builds models that way): packing then reads the slice straight into the unit's home.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from torch import nn
 
 ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
+#: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
+SOURCE_ATTRIBUTE = "_offload_core_source"
 
 
 class UnsupportedTensorError(TypeError):
@@ -40,6 +47,11 @@ class Owner:
         else:
             self.module._buffers[self.name] = tensor
 
+    def replace(self, tensor: torch.Tensor) -> None:
+        """Install ``tensor`` itself (a new parameter object): ``.data`` cannot move a parameter
+        off the meta device."""
+        (self.module._parameters if self.is_param else self.module._buffers)[self.name] = tensor
+
 
 @dataclasses.dataclass
 class Entry:
@@ -57,6 +69,8 @@ def storage_key(t: torch.Tensor) -> tuple:
     """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
     if t.numel() == 0:
         return ("empty", id(t))
+    if t.is_meta:  # no memory, so no address: the storage object itself tells views apart
+        return ("meta", t.untyped_storage()._cdata)
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
@@ -88,7 +102,7 @@ def check_supported(t: torch.Tensor, where: str) -> None:
     base = t.data if isinstance(t, nn.Parameter) else t
     if type(base) is not torch.Tensor:
         raise UnsupportedTensorError(f"{where} is a {type(base).__name__}; only plain tensors can be offloaded")
-    if t.is_meta:
+    if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
         raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedTensorError(f"{where} has layout {t.layout}; only strided tensors can be offloaded")
@@ -103,6 +117,15 @@ class Region:
     numel: int
     dtype: torch.dtype
     start: int  # element offset in the unit's buffer for ``dtype``
+    reader: object = None  # where a meta region's values are: ``read(start, count, out)``
+    entries: list[int] = dataclasses.field(default_factory=list)  # indices of the entries viewing it
+
+    def fill(self, out: torch.Tensor) -> None:
+        """Write the region's values into ``out`` (flat, ``numel`` elements)."""
+        if self.reader is not None:
+            self.reader.read(0, self.numel, out)
+        else:
+            out.copy_(self.source.as_strided((self.numel,), (1,), self.first))
 
 
 class WeightUnit:
@@ -114,6 +137,7 @@ class WeightUnit:
         self.regions: list[Region] = []
         self.numel: dict[torch.dtype, int] = {}
         self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.image = None  # a DiskImage when the unit's home is on disk
         by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
         for t, owners in tensors.values():
             check_supported(t, f"{name}: {owners[0].name}")
@@ -122,6 +146,8 @@ class WeightUnit:
             by_storage.setdefault(storage_key(t), []).append((t, entry))
         for members in by_storage.values():
             self._place(members)
+        for index, entry in enumerate(self.entries):
+            self.regions[entry.region].entries.append(index)
 
     def _place(self, members: list[tuple[torch.Tensor, Entry]]) -> None:
         dtype = members[0][0].dtype
@@ -136,11 +162,23 @@ class WeightUnit:
         for t, entry in members:
             entry.offset = start + t.storage_offset() - first
             entry.region = len(self.regions)
-        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start))
+        reader = None
+        if members[0][0].is_meta:
+            covering = [t for t, _ in members if t.storage_offset() == first and extent(t) == last - first]
+            reader = getattr(covering[0], SOURCE_ATTRIBUTE, None) if covering else None
+            if reader is None:
+                names = ", ".join(e.owners[0].name for _, e in members)
+                raise UnsupportedTensorError(f"{self.name}: meta tensors {names} have no checkpoint slice to load")
+        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start, reader))
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.numel)
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """True if the unit's values are read from checkpoint files rather than held in memory."""
+        return any(r.reader is not None for r in self.regions)
 
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors, which may
@@ -153,43 +191,93 @@ class WeightUnit:
     def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Point every owner at its view of ``buffers``. No data moves."""
         for entry, view in zip(self.entries, self.views(buffers)):
-            for owner in entry.owners:
-                owner.rebind(view)
+            _bind_entry(entry, view)
 
     def pack(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
         """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
         the unit to them.
 
-        Afterwards the unit holds no reference to the original tensors, so their memory is freed
-        as soon as nobody else holds them: packing unit by unit keeps host memory near one copy.
-        Whole storage spans are copied, so gaps, overlaps and zero strides survive.
+        Each region's owners are re-pointed as soon as it is copied, and the unit keeps no
+        reference to the original tensors, so each original is freed as soon as nobody else holds
+        it: host memory during packing stays near one copy of the model. Whole storage spans are
+        copied, so gaps, overlaps and zero strides survive.
         """
         host = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
         for r in self.regions:
             if r.numel:
-                host[r.dtype][r.start : r.start + r.numel].copy_(r.source.as_strided((r.numel,), (1,), r.first))
+                r.fill(host[r.dtype][r.start : r.start + r.numel])
+            for index in r.entries:
+                entry = self.entries[index]
+                home = host[entry.dtype]  # may be a view into a pinned slab: offsets are relative to it
+                _bind_entry(entry, home.as_strided(entry.size, entry.stride, home.storage_offset() + entry.offset))
+            r.source = r.reader = None
         self.host = host
-        self.bind(host)
+
+    def spill(self, image) -> None:
+        """Give the unit a home on disk: ``image`` (a DiskImage) now says where every region's
+        bytes are. The owners keep their tensors until the unit is bound elsewhere (a slot)."""
+        self.image = image
         for r in self.regions:
-            r.source = None
+            r.source = r.reader = None
+
+    def take(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+        """The unit's values in fresh buffers laid out as its home, without binding anything; the
+        unit keeps no reference to the original tensors afterwards."""
+        buffers = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
+        for r in self.regions:
+            if r.numel:
+                r.fill(buffers[r.dtype][r.start : r.start + r.numel])
+            r.source = r.reader = None
+        return buffers
+
+    def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
+        """Elements ``start .. start + count`` of the home's ``dtype`` buffer into ``out``."""
+        if self.image is not None:
+            self.image.read(dtype, start, count, out)
+        else:
+            out.copy_(self.host[dtype][start : start + count])
+
+    def home(self) -> dict[torch.dtype, torch.Tensor]:
+        """The home's buffers: the RAM ones, or fresh copies read from disk."""
+        if self.image is None:
+            return self.host
+        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in self.numel.items()}
+        for dtype, buffer in buffers.items():
+            self.read(dtype, 0, buffer.numel(), buffer)
+        return buffers
 
     def unpack(self) -> None:
         """Give every owner an ordinary host tensor (same values, dtype, strides, sharing).
 
         Each storage region gets its own storage again, so tensors that did not share memory
-        before packing do not share it afterwards (safetensors refuses shared storage).
+        before packing do not share it afterwards (safetensors refuses shared storage). The home
+        is released afterwards, so unpacking unit by unit keeps host memory near one copy.
         """
-        plain = [
-            self.host[r.dtype][r.start : r.start + r.numel].to("cpu", copy=True) for r in self.regions
-        ]
-        for entry in self.entries:
-            view = plain[entry.region].as_strided(entry.size, entry.stride, entry.offset - self.regions[entry.region].start)
-            for owner in entry.owners:
-                owner.rebind(view)
+        for r in self.regions:
+            plain = torch.empty(r.numel, dtype=r.dtype)
+            if r.numel:
+                self.read(r.dtype, r.start, r.numel, plain)
+            for index in r.entries:
+                entry = self.entries[index]
+                _bind_entry(entry, plain.as_strided(entry.size, entry.stride, entry.offset - r.start))
         self.host = {}
+        self.image = None
 
     def __repr__(self) -> str:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
+
+
+def _bind_entry(entry: Entry, view: torch.Tensor) -> None:
+    """Re-point every owner of ``entry`` at ``view``; a parameter still on the meta device is
+    replaced by one new parameter object shared by all its owners, so ties survive."""
+    current = entry.owners[0].get()
+    if current.is_meta == view.is_meta:
+        for owner in entry.owners:
+            owner.rebind(view)
+        return
+    replacement = nn.Parameter(view, requires_grad=current.requires_grad) if entry.owners[0].is_param else view
+    for owner in entry.owners:
+        owner.replace(replacement)
 
 
 def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:

@@ -1,0 +1,249 @@
+"""Weights on disk: safetensors files read with positional reads, and units spilled to a folder.
+
+Reads use ``os.preadv`` straight into the destination's memory (a bounce buffer or a packed
+home), never ``mmap``: mapped file pages count in the process's resident memory for as long as
+the mapping lives, positional reads only fill the kernel's page cache, which it reclaims freely.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import threading
+from typing import Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: safetensors dtype codes
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+_HEADER_ALIGN = 64
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The memory of a flat contiguous tensor as a writable byte buffer."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill ``out`` (flat, contiguous) with the bytes of ``fd`` at ``offset``."""
+    if out.numel() == 0:
+        return
+    view = _as_bytes(out)
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise EOFError(f"file ends {len(view)} bytes short of a tensor at offset {offset}")
+        view = view[n:]
+        offset += n
+
+
+class SafetensorsFile:
+    """One safetensors file: its tensor table, and a descriptor opened on first read."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        self.data_start = 8 + length
+        header.pop("__metadata__", None)
+        self.tensors: dict[str, FileSlice] = {}
+        for name, info in header.items():
+            dtype = DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which offload-core cannot read")
+            begin, end = info["data_offsets"]
+            numel = 1
+            for s in info["shape"]:
+                numel *= s
+            if (end - begin) != numel * dtype.itemsize:
+                raise ValueError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {info['shape']}")
+            self.tensors[name] = FileSlice(self, self.data_start + begin, dtype, tuple(info["shape"]))
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def fd(self) -> int:
+        if self._fd is None:
+            with self._lock:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+class FileSlice:
+    """A tensor stored in a file; reads any element range, converting to the reader's dtype."""
+
+    __slots__ = ("file", "offset", "dtype", "shape")
+
+    def __init__(self, file: SafetensorsFile, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.file = file
+        self.offset = offset  # absolute byte offset of the first element
+        self.dtype = dtype
+        self.shape = shape
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def read(self, start: int, count: int, out: torch.Tensor) -> None:
+        """Elements ``start .. start + count`` into ``out`` (flat); one read, plus a conversion
+        through a buffer of this slice's size when the dtypes differ."""
+        where = self.offset + start * self.dtype.itemsize
+        if out.dtype == self.dtype:
+            pread_into(self.file.fd(), out, where)
+            return
+        raw = torch.empty(count, dtype=self.dtype)
+        pread_into(self.file.fd(), raw, where)
+        out.copy_(raw)
+
+    def advise(self) -> None:
+        """Ask the kernel to start reading this slice into its page cache (readahead)."""
+        try:
+            os.posix_fadvise(self.file.fd(), self.offset, self.numel * self.dtype.itemsize, os.POSIX_FADV_WILLNEED)
+        except (AttributeError, OSError):  # not offered on this platform: reads just start cold
+            pass
+
+
+class MemorySlice:
+    """A small region kept in memory inside an otherwise on-disk unit (a buffer that no file
+    holds, such as a non-persistent rotary table)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def read(self, start: int, count: int, out: torch.Tensor) -> None:
+        out.copy_(self.tensor[start : start + count])
+
+    def advise(self) -> None:
+        pass
+
+
+class DiskImage:
+    """Where each element range of a unit's per-dtype home lies: file slices (and small memory
+    slices). Ranges between regions (alignment gaps) are never read, so they hold nothing."""
+
+    def __init__(self) -> None:
+        self.segments: dict[torch.dtype, list[tuple[int, int, object]]] = {}  # (start, count, slice)
+
+    def add(self, dtype: torch.dtype, start: int, count: int, source) -> None:
+        self.segments.setdefault(dtype, []).append((start, count, source))
+
+    def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
+        end = start + count
+        for seg_start, seg_count, source in self.segments.get(dtype, ()):
+            lo, hi = max(start, seg_start), min(end, seg_start + seg_count)
+            if lo < hi:
+                source.read(lo - seg_start, hi - lo, out[lo - start : hi - start])
+
+    def advise(self) -> None:
+        for segments in self.segments.values():
+            for _, _, source in segments:
+                source.advise()
+
+
+class SpillFolder:
+    """A private folder, inside the one the user named, holding one safetensors file per spilled
+    unit; removed with everything in it when offloading ends."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = os.fspath(root)
+        self.path: str | None = None
+        self._count = 0
+
+    def write(self, unit) -> DiskImage:
+        """Write ``unit``'s home image (one tensor per dtype, regions at their offsets) straight
+        from its source tensors, and return where each region now lies. Regions read from a
+        checkpoint are not rewritten: the image points at the checkpoint."""
+        if self.path is None:
+            os.makedirs(self.root, exist_ok=True)
+            self.path = tempfile.mkdtemp(prefix="offload-core-", dir=self.root)
+        self._count += 1
+        path = os.path.join(self.path, f"{self._count:05d}-{unit.name}.safetensors")
+        written = [r for r in unit.regions if r.reader is None and r.numel]
+        dtypes = sorted({r.dtype for r in written}, key=lambda d: (-d.itemsize, str(d)))
+        header, offset = {}, 0
+        for dtype in dtypes:
+            size = unit.numel[dtype] * dtype.itemsize
+            header[str(dtype).removeprefix("torch.")] = {"dtype": CODES[dtype], "shape": [unit.numel[dtype]],
+                                                        "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(header).encode()
+        text += b" " * (-(8 + len(text)) % _HEADER_ALIGN)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _pwrite(fd, memoryview(struct.pack("<Q", len(text)) + text), 0)
+            data = 8 + len(text)
+            for r in written:
+                base = data + header[str(r.dtype).removeprefix("torch.")]["data_offsets"][0]
+                span = r.source.as_strided((r.numel,), (1,), r.first)
+                _pwrite(fd, _as_bytes(span), base + r.start * r.dtype.itemsize)
+            os.ftruncate(fd, data + offset)
+        finally:
+            os.close(fd)
+        file = SafetensorsFile(path)
+        image = DiskImage()
+        for r in unit.regions:
+            if not r.numel:
+                continue
+            if r.reader is not None:
+                image.add(r.dtype, r.start, r.numel, r.reader)
+            else:
+                whole = file.tensors[str(r.dtype).removeprefix("torch.")]
+                image.add(r.dtype, r.start, r.numel, FileSlice(file, whole.offset + r.start * r.dtype.itemsize,
+                                                               r.dtype, (r.numel,)))
+        return image
+
+    def remove(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+def checkpoint_image(unit) -> DiskImage:
+    """The image of a unit read from a checkpoint: its regions' slices, and the few regions no
+    file holds (buffers computed at construction) kept in memory."""
+    image = DiskImage()
+    for r in unit.regions:
+        if not r.numel:
+            continue
+        if r.reader is not None:
+            image.add(r.dtype, r.start, r.numel, r.reader)
+        else:
+            image.add(r.dtype, r.start, r.numel, MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)))
+    return image
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def read_index(files: Iterable[str | os.PathLike]) -> dict[str, FileSlice]:
+    """Every tensor of ``files`` by name."""
+    slices: dict[str, FileSlice] = {}
+    for path in files:
+        slices.update(SafetensorsFile(path).tensors)
+    return slices

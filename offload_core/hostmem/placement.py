@@ -1,0 +1,270 @@
+"""Where each weight unit's host home lives: the budget policy of one ``enable``.
+
+Every unit gets one tier, decided once over all the parts of an enable call before anything is
+packed (so a refused plan leaves the model untouched):
+
+* ``PINNED``: page-locked memory, copied straight to the device;
+* ``PAGEABLE``: ordinary memory copied straight (``pin_memory=False``: such copies block the host);
+* ``STAGED``: ordinary memory, copied through the bounce ring (see :mod:`.staging`);
+* ``DISK``: no home in RAM; read from a safetensors file into the bounce ring when needed.
+
+Policy. ``host_memory`` bounds the weights held in RAM: units that are not streamed every step
+(resident weights, model-level components) always stay in RAM, streamed blocks follow in order,
+and the blocks that no longer fit go to disk. ``pinned_memory`` bounds page-locked memory: the
+bounce ring first (when anything is staged), then units in order of how often they are copied:
+streamed blocks, then swapped components, then weights copied once. This module decides; the
+allocation itself stays with the strategies (``pack_units``) and the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import logging
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..config import OffloadConfig, OffloadConfigError
+from ..weights.slabs import SlabAllocator, aligned
+from .budget import AUTO_PINNED_SHARE, physical_memory
+from .disk import SpillFolder, checkpoint_image
+from .staging import BOUNCE_BUFFERS, BounceRing, Stager, Ticket, ring_chunk_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(enum.Enum):
+    PINNED = "pinned"
+    PAGEABLE = "pageable"
+    STAGED = "staged"
+    DISK = "disk"
+
+
+#: how a part uses a unit: copied every step, once per pipeline call, or once at enable
+STREAM, SWAP, ONCE = "stream", "swap", "once"
+_PIN_ORDER = {STREAM: 0, SWAP: 1, ONCE: 2}
+
+
+@dataclasses.dataclass
+class HostUnit:
+    """A unit as the policy sees it: its role and the bytes its home takes (``buffers``: the
+    bytes of each of its host buffers, when they are not the unit's own per-dtype sizes)."""
+
+    unit: object
+    role: str
+    nbytes: int
+    buffers: tuple[int, ...] = ()
+
+    def buffer_bytes(self) -> tuple[int, ...]:
+        return self.buffers or tuple(n * dtype.itemsize for dtype, n in self.unit.numel.items())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """What its home takes in a pinned slab: each buffer starts at an aligned offset."""
+        return sum(aligned(b) for b in self.buffer_bytes())
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placement":
+    """The tiers of every unit of ``parts`` under ``config``'s budgets. Raises
+    :class:`OffloadConfigError` (before anything is touched) when blocks must go to disk and
+    have nowhere to be read from."""
+    units = [h for part in parts for h in part.host_units()]
+    pin = config.pin_memory
+    host = config.host_budget.resolve()
+    pinned = config.pinned_budget.resolve()
+    if pinned is None:
+        pinned = max(0, int(AUTO_PINNED_SHARE * physical_memory()) - backend.pinned_memory_allocated())
+    largest = max((n * d.itemsize for h in units for d, n in h.unit.numel.items()), default=0)
+    ring = BOUNCE_BUFFERS * ring_chunk_bytes(largest)
+    tiers = _assign(units, pin, host, pinned, reserve=0)
+    if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
+        tiers = _assign(units, pin, host, pinned, reserve=ring)
+    else:
+        ring = 0
+    disk = [h for h in units if tiers[id(h.unit)] is Tier.DISK]
+    unreadable = [h for h in disk if not h.unit.from_checkpoint]
+    if unreadable and config.offload_folder is None:
+        raise OffloadConfigError(
+            f"host_memory={config.host_memory!r} leaves {len(unreadable)} blocks "
+            f"({_size(sum(h.nbytes for h in unreadable))}) out of RAM, and this model was not loaded with "
+            "offload_core.from_pretrained: set offload_folder= to a folder where they can be spilled"
+        )
+    fixed = sum(h.nbytes for h in units if h.role != STREAM)
+    if host is not None and fixed + ring > host:
+        logger.warning(
+            "host_memory=%r is below the %s that must stay in RAM (weights outside the streamed blocks, "
+            "and the bounce ring); every block is read from disk", config.host_memory, _size(fixed + ring))
+    placement = Placement(backend, units, tiers, ring_chunk_bytes(largest) if ring else 0, pin,
+                          config.offload_folder)
+    logger.info("host placement: %s", placement.summary())
+    return placement
+
+
+def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, reserve: int) -> dict[int, Tier]:
+    tiers: dict[int, Tier] = {}
+    room = None if host is None else host - reserve - sum(h.nbytes for h in units if h.role != STREAM)
+    in_ram = []
+    for h in units:
+        if h.role == STREAM and room is not None:
+            if h.nbytes > room:
+                tiers[id(h.unit)] = Tier.DISK
+                continue
+            room -= h.nbytes
+        in_ram.append(h)
+    pinned_left = pinned - reserve
+    for h in sorted(in_ram, key=lambda h: _PIN_ORDER[h.role]):
+        if pin and h.pinned_bytes <= pinned_left:
+            tiers[id(h.unit)] = Tier.PINNED
+            pinned_left -= h.pinned_bytes
+        else:
+            tiers[id(h.unit)] = Tier.STAGED if pin else Tier.PAGEABLE
+    return tiers
+
+
+class Placement:
+    """The tiers of one enable call's units, and the bounce ring and stager that serve the units
+    without a pinned home. Strategies ask it where a unit lives, how to allocate its home, and
+    to issue loads; it is closed when offloading ends."""
+
+    def __init__(self, backend, units: Iterable[HostUnit], tiers: dict[int, Tier], chunk_bytes: int,
+                 pin_memory: bool, folder) -> None:
+        self.backend = backend
+        self._tiers = tiers
+        self.bytes = {tier: 0 for tier in Tier}
+        for h in units:
+            self.bytes[tiers[id(h.unit)]] += h.nbytes
+        self._chunk_bytes = chunk_bytes
+        self._pin_memory = pin_memory
+        # Pinned homes (and the bounce ring) are cut from slabs planned for all of them at once,
+        # so that the host allocator's rounding wastes nothing (see offload_core.weights.slabs).
+        planned = [b for h in units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
+        if chunk_bytes and pin_memory:
+            planned += [chunk_bytes] * BOUNCE_BUFFERS
+        self.slabs = SlabAllocator(backend, planned) if pin_memory else None
+        self._spill = SpillFolder(folder) if folder is not None else None
+        self.ring: BounceRing | None = None
+        self.stager: Stager | None = None
+
+    # -- policy ---------------------------------------------------------------------------
+    def tier(self, unit) -> Tier:
+        return self._tiers[id(unit)]
+
+    def allocator(self, unit) -> Callable[[int, torch.dtype], torch.Tensor]:
+        """How to allocate ``unit``'s home (pinned or pageable)."""
+        return self._pinned if self._tiers[id(unit)] is Tier.PINNED else _pageable
+
+    def _pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.slabs.allocate(n, dtype)
+
+    @property
+    def staging(self) -> bool:
+        return self._chunk_bytes > 0
+
+    def summary(self) -> str:
+        parts = [f"{tier.value} {_size(n)}" for tier, n in self.bytes.items() if n]
+        if self.staging:
+            parts.append(f"bounce ring {BOUNCE_BUFFERS} x {self._chunk_bytes / 2**20:.1f} MiB")
+        return ", ".join(parts) or "nothing"
+
+    def stats(self) -> dict[str, int]:
+        ring = self.ring.nbytes if self.ring is not None else 0
+        return {
+            # what the backend really holds for the slabs still alive, its rounding included
+            "pinned_host_bytes": self.slabs.live_bytes if self.slabs is not None else 0,
+            "pageable_host_bytes": self.bytes[Tier.PAGEABLE] + self.bytes[Tier.STAGED],
+            "disk_bytes": self.bytes[Tier.DISK],
+            "bounce_bytes": ring,
+            "staged_bytes": self.ring.staged_bytes if self.ring is not None else 0,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def attach(self, parts: Sequence, txn) -> None:
+        """First step of an enable transaction: give ``parts`` this placement and, when some
+        unit needs them, allocate the bounce ring and start the stager."""
+        txn.on_rollback(self.close)
+        if self.staging:
+            allocate = self._pinned if self._pin_memory else _pageable
+            self.ring = BounceRing(self.backend, allocate, self._chunk_bytes)
+            self.stager = Stager()
+        for part in parts:
+            part.placement = self
+
+    def close(self) -> None:
+        """Stop the stager, release the ring once its last copies have run, remove spilled files."""
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+        if self.ring is not None:
+            for event in self.ring.read_done:
+                event.synchronize()
+            self.ring = None
+        if self._spill is not None:
+            self._spill.remove()
+        self.backend.empty_host_cache()  # pinned blocks the host allocator still caches
+
+    def unpack(self, unit) -> None:
+        """Give ``unit``'s tensors ordinary host memory again. When that frees the last home in a
+        pinned slab, the slab goes back to the system at once (the host cache is emptied), so
+        ``disable`` returns pinned memory slab by slab."""
+        before = self.slabs.live_slabs if self.slabs is not None else 0
+        unit.unpack()
+        if self.slabs is not None and self.slabs.live_slabs < before:
+            self.backend.empty_host_cache()
+
+    def spill(self, unit) -> None:
+        """Give ``unit`` its home on disk: the checkpoint it comes from, or files in the spill
+        folder written straight from its tensors."""
+        image = self._spill.write(unit) if self._spill is not None else checkpoint_image(unit)
+        unit.spill(image)
+
+    # -- loads ----------------------------------------------------------------------------
+    def transfers(self, unit, dst: dict[torch.dtype, torch.Tensor]) -> list[tuple[torch.Tensor, object]]:
+        """(device view, source) per dtype: the source is the pinned or pageable host buffer to
+        copy straight, or a reader whose elements go through the bounce ring."""
+        if self._tiers[id(unit)] in (Tier.PINNED, Tier.PAGEABLE):
+            return [(dst[dtype][: src.numel()], src) for dtype, src in unit.host.items()]
+        return [(dst[dtype][:n], functools.partial(unit.read, dtype)) for dtype, n in unit.numel.items()]
+
+    def copies(self, transfers) -> int:
+        """The copies ``transfers`` take: one per direct buffer, one per bounce chunk."""
+        return sum(
+            1 if isinstance(src, torch.Tensor) else -(-dst.numel() * dst.element_size() // self._chunk_bytes)
+            for dst, src in transfers
+        )
+
+    def issue(self, transfers, stream) -> None:
+        """Queue ``transfers`` on ``stream`` (on the stager thread when anything is staged)."""
+        for dst, src in transfers:
+            if isinstance(src, torch.Tensor):
+                self.backend.copy_async(dst, src, stream)
+            else:
+                self.ring.stage(dst, src, stream)
+
+    def run(self, task: Callable[[], None]) -> Ticket | None:
+        """Run ``task`` (a load: waits, copies, a ready event) now, or hand it to the stager."""
+        if self.stager is None:
+            task()
+            return None
+        return self.stager.submit(task)
+
+    def wait(self, ticket: Ticket | None) -> None:
+        if ticket is not None:
+            self.stager.wait(ticket)
+
+    def drain(self) -> None:
+        """Block until every load handed to the stager has been issued."""
+        if self.stager is not None:
+            self.stager.drain()
+
+
+def _pageable(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype)

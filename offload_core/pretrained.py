@@ -1,0 +1,221 @@
+"""``offload_core.from_pretrained``: a local diffusers folder loaded straight into offloaded homes.
+
+``diffusers``' own ``from_pretrained`` followed by ``enable_offload`` holds the model twice at the
+peak: the loaded tensors (file-backed, mapped until the last of them dies) and the packed homes.
+Here every diffusers model of the folder is built without allocating its parameters (on the meta
+device), each checkpoint tensor is attached to its meta parameter as the slice of the file it
+lives in, and ``enable_offload`` then reads each slice straight into the unit's pinned or
+pageable home, or leaves it on disk for the blocks beyond ``host_memory``. Everything else
+(schedulers, tokenizers, ``transformers`` encoders, models without safetensors weights) is loaded
+by diffusers as usual and packed as ``enable_offload`` packs any model.
+
+Built models follow diffusers' loading rules, so that the result equals diffusers'
+``from_pretrained``: the default dtype during construction, ``torch_dtype`` for floating
+checkpoint tensors except the class's ``_keep_in_fp32_modules``, the model's own dtype otherwise,
+initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A model the rules
+cannot cover (missing weights, mismatched shapes) is left to diffusers, which reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .api import enable_checked, resolve_config
+from .config import OffloadConfig, OffloadConfigError
+from .handle import OffloadHandle
+from .hostmem.budget import AUTO_HOST_SHARE, available_memory
+from .hostmem.disk import read_index
+from .weights.unit import SOURCE_ATTRIBUTE
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def from_pretrained(path: str | os.PathLike, *, torch_dtype: Any = None, **options: Any) -> OffloadHandle:
+    """Load the diffusers pipeline (a folder with ``model_index.json``) or single model (a folder
+    with ``config.json``) at ``path`` and turn offloading on, weights read from the checkpoint
+    straight into their offloaded homes. ``options`` are those of :func:`enable_offload`;
+    ``handle.target`` is the loaded pipeline or model.
+
+    ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
+    (or ``"default"``) to dtype. For a pipeline, a keyword naming one of its components replaces
+    that component, as in diffusers (``text_encoder=None`` loads no text encoder: pass
+    ``prompt_embeds`` to the pipeline). With ``host_memory`` left to "auto", weights may use up
+    to 90 % of the memory available when loading starts; the blocks beyond it stay on disk and are
+    read from the checkpoint when they run. See ``docs/bigger-than-ram.md``.
+    """
+    folder = os.fspath(path)
+    index = _model_index(folder)
+    fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    replaced = {k: options.pop(k) for k in list(options) if k not in fields and index is not None and k in index}
+    config = resolve_config(None, options)
+    if torch_dtype is not None and not isinstance(torch_dtype, (torch.dtype, dict)):
+        raise OffloadConfigError(f"torch_dtype must be a torch.dtype (or, for a pipeline, a dict), got {torch_dtype!r}")
+    kind = "pipeline" if index is not None else "module"
+    if kind == "module" and not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(
+            f"{folder} is not a local diffusers folder: it has neither model_index.json (a pipeline) nor "
+            "config.json (a model)"
+        )
+    if kind == "module" and isinstance(torch_dtype, dict):
+        raise OffloadConfigError("torch_dtype as a dict applies to pipelines; a single model takes a torch.dtype")
+    config.warn_ignored()
+    config.check_applies(kind)
+    if config.strategy == "layerwise" and config.host_budget.auto:
+        config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
+    target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
+    return enable_checked(target, kind, config)
+
+
+def _model_index(folder: str) -> dict | None:
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[str, Any]) -> Any:
+    import diffusers
+
+    pipeline_cls = getattr(diffusers, index.get("_class_name", ""), None)
+    if pipeline_cls is None:
+        raise ValueError(f"{folder}/model_index.json names pipeline class {index.get('_class_name')!r}, "
+                         "which diffusers does not have")
+    prebuilt = dict(replaced)
+    for name, spec in index.items():
+        if name in replaced or name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 \
+                or spec[0] != "diffusers":
+            continue
+        cls = getattr(diffusers, spec[1] or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+            continue
+        dtype = torch_dtype.get(name, torch_dtype.get("default", torch.float32)) if isinstance(torch_dtype, dict) \
+            else torch_dtype
+        model = build_on_meta(cls, os.path.join(folder, name), dtype)
+        if model is not None:
+            prebuilt[name] = model
+    logger.info("%s: %s read straight from the checkpoint; diffusers loads the rest",
+                pipeline_cls.__name__, ", ".join(n for n in prebuilt if n not in replaced) or "no component")
+    return pipeline_cls.from_pretrained(folder, dtype=torch_dtype, **prebuilt)
+
+
+def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if "_class_name" in config:
+        import diffusers
+
+        cls = getattr(diffusers, config["_class_name"], None)
+        if cls is None:
+            raise ValueError(f"{folder}/config.json names model class {config['_class_name']!r}, "
+                             "which diffusers does not have")
+        model = build_on_meta(cls, folder, torch_dtype)
+        return model if model is not None else cls.from_pretrained(folder, dtype=torch_dtype)
+    architectures = config.get("architectures") or []
+    import transformers
+
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    if cls is None:
+        raise ValueError(f"{folder}/config.json names neither a diffusers class (_class_name) nor a "
+                         f"transformers one (architectures: {architectures})")
+    return cls.from_pretrained(folder, dtype=torch_dtype)
+
+
+def _weight_files(folder: str) -> tuple[list[str], bool] | None:
+    """The safetensors files of a diffusers model folder, and whether they are shards."""
+    index = os.path.join(folder, WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, name) for name in files], True
+    single = os.path.join(folder, WEIGHTS_NAME)
+    return ([single], False) if os.path.isfile(single) else None
+
+
+def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn.Module | None:
+    """A ``cls`` model whose checkpoint tensors are meta tensors carrying their file slices, or
+    None when diffusers' own loader must handle the folder (no safetensors weights, weights
+    missing from the checkpoint, mismatched shapes)."""
+    found = _weight_files(folder)
+    if torch_dtype is not None and torch_dtype.itemsize == 1:
+        return None  # diffusers casts to 8-bit floats after loading, in its own way
+    if found is None:
+        logger.info("%s: no safetensors weights; diffusers loads it", folder)
+        return None
+    files, sharded = found
+    slices = read_index(files)
+    config = cls.load_config(folder)
+    with _empty_construction(cls, torch_dtype):
+        model = cls.from_config(config)
+    if not sharded:
+        model._fix_state_dict_keys_on_load(slices)
+    state = model.state_dict(keep_vars=True)
+    if not any(isinstance(t, nn.Parameter) for t in state.values()):
+        return None  # enable_offload packs modules with parameters only: nothing would read the buffers
+    missing = [key for key, t in state.items() if key not in slices and t.is_meta]
+    mismatched = [key for key, t in state.items() if key in slices and tuple(slices[key].shape) != tuple(t.shape)]
+    if missing or mismatched:
+        logger.warning("%s: %d weights missing from the checkpoint and %d of another shape (%s); diffusers "
+                       "loads it", folder, len(missing), len(mismatched), ", ".join((missing + mismatched)[:4]))
+        return None
+    keep_fp32 = cls._keep_in_fp32_modules or []
+    keep_fp32 = [keep_fp32] if isinstance(keep_fp32, str) else list(keep_fp32)
+    replacements: dict[int, torch.Tensor] = {}
+    for key, t in state.items():
+        source = slices.get(key)
+        if source is None:
+            continue  # a buffer the checkpoint does not hold keeps its constructed value
+        new = replacements.get(id(t))
+        if new is None:
+            if torch_dtype is not None and source.dtype.is_floating_point:
+                keep = any(m in key.split(".") for m in keep_fp32)
+                dtype = torch.float32 if keep else torch_dtype
+            else:
+                dtype = t.dtype
+            new = torch.empty(source.shape, dtype=dtype, device="meta")
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            setattr(new, SOURCE_ATTRIBUTE, source)
+            replacements[id(t)] = new
+        module_name, _, name = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        (module._parameters if name in module._parameters else module._buffers)[name] = new
+    model.eval()
+    model.register_to_config(_name_or_path=folder)
+    return model
+
+
+@contextlib.contextmanager
+def _empty_construction(cls: type, torch_dtype: torch.dtype | None) -> Iterator[None]:
+    """Build a model as diffusers does before loading: parameters on the meta device (buffers,
+    which checkpoints may not hold, really computed), initialisers skipped, and the default dtype
+    set to ``torch_dtype``."""
+    from diffusers.models.modeling_utils import no_init_weights
+
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            param = nn.Parameter(param.data.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    previous = cls._set_default_torch_dtype(torch_dtype) if torch_dtype is not None else None
+    nn.Module.register_parameter = register_on_meta
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+        if previous is not None:
+            torch.set_default_dtype(previous)
