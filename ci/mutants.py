@@ -125,7 +125,7 @@ MUTANTS = [
     Mutant("model-level: a bare module's weights leave the device after its forward", M,
            "after = self.release_all if c.module is self._release_after else None", (CONFIG,),
            replacement="after = None"),
-    Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES,)),
+    Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (IN_PLACE,)),
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
     # -- resident modules and pipelines ------------------------------------------------------
     Mutant("resident: copies wait for earlier compute", R,

@@ -16,6 +16,9 @@ from offload_core.compatibility import ROWS, cells, render
 import compat_cases
 from helpers import chaos_backend
 
+#: the table is a statement about the fake backend (chaos mode, its sanitizer, CPU references)
+pytestmark = pytest.mark.fake_only
+
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 WORLD = 2
 SINGLE = cells(("model", "layerwise"))

@@ -125,13 +125,14 @@ def pack_units(units, placement, txn: Transaction, desc: str) -> None:
     logger.info("%s: %d units, %.1f MB, placed: %s", desc, len(units), total / 2**20, placement.summary())
 
 
-def unpack_units(units) -> None:
+def unpack_units(units, placement) -> None:
     """Give every unit's tensors ordinary host memory again, one unit at a time, releasing each
-    home as soon as its unit is unpacked: host memory stays near one copy of the model."""
+    home as soon as its unit is unpacked (pinned slabs included, see ``Placement.unpack``): host
+    memory stays near one copy of the model."""
     trimmer = Trimmer()
     for unit in units:
         if unit.host or unit.image is not None or unit.kept:
-            unit.unpack()
+            placement.unpack(unit)
             trimmer.add(unit.nbytes)
     trimmer.flush()
 

@@ -117,10 +117,13 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         if not self.shard:
             return super().host_units()
         return [HostUnit(self.resident, ONCE, self.resident.nbytes),
-                *(HostUnit(u, STREAM, self._shard_bytes(u)) for u in self.units)]
+                *(HostUnit(u, STREAM, self._shard_bytes(u), self._shard_buffers(u)) for u in self.units)]
+
+    def _shard_buffers(self, unit) -> tuple[int, ...]:
+        return tuple(_padded(n, self.world) // self.world * dtype.itemsize for dtype, n in unit.numel.items())
 
     def _shard_bytes(self, unit) -> int:
-        return nbytes_of({dtype: _padded(n, self.world) // self.world for dtype, n in unit.numel.items()})
+        return sum(self._shard_buffers(unit))
 
     def _pack(self, txn: Transaction) -> None:
         """Keep only this rank's shard of each block, building one block's padded copy at a time.

@@ -217,7 +217,7 @@ class LayerwiseOffload:
         if self._occupant:
             self._settle()
         self._transfers = self._images = []
-        unpack_units([self.resident, *self.units])
+        unpack_units([self.resident, *self.units], self.placement)
         self._release()
 
     def _settle(self) -> None:

@@ -152,7 +152,7 @@ class ModelLevelOffload:
         self.copy_stream.synchronize()
         for group in self.groups:
             self._swap_out(group)
-        unpack_units([c.unit for g in self.groups for c in g.components])
+        unpack_units([c.unit for g in self.groups for c in g.components], self.placement)
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""

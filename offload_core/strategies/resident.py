@@ -63,4 +63,4 @@ class ResidentModules:
 
     def disable(self) -> None:
         self._remove_hooks()
-        unpack_units(self.units)
+        unpack_units(self.units, self.placement)

@@ -229,8 +229,12 @@ class WeightUnit:
         return any(r.reader is not None for r in self.regions)
 
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
-        return [buffers[e.dtype].as_strided(e.size, e.stride, e.offset) for e in self.entries]
+        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors, which may
+        themselves be views into a larger storage, such as a pinned slab)."""
+        return [
+            buffers[e.dtype].as_strided(e.size, e.stride, buffers[e.dtype].storage_offset() + e.offset)
+            for e in self.entries
+        ]
 
     def bind(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Point every owner at its view of ``buffers``. No data moves."""
@@ -277,7 +281,8 @@ class WeightUnit:
             for index in r.entries:
                 entry = self.entries[index]
                 if entry.owners:
-                    _bind_entry(entry, host[entry.dtype].as_strided(entry.size, entry.stride, entry.offset))
+                    home = host[entry.dtype]  # may be a view into a pinned slab: offsets are relative to it
+                    _bind_entry(entry, home.as_strided(entry.size, entry.stride, home.storage_offset() + entry.offset))
             r.source = r.reader = None
         self.host = host
         self._bind_composites(self.views(host))
