@@ -43,6 +43,7 @@ LORA = "tests/test_contract_lora.py"
 CALLBACK_DISABLE = "tests/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
 SHARDED = "tests/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
 REUSE = "tests/test_layerwise_lifecycle.py::test_first_copies_are_ordered_after_compute_on_reused_device_memory"
+CHILD_ALONE = "tests/test_contract_failures.py::test_a_component_child_called_alone_leaves_the_device_after_it"
 WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
 STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
@@ -112,11 +113,13 @@ MUTANTS = [
     Mutant("distributed disable: host waits for the read-back", D, "host.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------
     Mutant("model-level: disable swaps every group home, also in the middle of a call", M, "self.release_all()",
-           (CALLBACK_DISABLE,), occurrence=0, occurrences=3),
+           (CALLBACK_DISABLE,), occurrence=0, occurrences=4),
     Mutant("model-level: a pipeline call's groups leave the device when it ends", M, "self.release_all()",
-           (PIPELINES, LORA), occurrence=1, occurrences=3),
+           (PIPELINES, LORA), occurrence=1, occurrences=4),
     Mutant("model-level: a component called on its own leaves the device after its forward", M,
-           "self.release_all()", (CONFIG,), occurrence=2, occurrences=3),
+           "self.release_all()", (CONFIG,), occurrence=2, occurrences=4),
+    Mutant("model-level: a child called on its own (vae.decode) leaves the device after it", M,
+           "self.release_all()", (CHILD_ALONE,), occurrence=3, occurrences=4),
     Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES,)),
     Mutant("model-level: a staged group's ticket is waited before its ready event", M,
            "self.placement.wait(ticket)", (STAGED_PIPELINE,)),

@@ -1,11 +1,19 @@
 """A :class:`DeviceBackend` for any accelerator torch drives through its device-generic API.
 
-CUDA and Ascend NPU expose the same stream model, and torch now names it once: ``torch.Stream``,
-``torch.Event`` and the per-device module returned by ``torch.get_device_module(device_type)``
-(``current_device``, ``set_device``, ``device_count``, ``current_stream``, ``stream``,
-``synchronize``, ``memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``,
+CUDA and Ascend NPU expose the same stream model, and torch names it once: the per-device module
+returned by ``torch.get_device_module(device_type)`` (``Stream``, ``Event``, ``current_device``,
+``set_device``, ``device_count``, ``current_stream``, ``stream``, ``synchronize``,
+``memory_allocated``, ``memory_reserved``, ``max_memory_allocated``, ``reset_peak_memory_stats``,
 ``mem_get_info``). Writing the backend against those names keeps the vendor backends to a probe
 and three class attributes, and keeps the core free of any vendor module (a test enforces it).
+
+Streams and events come from the device module's own ``Stream`` and ``Event`` classes, not from
+the generic ``torch.Stream(device=...)`` / ``torch.Event(device=...)`` constructors: those need
+the device guard to implement stream creation and event synchronisation, which Ascend's guard
+does not, and a vendor event's ``record``/``wait`` may accept only the vendor's own stream type
+(Ascend's do). So every stream and event this backend hands out, the current stream included,
+is of the device module's classes; the generic classes are the fallback for a device module
+that has none.
 
 Lifetime rule inherited from the ABC: ``copy_async`` and ``all_gather_into_tensor`` do not call
 ``record_stream``; the caller keeps every tensor alive until an event recorded after the work has
@@ -21,8 +29,8 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 
 from . import dist as _dist
-from .backend import Capability, DeviceBackend, Stream
-from .memory_accounting import AllocationTracker, as_shape
+from .backend import Capability, DeviceBackend, Event, Stream
+from .memory_accounting import AllocationTracker, as_shape, power_of_two_ceil
 
 __all__ = ["AcceleratorBackend", "BackendUnavailableError", "CollectiveWork"]
 
@@ -97,7 +105,13 @@ class AcceleratorBackend(DeviceBackend):
                 f"offload backend {cls.name!r} cannot be used in this process: {cls.unavailable_reason()}"
             )
         self._mod = self._device_module()
-        self._pinned = AllocationTracker(f"{cls.name} pinned host memory")
+        # The device module's own classes where it has both (see the module docstring).
+        self._vendor_streams = hasattr(self._mod, "Stream") and hasattr(self._mod, "Event")
+        # torch's caching host allocator rounds every pinned request up to a power of two and
+        # caches freed blocks until emptied; the tracker counts what it really holds.
+        self._pinned = AllocationTracker(
+            f"{cls.name} pinned host memory", block_size=power_of_two_ceil, caches_freed=True
+        )
         self._used_devices: set[int] = set()
 
     def _device_module(self) -> Any:
@@ -119,29 +133,24 @@ class AcceleratorBackend(DeviceBackend):
         return int(self._mod.device_count())
 
     # -- streams --------------------------------------------------------------------------
-    def new_stream(self) -> torch.Stream:
-        return torch.Stream(device=self.device())
+    def new_stream(self) -> Stream:
+        stream_class = self._mod.Stream if self._vendor_streams else torch.Stream
+        return stream_class(device=self.device())
 
-    def current_stream(self) -> torch.Stream:
-        stream = self._mod.current_stream(self.device())
-        if isinstance(stream, torch.Stream):
-            return stream
-        # A vendor stream class outside torch.Stream's hierarchy: rewrap it, so that the same
-        # stream object works with torch.Event and the rest of this class.
-        return torch.Stream(
-            stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
-        )
+    def current_stream(self) -> Stream:
+        # Returned as the device module made it: its events accept it as it is.
+        return self._mod.current_stream(self.device())
 
     @contextlib.contextmanager
-    def use_stream(self, stream: torch.Stream) -> Iterator[torch.Stream]:
+    def use_stream(self, stream: Stream) -> Iterator[Stream]:
         # The device module's context manager keeps the previous stream in a fresh object per
         # use. ``with stream:`` keeps it on the stream object itself, which is not re-entrant in
         # every torch we support and is shared by all threads using that stream.
         with self._mod.stream(stream):
             yield stream
 
-    def wait_stream(self, waiter: torch.Stream, waitee: torch.Stream) -> None:
-        event = torch.Event(device=waitee.device)
+    def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
+        event = self.new_event()
         event.record(waitee)
         event.wait(waiter)
 
@@ -151,10 +160,13 @@ class AcceleratorBackend(DeviceBackend):
             self._mod.synchronize(index)
 
     # -- events ---------------------------------------------------------------------------
-    def new_event(self, timing: bool = False) -> torch.Event:
-        # torch.Event already has the ABC's semantics: record/wait default to the current
-        # stream, waiting on or synchronising an unrecorded event returns at once, and
-        # re-recording moves the marker without affecting waits already enqueued.
+    def new_event(self, timing: bool = False) -> Event:
+        # The device modules' events have the ABC's semantics: record/wait default to the
+        # current stream, waiting on or synchronising an unrecorded event returns at once, and
+        # re-recording moves the marker without affecting waits already enqueued. They take no
+        # device: the event binds to the device of the stream it is first recorded on.
+        if self._vendor_streams:
+            return self._mod.Event(enable_timing=timing)
         return torch.Event(device=self.device(), enable_timing=timing)
 
     # -- host memory ----------------------------------------------------------------------
@@ -165,7 +177,23 @@ class AcceleratorBackend(DeviceBackend):
         return tensor.device.type == "cpu" and tensor.is_pinned()
 
     def pinned_memory_allocated(self) -> int:
-        return self._pinned.current
+        return self._pinned.held
+
+    def pinned_allocation_size(self, nbytes: int) -> int:
+        return power_of_two_ceil(nbytes)
+
+    def empty_host_cache(self) -> None:
+        """Free the host allocator's cached pinned blocks, through the device module where it
+        offers it, else through ``torch.accelerator`` when this device is torch's accelerator."""
+        empty = getattr(self._mod, "empty_host_cache", None)
+        if empty is None:
+            accelerator = getattr(torch, "accelerator", None)
+            current = accelerator.current_accelerator() if hasattr(accelerator, "current_accelerator") else None
+            if current is not None and current.type == self.device_type:
+                empty = getattr(accelerator, "empty_host_cache", None)
+        if empty is not None:
+            empty()
+            self._pinned.empty_cache()
 
     # -- device memory --------------------------------------------------------------------
     def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -190,11 +218,15 @@ class AcceleratorBackend(DeviceBackend):
         self._mod.reset_peak_memory_stats(self.device())
 
     def mem_get_info(self) -> tuple[int, int]:
-        free, total = self._mod.mem_get_info(self.device())
-        return int(free), int(total)
+        # The driver counts the caching allocator's idle reserve as used; new allocations through
+        # the backend get it first, so it is free in the ABC's sense.
+        device = self.device()
+        free, total = self._mod.mem_get_info(device)
+        idle = int(self._mod.memory_reserved(device)) - int(self._mod.memory_allocated(device))
+        return int(free) + max(idle, 0), int(total)
 
     # -- transfers ------------------------------------------------------------------------
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.Stream | None = None) -> None:
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) -> None:
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(
                 f"copy_async needs equal shapes and dtypes, got dst {tuple(dst.shape)} {dst.dtype} "
@@ -232,7 +264,7 @@ class AcceleratorBackend(DeviceBackend):
         output: torch.Tensor,
         input: torch.Tensor,
         group: Any = None,
-        stream: torch.Stream | None = None,
+        stream: Stream | None = None,
     ) -> CollectiveWork:
         stream = stream if stream is not None else self.current_stream()
         with self.use_stream(stream):

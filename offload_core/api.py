@@ -11,6 +11,7 @@ from . import ownership
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
+from .foreign import refuse_weight_hook_methods, weight_hooks
 from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
 from .hostmem.placement import plan_placement
 from .pipelines import enable_on_pipeline, is_pipeline
@@ -68,8 +69,7 @@ def enable_checked(target: Any, kind: str, config: OffloadConfig) -> OffloadHand
             f"offloading is already enabled on this {type(target).__name__} by {existing!r}; call handle.disable() "
             "first (again, if an earlier disable() was interrupted)"
         )
-    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if kind == "pipeline" else [target]
-    ownership.check_free(roots, f"this {type(target).__name__}")
+    ownership.check_free(_roots(target), f"this {type(target).__name__}")
     foreign = _foreign_offload(target)
     if foreign:
         raise OffloadConfigError(
@@ -82,11 +82,16 @@ def enable_checked(target: Any, kind: str, config: OffloadConfig) -> OffloadHand
     else:
         handle = _enable_on_module(target, config, backend)
 
+    roots, undo_refusal = _roots(target), []  # diffusers' weight-hook methods refused meanwhile
+
     def mark(on: bool) -> None:  # taken off while a plain copy is made, so the copy is not "enabled"
         if on:
             setattr(target, HANDLE_ATTRIBUTE, handle)
+            undo_refusal.append(refuse_weight_hook_methods(roots))
         else:
             target.__dict__.pop(HANDLE_ATTRIBUTE, None)
+            while undo_refusal:
+                undo_refusal.pop()()
 
     mark(True)
     handle._instruments.append(mark)
@@ -96,17 +101,14 @@ def enable_checked(target: Any, kind: str, config: OffloadConfig) -> OffloadHand
 
 
 def _foreign_offload(target: Any) -> str | None:
-    """The other offloading library whose hooks are on ``target``, if any: two libraries moving
-    the same weights would fight over them."""
-    modules = [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
-    for root in modules:
-        for module in root.modules():
-            if getattr(module, "_hf_hook", None) is not None:
-                return "accelerate's offload hooks"
-            registry = getattr(module, "_diffusers_hook", None)
-            if registry is not None and getattr(registry, "hooks", None):
-                return "diffusers' hooks (group offloading or a cache)"
-    return None
+    """The other library whose hooks manage ``target``'s weights, if any: two libraries moving
+    the same weights would fight over them. diffusers' caches and other hooks that leave the
+    weights alone run on top of offload (:mod:`.foreign`)."""
+    return weight_hooks(_roots(target))
+
+
+def _roots(target: Any) -> list[nn.Module]:
+    return [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
 
 
 def _enable_on_module(module: nn.Module, config: OffloadConfig, backend) -> OffloadHandle:

@@ -170,7 +170,21 @@ class DeviceBackend(abc.ABC):
 
     @abc.abstractmethod
     def pinned_memory_allocated(self) -> int:
-        """Bytes of pinned host memory this backend has handed out and that are still alive."""
+        """Bytes of pinned host memory this backend really holds for the allocations it handed
+        out: the host allocator's rounding included, and freed blocks it still caches until
+        :meth:`empty_host_cache`."""
+
+    def pinned_allocation_size(self, nbytes: int) -> int:
+        """Bytes an ``empty_pinned`` of ``nbytes`` really takes (the host allocator's rounding).
+
+        Offload-core sizes its pinned slabs with it, so that no rounding is wasted: a slab is
+        either a size the allocator hands out exactly, or the whole rounded block. The default,
+        no rounding, is right for a backend that pins memory at exact size (host registration)."""
+        return nbytes
+
+    def empty_host_cache(self) -> None:
+        """Return freed pinned blocks that the host allocator caches to the system. Called when
+        offloading is disabled. The default does nothing (no cache)."""
 
     # -- device memory ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -191,7 +205,13 @@ class DeviceBackend(abc.ABC):
 
     @abc.abstractmethod
     def mem_get_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the device."""
+        """(free bytes, total bytes) of the device.
+
+        *Free* means the bytes available to new allocations through this backend right now: what
+        the driver reports free plus what the backend's caching allocator holds without using
+        (reserved but not allocated), so ``free = total - allocated - memory held elsewhere``.
+        Strategies decide whether a prefetch fits from it. A raw driver figure, which counts the
+        caching allocator's idle reserve as used, would refuse prefetches that fit."""
 
     # -- transfers --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -205,7 +225,9 @@ class DeviceBackend(abc.ABC):
     @abc.abstractmethod
     def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
         """Join the default process group with this backend's ``dist_backend`` and bind this
-        rank to its device."""
+        rank to its device. ``timeout=`` (a ``datetime.timedelta`` or seconds) bounds the wait
+        of every collective; without it torch's default for ``dist_backend`` applies. Other
+        keyword arguments go to ``torch.distributed.init_process_group``."""
 
     @abc.abstractmethod
     def all_gather_into_tensor(

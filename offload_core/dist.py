@@ -18,7 +18,13 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
 
 
 def init_process_group(dist_backend: str, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
-    """Join the default group unless this process already has one of the same backend and size."""
+    """Join the default group unless this process already has one of the same backend and size.
+
+    ``timeout`` (a ``datetime.timedelta`` or seconds) bounds how long a collective waits for the
+    other ranks; without it torch's default for ``dist_backend`` applies (10 minutes for NCCL, 30
+    for gloo in torch 2.13). A short default would fire while ranks pack a large model at
+    different speeds before their first collective.
+    """
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
@@ -26,5 +32,19 @@ def init_process_group(dist_backend: str, rank: int, world_size: int, init_metho
                 f"cannot join as rank {rank} of {world_size}"
             )
         return
-    kwargs.setdefault("timeout", datetime.timedelta(seconds=120))
+    if "timeout" in kwargs:
+        kwargs["timeout"] = collective_timeout(kwargs["timeout"])
     dist.init_process_group(dist_backend, rank=rank, world_size=world_size, init_method=init_method, **kwargs)
+
+
+def collective_timeout(value: Any) -> datetime.timedelta:
+    """``value`` (a timedelta or a number of seconds) as the positive timedelta torch wants."""
+    if isinstance(value, datetime.timedelta):
+        timeout = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        timeout = datetime.timedelta(seconds=value)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {value!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value!r}")
+    return timeout

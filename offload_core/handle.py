@@ -126,6 +126,11 @@ class OffloadHandle:
                 placement.close()
             self.enabled = False
             ownership.unregister(self)
+            # no reference cycle left (part -> handle, instrument -> handle): what the strategies
+            # still hold goes now, not at the next garbage collection
+            for part in self.parts:
+                part.owner = None
+            self._instruments.clear()
         trimmer = Trimmer()
         trimmer.add(sum(p.host_bytes for p in self.parts))  # the homes just freed, device buffers on CPU backends
         trimmer.flush()

@@ -8,6 +8,7 @@ storage gives the bytes back when the last tensor viewing that storage dies.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import weakref
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["AllocationTracker", "as_shape"]
+__all__ = ["AllocationTracker", "as_shape", "power_of_two_ceil"]
 
 Factory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -23,6 +24,12 @@ Factory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 def as_shape(size: int | Sequence[int]) -> tuple[int, ...]:
     """The backend API takes a number of elements or a shape; torch wants a shape."""
     return (int(size),) if isinstance(size, int) else tuple(int(s) for s in size)
+
+
+def power_of_two_ceil(nbytes: int) -> int:
+    """The block torch's caching host allocator takes for a request of ``nbytes``: the next power
+    of two (torch's ``host_memory_stats`` documents the rounding)."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -42,6 +49,11 @@ class AllocationTracker:
     The cap is checked before the allocation so that exceeding it raises ``oom_error`` (a
     ``torch.OutOfMemoryError`` by default, what callers of a real device already handle) instead
     of over-committing.
+
+    ``block_size`` models an allocator that rounds requests (``nbytes -> bytes really taken``);
+    every figure here counts the rounded bytes. With ``caches_freed`` the model is a caching
+    allocator: a freed block stays held (``cached``) until :meth:`empty_cache`, and a later request
+    of the same block size reuses it, as torch's caching host allocator does.
     """
 
     def __init__(
@@ -49,27 +61,42 @@ class AllocationTracker:
         kind: str,
         capacity: int | None = None,
         oom_error: type[Exception] = torch.OutOfMemoryError,
+        block_size: Callable[[int], int] | None = None,
+        caches_freed: bool = False,
     ) -> None:
         self.kind = kind
         self.label = kind  # how the out-of-memory message names this memory
         self.capacity = capacity
         self.oom_error = oom_error
-        self.current = 0
+        self.block_size = block_size or (lambda nbytes: nbytes)
+        self.caches_freed = caches_freed
+        self.current = 0  # bytes of live allocations
+        self.cached = 0  # bytes of freed blocks still held (caches_freed only)
         self.peak = 0
+        self._free_blocks: collections.Counter[int] = collections.Counter()  # block size -> count
         self._live: dict[tuple[int, int], int] = {}  # storage key -> bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a storage finalizer may run (GC) while the lock is held
+
+    @property
+    def held(self) -> int:
+        """Bytes the allocator holds: live allocations plus cached free blocks."""
+        return self.current + self.cached
 
     def allocate(
         self, size: int | Sequence[int], dtype: torch.dtype, factory: Factory = _empty
     ) -> torch.Tensor:
         """A new tensor from ``factory(shape, dtype)``, counted until its storage dies."""
         shape = as_shape(size)
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = self.block_size(math.prod(shape) * dtype.itemsize)
         with self._lock:
-            if self.capacity is not None and self.current + nbytes > self.capacity:
+            reused = self._free_blocks[nbytes] > 0
+            if reused:
+                self._free_blocks[nbytes] -= 1
+                self.cached -= nbytes
+            elif self.capacity is not None and self.held + nbytes > self.capacity:
                 raise self.oom_error(
                     f"{self.label} out of memory: tried to allocate {nbytes} bytes with "
-                    f"{self.current} of {self.capacity} bytes in use"
+                    f"{self.held} of {self.capacity} bytes in use"
                 )
             self.current += nbytes
             self.peak = max(self.peak, self.current)
@@ -78,6 +105,9 @@ class AllocationTracker:
         except BaseException:
             with self._lock:  # the reservation above must not leak when the allocator refuses
                 self.current -= nbytes
+                if reused:
+                    self._free_blocks[nbytes] += 1
+                    self.cached += nbytes
             raise
         key = _storage_key(tensor)
         with self._lock:
@@ -91,6 +121,16 @@ class AllocationTracker:
             self.current -= nbytes
             if nbytes:
                 self._live.pop(key, None)
+            if self.caches_freed and nbytes:
+                self._free_blocks[nbytes] += 1
+                self.cached += nbytes
+
+    def empty_cache(self) -> int:
+        """Give the cached free blocks back; returns their bytes."""
+        with self._lock:
+            freed, self.cached = self.cached, 0
+            self._free_blocks.clear()
+        return freed
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` views (part of) a live allocation made here."""

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -436,3 +437,201 @@ def test_tracker_cap_raises_the_given_error_and_a_failed_allocation_leaks_nothin
     with pytest.raises(RuntimeError, match="allocator refused"):
         tracker.allocate(10, torch.uint8, failing_factory)
     assert tracker.current == 0
+
+
+# -- streams and events through the device module (a stand-in whose generic streams raise) ------
+
+
+class VendorStream:
+    """A device module's own stream class: a synchronous stand-in device, so that work is done
+    when issued, with the checks a vendor runtime makes."""
+
+    def __init__(self, device=None, priority=0):
+        self.device = torch.device(device) if device is not None else torch.device("cpu", 0)
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def wait_event(self, event) -> None:
+        event.wait(self)
+
+
+def _require_vendor_stream(stream, what: str) -> None:
+    # torch_npu's event record/wait cast their argument to the NPU stream type: anything else
+    # (a generic torch.Stream) is undefined behaviour there, an error here.
+    if not isinstance(stream, VendorStream):
+        raise TypeError(f"{what} needs a vendor stream, got {type(stream).__name__}")
+
+
+class VendorEvent:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.recorded_on = None
+
+    def record(self, stream=None):
+        stream = stream if stream is not None else VENDOR.current_stream()
+        _require_vendor_stream(stream, "Event.record")
+        self.recorded_on = stream
+
+    def wait(self, stream=None):
+        _require_vendor_stream(stream if stream is not None else VENDOR.current_stream(), "Event.wait")
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None: ...
+
+
+class VendorModule(StandInModule):
+    """A device module with its own Stream and Event classes, stream context and memory figures."""
+
+    Stream = VendorStream
+    Event = VendorEvent
+
+    def __init__(self) -> None:
+        super().__init__(count=1)
+        self.default = VendorStream()
+        self.allocated, self.reserved, self.driver_free, self.total = 0, 0, 0, 0
+        self.host_cache_emptied = 0
+
+    def stream(self, stream):
+        _require_vendor_stream(stream, "stream()")
+        return super().stream(stream)
+
+    def current_stream(self, device=None):
+        return self.stream_stack[-1] if self.stream_stack else self.default
+
+    def memory_allocated(self, device=None) -> int:
+        return self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.allocated
+
+    def reset_peak_memory_stats(self, device=None) -> None: ...
+
+    def memory_reserved(self, device=None) -> int:
+        return self.reserved
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        return self.driver_free, self.total
+
+    def empty_host_cache(self) -> None:
+        self.host_cache_emptied += 1
+
+
+VENDOR = VendorModule()
+
+
+class VendorBackend(AcceleratorBackend):
+    """A device whose generic stream creation is unsupported; tensors live on the CPU so that a
+    strategy can run end to end on it."""
+
+    name = "vendor-stand-in"
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    @classmethod
+    def probe(cls) -> bool:
+        return True
+
+    def _device_module(self):
+        return VENDOR
+
+
+@pytest.fixture
+def vendor_backend(monkeypatch):
+    """The stand-in backend, with torch's generic stream and event constructors raising as they
+    do on a device whose guard does not implement them, and plain memory as "pinned" memory."""
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("Backend doesn't support creating a new Stream")
+
+    # Only the backend's view of torch changes: torch itself stays intact for everything else.
+    generic_unsupported = types.ModuleType("torch")
+    generic_unsupported.__getattr__ = lambda name: getattr(torch, name)
+    generic_unsupported.Stream = generic_unsupported.Event = unsupported
+    monkeypatch.setattr("offload_core.accelerator.torch", generic_unsupported)
+    monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    VENDOR.__init__()
+    return VendorBackend()
+
+
+def test_streams_and_events_come_from_the_device_module(vendor_backend):
+    backend = vendor_backend
+    side = backend.new_stream()
+    assert isinstance(side, VendorStream)
+    assert backend.current_stream() is VENDOR.default  # the module's stream, not a rewrap
+    with backend.use_stream(side):
+        assert backend.current_stream() is side
+    event = backend.new_event()
+    assert isinstance(event, VendorEvent)
+    event.record(side)
+    event.wait(backend.current_stream())
+    event.record()  # the current stream by default
+    assert event.recorded_on is VENDOR.default
+    backend.wait_stream(side, backend.current_stream())
+    assert isinstance(offload_core.Stream, type) and isinstance(side, offload_core.Stream)
+    assert isinstance(event, offload_core.Event)
+
+
+def test_a_strategy_runs_end_to_end_on_device_module_streams(vendor_backend):
+    from stacks import StackSpec, build_stack
+
+    model = build_stack(StackSpec(d=8, layer_dtypes=[[torch.float32, torch.bfloat16]] * 4, tie_within=True))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = [model(x + i) for i in range(3)]
+        for options in ({"enable_layerwise_offload": True, "prefetch_depth": 2}, {"enable_cpu_offload": True}):
+            handle = offload_core.enable_offload(model, backend=vendor_backend, **options)
+            for i in range(3):
+                assert torch.equal(model(x + i), expected[i])
+            assert handle.stats()["pinned_host_bytes"] > 0
+            handle.disable()
+            assert torch.equal(model(x), expected[0])
+    assert VENDOR.host_cache_emptied >= 2  # disable gave the cached pinned blocks back
+
+
+def test_mem_get_info_counts_the_allocators_idle_reserve_as_free(vendor_backend):
+    # The driver sees 6 GB free of 16; the caching allocator holds 5 GB, of which 2 GB are in use:
+    # the 3 GB it holds idle are what new allocations get first.
+    VENDOR.total, VENDOR.driver_free, VENDOR.reserved, VENDOR.allocated = 16 << 30, 6 << 30, 5 << 30, 2 << 30
+    assert vendor_backend.mem_get_info() == (9 << 30, 16 << 30)
+
+
+def test_accelerator_pinned_accounting_models_the_caching_host_allocator(vendor_backend):
+    backend = vendor_backend
+    assert backend.pinned_allocation_size(600_000) == 1 << 20
+    t = backend.empty_pinned(600_000)
+    assert backend.pinned_memory_allocated() == 1 << 20  # rounded up to a power of two
+    del t
+    gc.collect()
+    assert backend.pinned_memory_allocated() == 1 << 20  # the freed block stays cached
+    emptied = VENDOR.host_cache_emptied
+    backend.empty_host_cache()
+    assert VENDOR.host_cache_emptied == emptied + 1 and backend.pinned_memory_allocated() == 0
+
+
+# -- the collective timeout ------------------------------------------------------------------
+
+
+def test_collective_timeout_is_torchs_default_unless_the_user_sets_one(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    joined: list[dict] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: joined.append(kwargs))
+    backend = offload_core.get_backend("fake", chaos=False)
+    backend.init_process_group(0, 1, "tcp://127.0.0.1:1")
+    assert "timeout" not in joined[-1]  # torch's default for the collective backend
+    backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=90)
+    assert joined[-1]["timeout"] == datetime.timedelta(seconds=90)
+    backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=datetime.timedelta(hours=1))
+    assert joined[-1]["timeout"] == datetime.timedelta(hours=1)
+    with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or a number of seconds, got '1m'"):
+        backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout="1m")
+    with pytest.raises(ValueError, match="timeout must be positive, got 0"):
+        backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=0)
+    assert len(joined) == 3

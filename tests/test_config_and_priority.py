@@ -140,7 +140,7 @@ def test_a_model_offloaded_by_diffusers_is_refused_untouched():
     model = build_stack(StackSpec(d=8))
     apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
     before = snapshot(model)
-    with pytest.raises(offload_core.OffloadConfigError, match="diffusers' hooks"):
+    with pytest.raises(offload_core.OffloadConfigError, match="diffusers' group offloading"):
         offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     assert_same_state(before, snapshot(model))
 

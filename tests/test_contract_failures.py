@@ -14,6 +14,7 @@ import torch
 import offload_core
 from offload_core.tiny import build_pipeline
 from offload_core.weights import WeightUnit
+from offload_core.weights.unit import Region
 
 from contract_models import STRATEGIES, assert_same, build, raise_once, run
 from helpers import assert_same_state, chaos_backend, snapshot
@@ -70,26 +71,31 @@ def test_model_level_out_of_memory_during_a_load_does_not_break_later_calls():
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_ctrl_c_during_enable_leaves_the_model_untouched(strategy):
+def test_ctrl_c_during_enable_leaves_the_model_untouched(strategy, monkeypatch):
     model = build()
     before = snapshot(model)
     backend = chaos_backend()
-    allocate = backend.empty_pinned
-    calls = {"n": 0}
+    fill = Region.fill  # copies one storage span into its home: some owners are re-pointed, some not
+    calls = {"n": 0, "stop": None}
 
-    def interrupted(*args, **kwargs):
+    def interrupted(self, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == calls["stop"]:
             raise KeyboardInterrupt
-        return allocate(*args, **kwargs)
+        return fill(self, *args, **kwargs)
 
-    backend.empty_pinned = interrupted
+    monkeypatch.setattr(Region, "fill", interrupted)
+    offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy]).disable()
+    assert calls["n"] >= 2, "enable copies too few regions to be interrupted half way"
+    calls.update(n=0, stop=(calls["n"] + 1) // 2 + 1)  # Ctrl-C half way through packing the weights
+    gc.collect()
     with pytest.raises(KeyboardInterrupt):
         offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
     assert_same_state(before, snapshot(model))
     assert all("forward" not in m.__dict__ for m in model.modules())
     gc.collect()
     assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
+    monkeypatch.setattr(Region, "fill", fill)
     handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
     handle.disable()
     assert_same_state(before, snapshot(model))
@@ -148,3 +154,24 @@ def test_disable_from_a_step_callback_finishes_the_call_without_offload(strategy
     modules = [m for m in tiny.pipe.components.values() if isinstance(m, torch.nn.Module)]
     assert not any(backend.is_pinned(t) for m in modules for t in [*m.parameters(), *m.buffers()])
     assert torch.equal(tiny.run(seed=0), expected)
+
+
+def test_a_component_child_called_alone_leaves_the_device_after_it():
+    """pipe.vae.decode(...) outside a pipeline call (a child of the component, not its own call):
+    the group goes home afterwards, so an edit made then reaches the next call."""
+    tiny = build_pipeline("flux2")
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(tiny.pipe, enable_cpu_offload=True, backend=backend)
+    vae = tiny.pipe.vae
+    latents = torch.randn(1, vae.config.latent_channels, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = vae.decode(latents).sample
+    gc.collect()
+    assert backend.memory_allocated() == 0, "the group stayed on the device"
+    vae.decoder.conv_out.weight.data.mul_(2)  # an edit between calls: to the host, the truth
+    with torch.no_grad():
+        after = vae.decode(latents).sample
+    assert not torch.equal(before, after)
+    handle.disable()
+    with torch.no_grad():
+        assert torch.equal(vae.decode(latents).sample, after)

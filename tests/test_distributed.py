@@ -14,6 +14,9 @@ WORLD = 2
 D = 32  # wide enough that half the blocks' bytes dwarf alignment and padding
 ALIGN_BYTES = 64
 
+# the ranks run on the fake backend over gloo; a device backend's collectives need one device per rank
+pytestmark = pytest.mark.fake_only
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -69,6 +72,8 @@ def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
     assert stats["device_peak_bytes"] == part.device_weight_bytes
     for n in part.slot_shape.values():
         assert n % WORLD == 0
+    # the shards and the resident part are pinned homes, reported from the backend's allocations
+    assert stats["pinned_host_bytes"] == pinned > 0
     # slack: a 64-byte alignment per tensor, and padding each block's buffers to a multiple of N
     slack = ALIGN_BYTES * tensors + WORLD * 8 * len(dtypes) * 2
     resident_bytes = model_bytes - block_bytes
@@ -83,6 +88,7 @@ def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
         for key, value in model.state_dict().items():
             assert torch.equal(value, before["tensors"][key][1]), key
     handle.disable()
+    assert backend.pinned_memory_allocated() == pinned_before
     assert_same_state(before, snapshot(model))
     with torch.no_grad():
         assert torch.equal(model(x), expected[0])

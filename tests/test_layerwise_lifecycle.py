@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import re
 import weakref
@@ -12,10 +13,12 @@ import torch
 from torch import nn
 
 import offload_core
+from offload_core import Capability
 from offload_core.discovery import find_blocks
+from offload_core.weights.slabs import SlabAllocator
 from offload_core_fake import StreamRaceError
 
-from helpers import assert_same_state, chaos_backend, snapshot
+from helpers import assert_same_state, chaos_backend, device, run, snapshot
 from stacks import StackSpec, build_stack
 
 MIXED = [[torch.float32, torch.bfloat16], [torch.float16], [torch.float32, torch.float32], [torch.bfloat16], [torch.float32]]
@@ -27,13 +30,10 @@ def mixed_stack() -> nn.Module:
 
 def no_hooks(model: nn.Module) -> bool:
     return all(
-        not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__ for m in model.modules()
+        not m._forward_pre_hooks and not m._forward_hooks
+        and not {"forward", "compile", "_compiled_call_impl"} & m.__dict__.keys()
+        for m in model.modules()
     )
-
-
-def run(model, x):
-    with torch.no_grad():
-        return model(x)
 
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
@@ -65,32 +65,41 @@ def test_enabling_twice_is_a_clear_error_and_reenabling_after_disable_works():
     again.disable()
 
 
-def _assert_untouched(model, before, backend):
+def _memory(backend) -> tuple[int, int]:
+    gc.collect()
+    return backend.memory_allocated(), backend.pinned_memory_allocated()
+
+
+def _assert_untouched(model, before, backend, memory_before):
     assert_same_state(before, snapshot(model))
     assert no_hooks(model)
     assert not hasattr(model, "_offload_core_handle")
-    gc.collect()
-    assert backend.memory_allocated() == 0, "a slot or resident buffer leaked"
-    assert backend.pinned_memory_allocated() == 0, "a pinned buffer leaked"
+    device_bytes, pinned_bytes = _memory(backend)
+    assert device_bytes == memory_before[0], "a slot or resident buffer leaked"
+    assert pinned_bytes == memory_before[1], "a pinned buffer leaked"
 
 
+@pytest.mark.requires_capability(Capability.CAPACITY)
 def test_device_oom_leaves_the_model_untouched():
     model = mixed_stack()
     before = snapshot(model)
     backend = chaos_backend(device_memory=256)
+    memory = _memory(backend)
     with pytest.raises(torch.OutOfMemoryError):
         offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
-    _assert_untouched(model, before, backend)
+    _assert_untouched(model, before, backend, memory)
 
 
+@pytest.mark.fake_only  # a pinned-memory cap
 def test_pinned_oom_midway_through_packing_rolls_back():
     model = mixed_stack()
     before = snapshot(model)
     total = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
     backend = chaos_backend(pinned_memory=total // 2)
+    memory = _memory(backend)
     with pytest.raises(torch.OutOfMemoryError):
         offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
-    _assert_untouched(model, before, backend)
+    _assert_untouched(model, before, backend, memory)
 
 
 @pytest.mark.parametrize("target", ["stack", "blockless"])
@@ -113,23 +122,33 @@ def test_unknown_block_attribute_is_a_clear_error():
     model = mixed_stack()
     before = snapshot(model)
     backend = chaos_backend()
+    memory = _memory(backend)
     with pytest.raises(offload_core.BlockDiscoveryError, match="nope.*children are: embed, blocks, head"):
         offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend, blocks=["nope"])
-    _assert_untouched(model, before, backend)
+    _assert_untouched(model, before, backend, memory)
 
 
 class Marked(torch.Tensor):
-    """A tensor subclass, as quantisation libraries use; the packer cannot move it faithfully."""
+    """A tensor subclass with its own storage, as diffusers' GGUFParameter is."""
 
 
-def test_unsupported_tensor_subclass_is_rejected():
+def test_storage_tensor_subclass_is_streamed_and_keeps_its_class():
     model = mixed_stack()
-    model.blocks[2].layers[0].weight = nn.Parameter(model.blocks[2].layers[0].weight.detach().as_subclass(Marked))
+    layer = model.blocks[2].layers[0]
+    layer.weight = nn.Parameter(layer.weight.detach().as_subclass(Marked))
+    layer.weight.note = "kept"
+    expected = run(model, X)
     before = snapshot(model)
     backend = chaos_backend()
-    with pytest.raises(offload_core.UnsupportedTensorError, match=r"blocks\.2|Marked"):
-        offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
-    _assert_untouched(model, before, backend)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    home = handle.parts[0].units[2].host[layer.weight.dtype]  # what a block shows between forwards
+    assert home.data_ptr() <= layer.weight.data_ptr() < home.data_ptr() + home.nbytes, "not packed into its home"
+    assert type(layer.weight) is Marked and layer.weight.note == "kept"
+    for _ in range(2):
+        assert torch.equal(run(model, X), expected)
+    handle.disable()
+    assert type(layer.weight) is Marked and layer.weight.note == "kept"
+    assert_same_state(before, snapshot(model))
 
 
 def test_out_of_order_calls_load_synchronously_and_count_misses():
@@ -137,20 +156,22 @@ def test_out_of_order_calls_load_synchronously_and_count_misses():
     blocks = [b for _, b in find_blocks(model)]
     order = [4, 0, 2, 2, 1, 3]  # skips, repeats and runs backwards
 
-    def run_in(order):
+    def run_in(model, blocks, order):
         with torch.no_grad():
-            x = model.embed(X)
+            x = model.embed(X.to(device()))
             for i in order:
                 x = blocks[i](x)
-            return model.head(x)
+            return model.head(x).cpu()
 
-    expected = run_in(order)
+    resident = copy.deepcopy(model).to(device())
+    expected = run_in(resident, [b for _, b in find_blocks(resident)], order)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
-    assert torch.equal(run_in(order), expected)
+    assert torch.equal(run_in(model, blocks, order), expected)
     assert handle.stats()["prefetch_misses"] >= 3
     handle.disable()
 
 
+@pytest.mark.requires_capability(Capability.SANITIZE)
 def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     """The sanitizer sees compute read a slot that the copy stream writes with no event between."""
     model = mixed_stack()
@@ -167,6 +188,7 @@ def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     handle.disable()
 
 
+@pytest.mark.requires_capability(Capability.CHAOS)
 @pytest.mark.unsanitized("shows that chaos mode alone also sees this read-after-write race")
 def test_removing_the_ready_wait_gives_wrong_output_under_chaos():
     """Proves the suite can see a race: the same run without the compute-waits-copy step fails."""
@@ -211,12 +233,11 @@ def test_block_tensors_show_their_slot_only_inside_their_own_forward():
 
 def test_a_forward_with_autograd_is_exact_but_warns_once():
     model = mixed_stack()
-    with torch.no_grad():
-        expected = model(X)
+    expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     with pytest.warns(UserWarning, match="backward pass would read overwritten weights"):
         out = model(X)
-    assert torch.equal(out.detach(), expected)
+    assert torch.equal(out.detach().cpu(), expected)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(X)  # once is enough
@@ -240,25 +261,24 @@ def test_no_device_allocation_per_forward():
     handle.disable()
 
 
-def test_packing_releases_each_block_before_the_next_is_packed():
+def test_packing_releases_each_block_before_the_next_is_packed(monkeypatch):
     """Host memory during enable stays near one copy: a block's original tensors are freed as soon
-    as it is packed, before the next block's pinned buffer is allocated."""
+    as it is packed, before the next block's pinned home is allocated."""
     model = build_stack(StackSpec(d=16, layer_dtypes=[[torch.float32]] * 5))
     freed: list[int] = []
     for index, block in enumerate(model.blocks):
         for p in block.parameters():
             weakref.finalize(p.untyped_storage(), freed.append, index)
-    backend = chaos_backend()
     seen: list[int] = []
-    allocate = backend.empty_pinned
+    allocate = SlabAllocator.allocate
 
-    def tracking(*args, **kwargs):
+    def tracking(self, *args, **kwargs):
         seen.append(len(set(freed)))
-        return allocate(*args, **kwargs)
+        return allocate(self, *args, **kwargs)
 
-    backend.empty_pinned = tracking
-    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
-    # one pinned allocation for the resident part, then one per block: when block k is packed,
+    monkeypatch.setattr(SlabAllocator, "allocate", tracking)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    # one pinned home for the resident part, then one per block: when block k is packed,
     # the originals of blocks 0..k-1 are already gone
     assert seen[1:] == list(range(len(model.blocks)))
     assert len(set(freed)) == len(model.blocks)
@@ -283,3 +303,19 @@ def test_state_dict_of_an_offloaded_model_holds_the_true_weights():
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
     handle.disable()
+
+
+@pytest.mark.parametrize("strategy", ["enable_layerwise_offload", "enable_cpu_offload"])
+def test_disable_frees_the_strategy_without_waiting_for_garbage_collection(strategy):
+    """No reference cycle through the call wrappers: what a strategy still holds goes at disable."""
+    model = mixed_stack()
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **{strategy: True})
+    run(model, X)
+    part = weakref.ref(handle.parts[0])
+    gc.disable()
+    try:
+        handle.disable()
+        del handle
+        assert part() is None, "the strategy outlives disable until the next garbage collection"
+    finally:
+        gc.enable()

@@ -12,7 +12,7 @@ from offload_core.discovery.support import ROWS
 from offload_core.weights.unit import ALIGN_BYTES
 from offload_core.tiny import STANDINS, TRANSFORMERS, build_standin, build_transformer
 
-from helpers import chaos_backend, forward
+from helpers import chaos_backend, exact_accounting, forward
 
 MODELS = [("transformer" if name in TRANSFORMERS else "standin", name) for row in ROWS for name in row.tiny_models]
 
@@ -56,8 +56,6 @@ def test_layerwise_equals_resident(kind, name, depth):
         assert torch.equal(forward(model, perturbed(inputs, s)), expected[s]), f"step {s} differs"
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
-    # bounded residency, measured by the fake's accounting: exactly resident + slots x largest block
-    assert stats["device_peak_bytes"] == part.resident_bytes + part.num_slots * part.slot_bytes
     # each slot holds the largest block of each dtype, measured on the model itself (up to alignment)
     slot = {dtype: n * dtype.itemsize for dtype, n in part.slot_shape.items()}
     assert slot.keys() == largest.keys()
@@ -65,7 +63,13 @@ def test_layerwise_equals_resident(kind, name, depth):
         assert nbytes <= slot[dtype] <= nbytes + ALIGN_BYTES * tensors_per_block, dtype
     tensors = _unique_tensors(model)
     model_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    assert model_bytes <= stats["pinned_host_bytes"] <= model_bytes + ALIGN_BYTES * len(tensors)
+    weights = part.resident_bytes + part.num_slots * part.slot_bytes
+    if exact_accounting():
+        # bounded residency, measured by the fake's accounting: exactly resident + slots x largest block
+        assert stats["device_peak_bytes"] == weights
+        assert model_bytes <= stats["pinned_host_bytes"] <= model_bytes + ALIGN_BYTES * len(tensors)
+    else:
+        assert stats["device_peak_bytes"] >= weights and stats["pinned_host_bytes"] >= model_bytes
     handle.disable()
     assert torch.equal(forward(model, inputs), expected[0])
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import offload_core
 
-from helpers import chaos_backend
+from helpers import chaos_backend, exact_accounting, run
 from stacks import StackSpec, build_stack
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
@@ -33,27 +33,28 @@ def stack_specs(draw):
 def test_random_stacks_are_exact_and_bounded(spec, depth):
     model = build_stack(spec)
     x = torch.randn(3, spec.d, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = [model(x + i) for i in range(3)]
+    expected = [run(model, x + i) for i in range(3)]
     ties_before = {n for n, _ in model.named_parameters(remove_duplicate=True)}
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(), prefetch_depth=depth)
     part = handle.parts[0]
     copies = []
-    with torch.no_grad():
-        for i in range(3):
-            assert torch.equal(model(x + i), expected[i])
-            copies.append(handle.stats()["h2d_copies"])
+    for i in range(3):
+        assert torch.equal(run(model, x + i), expected[i])
+        copies.append(handle.stats()["h2d_copies"])
     # every block is copied once per forward, one copy per dtype it holds: nothing stays in a slot
     # across forwards, since the host copy may have changed in between
     per_forward = sum(len(u.numel) for u in part.units)
     assert copies[2] - copies[1] == copies[1] - copies[0] == per_forward
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
-    assert stats["device_peak_bytes"] == part.resident_bytes + part.num_slots * part.slot_bytes
+    weights = part.resident_bytes + part.num_slots * part.slot_bytes
+    if exact_accounting():
+        assert stats["device_peak_bytes"] == weights
+    else:
+        assert stats["device_peak_bytes"] >= weights
     # a tensor shared across blocks or with the head is resident, never streamed twice
     if spec.tie_head and spec.layer_dtypes[0][0] == torch.float32:
         assert model.head.weight is model.blocks[0].layers[0].weight
     handle.disable()
     assert {n for n, _ in model.named_parameters(remove_duplicate=True)} == ties_before
-    with torch.no_grad():
-        assert torch.equal(model(x), expected[0])
+    assert torch.equal(run(model, x), expected[0])

@@ -287,3 +287,17 @@ def test_it_is_on_by_default_under_pytest_backend_fake(backend, new_backend):
 def test_the_unsanitized_marker_turns_it_off(new_backend):
     assert new_backend().sanitizer is None
     assert offload_core.get_backend("fake", chaos=True).sanitizer is None
+
+
+def test_dropping_a_buffer_never_waits_for_the_sanitizer_lock(b):
+    """A buffer can die anywhere a garbage collection runs, on any thread, while that thread holds
+    another lock: recording the drop must not wait for the sanitizer, or two threads deadlock."""
+    import threading
+
+    held = {"tensor": b.empty_device(N, torch.float32)}
+    dropper = threading.Thread(target=held.clear)
+    with b.sanitizer._lock:  # another thread is inside the sanitizer
+        dropper.start()
+        dropper.join(timeout=10)
+        assert not dropper.is_alive(), "dropping a tracked buffer waited for the sanitizer's lock"
+    b.synchronize()

@@ -17,6 +17,7 @@ import torch
 from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
 from offload_core.config import backend_option, check_value, count, flag, positive_number
+from offload_core.memory_accounting import power_of_two_ceil
 
 from .memory import Pool
 from .sanitizer import Sanitizer, suspended
@@ -25,6 +26,13 @@ from .trace import Timeline, now_ns
 
 logger = logging.getLogger(__name__)
 
+#: pinned_rounding option -> how the pinned pool counts (see FakeBackend)
+PINNED_ROUNDING: dict[str, dict] = {
+    "exact": {},
+    "pow2": {"block_size": power_of_two_ceil, "caches_freed": True},
+}
+
+
 def _seconds(value: Any) -> float:
     """A delay: a finite number of seconds >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -32,6 +40,13 @@ def _seconds(value: Any) -> float:
     if not (0 <= value < float("inf")):
         raise ValueError("must be a finite number of seconds >= 0")
     return float(value)
+
+
+def _rounding(value: Any) -> str:
+    """A pinned_rounding model: one of PINNED_ROUNDING's names."""
+    if value not in PINNED_ROUNDING:
+        raise ValueError(f"choose from {', '.join(PINNED_ROUNDING)}")
+    return value
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -65,6 +80,14 @@ class FakeBackend(DeviceBackend):
     * ``device_memory`` (``OFFLOAD_CORE_FAKE_DEVICE_MEMORY``, bytes): capacity; exceeding it raises
       :class:`FakeOutOfMemoryError`, a ``torch.OutOfMemoryError``.
     * ``pinned_memory`` (``OFFLOAD_CORE_FAKE_PINNED_MEMORY``, bytes): cap on pinned host memory.
+    * ``pinned_rounding`` (``OFFLOAD_CORE_FAKE_PINNED_ROUNDING``): ``"exact"`` (default) or
+      ``"pow2"``, which models torch's caching host allocator in the pinned accounting: every
+      request takes the next power of two, and a freed block stays held (and counted) until
+      :meth:`empty_host_cache`, reused meanwhile by requests of the same block size.
+    * ``device_cache`` (``OFFLOAD_CORE_FAKE_DEVICE_CACHE=1``): models a caching device allocator
+      that keeps a reserve: device memory once allocated stays reserved after it is freed (the
+      fake's "driver" sees it as used) until :meth:`empty_cache`; new allocations reuse it, so
+      ``mem_get_info`` counts it as free, as the ABC defines free.
     * ``h2d_bandwidth`` (``OFFLOAD_CORE_FAKE_H2D_BANDWIDTH``, bytes/s): a host-to-device copy of
       n bytes takes at least n / bandwidth seconds, like a PCIe link.
     * ``sanitize`` (``OFFLOAD_CORE_FAKE_SANITIZE=1``; on by default under ``pytest --backend=fake``):
@@ -102,6 +125,8 @@ class FakeBackend(DeviceBackend):
         chaos_delay: float = 0.002,
         device_memory: int | None = None,
         pinned_memory: int | None = None,
+        pinned_rounding: str | None = None,
+        device_cache: bool | None = None,
         h2d_bandwidth: float | None = None,
         seed: int = 0,
         inline_copy_bytes: int = 256 * 1024,
@@ -114,6 +139,10 @@ class FakeBackend(DeviceBackend):
         sanitize = backend_option("sanitize", sanitize, "OFFLOAD_CORE_FAKE_SANITIZE", flag) or False
         device_memory = backend_option("device_memory", device_memory, "OFFLOAD_CORE_FAKE_DEVICE_MEMORY", nbytes)
         pinned_memory = backend_option("pinned_memory", pinned_memory, "OFFLOAD_CORE_FAKE_PINNED_MEMORY", nbytes)
+        pinned_rounding = backend_option(
+            "pinned_rounding", pinned_rounding, "OFFLOAD_CORE_FAKE_PINNED_ROUNDING", _rounding
+        ) or "exact"
+        device_cache = backend_option("device_cache", device_cache, "OFFLOAD_CORE_FAKE_DEVICE_CACHE", flag) or False
         h2d_bandwidth = backend_option("h2d_bandwidth", h2d_bandwidth, "OFFLOAD_CORE_FAKE_H2D_BANDWIDTH", positive_number)
         chaos_delay = check_value("chaos_delay", chaos_delay, _seconds)
         seed = check_value("seed", seed, count(0))
@@ -124,7 +153,10 @@ class FakeBackend(DeviceBackend):
         self.timeline = Timeline()
         self._chaos = _Chaos(chaos_delay, seed) if self.chaos else None
         self._device = Pool("device", device_memory)
-        self._pinned = Pool("pinned host memory", pinned_memory)
+        self._pinned = Pool("pinned host memory", pinned_memory, **PINNED_ROUNDING[pinned_rounding])
+        self.pinned_rounding = pinned_rounding
+        self.device_cache = device_cache
+        self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._local = threading.local()
         self.sanitizer = Sanitizer(self.current_stream) if sanitize else None
         self._default = DefaultStream(self.timeline, self.sanitizer)
@@ -199,10 +231,18 @@ class FakeBackend(DeviceBackend):
         return self._pinned.owns(tensor)
 
     def pinned_memory_allocated(self) -> int:
-        return self._pinned.current
+        return self._pinned.held
+
+    def pinned_allocation_size(self, nbytes: int) -> int:
+        return self._pinned.block_size(nbytes)
+
+    def empty_host_cache(self) -> None:
+        self._pinned.empty_cache()
 
     def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         tensor = self._device.allocate(size, dtype)
+        if self.device_cache:
+            self._reserved = max(self._reserved, self._device.current)
         if self.sanitizer is not None:
             self.sanitizer.track(tensor, "device")
         return tensor
@@ -217,10 +257,23 @@ class FakeBackend(DeviceBackend):
         self._device.reset_peak()
 
     def mem_get_info(self) -> tuple[int, int]:
+        # Computed as on a real device: what the "driver" has not handed to the allocator, plus
+        # the allocator's idle reserve, which new allocations reuse.
         total = self._device.capacity
         if total is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return max(total - self._device.current, 0), total
+        reserved = self.memory_reserved()
+        driver_free = max(total - reserved, 0)
+        return driver_free + reserved - self._device.current, total
+
+    # -- fake-only tools (device_cache) ---------------------------------------------------
+    def memory_reserved(self) -> int:
+        """Device bytes the fake allocator holds, in use or idle (``device_cache``; else in use)."""
+        return max(self._reserved, self._device.current) if self.device_cache else self._device.current
+
+    def empty_cache(self) -> None:
+        """Give the idle reserve back to the fake "driver" (``device_cache``)."""
+        self._reserved = self._device.current
 
     # -- transfers ------------------------------------------------------------------------
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream | DefaultStream | None = None) -> None:

@@ -9,6 +9,8 @@ memory with the same class.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from offload_core.memory_accounting import AllocationTracker
@@ -21,8 +23,8 @@ class FakeOutOfMemoryError(torch.OutOfMemoryError):
 class Pool(AllocationTracker):
     """A capacity-checked pool of CPU tensors standing in for one kind of fake memory."""
 
-    def __init__(self, kind: str, capacity: int | None) -> None:
-        super().__init__(kind, capacity, oom_error=FakeOutOfMemoryError)
+    def __init__(self, kind: str, capacity: int | None, **model: Any) -> None:
+        super().__init__(kind, capacity, oom_error=FakeOutOfMemoryError, **model)
         self.label = f"fake {kind}"  # error messages say "fake device out of memory"
 
     def owns(self, tensor: torch.Tensor) -> bool:

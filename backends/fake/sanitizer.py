@@ -131,6 +131,21 @@ _PENDING_LOCK = threading.Lock()
 _local = threading.local()
 
 
+# storages dropped but not judged yet: (tracked, host clock then, allocation stream's clock then)
+_DROPPED: list[tuple[Tracked, dict[int, int], dict[int, int]]] = []
+
+
+def _settle() -> None:
+    """Judge the storages dropped since the last call, then raise every pending report."""
+    while _DROPPED:
+        try:
+            tracked, host, alloc = _DROPPED.pop()
+        except IndexError:  # another thread took the last one
+            break
+        tracked.sanitizer._judge(tracked, host, alloc)
+    _raise_pending()
+
+
 def _raise_pending() -> None:
     with _PENDING_LOCK:
         message = "\n".join(_PENDING)
@@ -208,8 +223,8 @@ class _AccessMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _PENDING and not getattr(_local, "internal", 0):
-            _raise_pending()  # a buffer dropped too early: say so at the host's very next operation
+        if (_DROPPED or _PENDING) and not getattr(_local, "internal", 0):
+            _settle()  # a buffer dropped too early: say so at the host's very next operation
         if _TRACKED and not getattr(_local, "internal", 0):
             hits = _tracked_arguments(func, args, kwargs)
             if hits:
@@ -319,16 +334,16 @@ class Sanitizer:
     def on_record(self, stream: Any) -> dict[int, int]:
         """An event recorded on ``stream``: the clock it captures."""
         install()
+        _settle()
         with self._lock:
-            _raise_pending()
             clock = self.clock(stream)
             clock.join(self.host.vc)
             return dict(clock.vc)
 
     def on_wait(self, captured: dict[int, int] | None, stream: Any) -> None:
         install()
+        _settle()
         with self._lock:
-            _raise_pending()
             if captured:
                 self.clock(stream).join(captured)
 
@@ -337,18 +352,18 @@ class Sanitizer:
         with self._lock:
             if captured:
                 self.host.join(captured)
-            _raise_pending()
+        _settle()
 
     def on_stream_sync(self, stream: Any) -> None:
         with self._lock:
             self.host.join(self.clock(stream).vc)
-            _raise_pending()
+        _settle()
 
     def on_synchronize_all(self, streams: Iterable[Any]) -> None:
         with self._lock:
             for stream in streams:
                 self.host.join(self.clock(stream).vc)
-            _raise_pending()
+        _settle()
 
     # -- memory ----------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, kind: str) -> None:
@@ -358,8 +373,8 @@ class Sanitizer:
         install()
         key = _key(tensor)
         nbytes = tensor.untyped_storage().nbytes()
+        _settle()
         with self._lock:
-            _raise_pending()
             alloc = self.clock(self._current_stream()) if kind == "device" else self.host
             ghosts = self._ghosts.get(alloc.id, {})
             for k in [k for k, a in ghosts.items() if self.host.knows(a.stream, a.seq)]:
@@ -369,17 +384,24 @@ class Sanitizer:
         weakref.finalize(tensor.untyped_storage(), self._dropped, key)
 
     def _dropped(self, key: tuple[int, int]) -> None:
-        """The last reference to a tracked storage is gone (any thread, possibly inside GC)."""
+        """The last reference to a tracked storage is gone. This runs wherever a garbage collection
+        happens, on any thread, possibly while that thread holds another lock: so it takes no lock,
+        only snapshots the clocks that decide (copying a dict of ints is atomic) and queues the
+        storage for :func:`_settle`."""
+        tracked = _TRACKED.pop(key, None)
+        if tracked is not None:
+            _DROPPED.append((tracked, dict(self.host.vc), dict(tracked.alloc.vc)))
+
+    def _judge(self, tracked: Tracked, host: dict[int, int], alloc_vc: dict[int, int]) -> None:
+        """A dropped storage, with the clocks of the moment it was dropped: each access not known
+        finished either carries over to the allocation stream's next buffer or is reported."""
         with self._lock:
-            tracked = _TRACKED.pop(key, None)
-            if tracked is None:
-                return
             alloc = tracked.alloc
             ghosts = self._ghosts.setdefault(alloc.id, {})
             for a in tracked.accesses:
-                if self.host.knows(a.stream, a.seq):
-                    continue  # finished, as far as the host knows: nothing can race with it
-                if alloc is not self.host and alloc.knows(a.stream, a.seq):
+                if host.get(a.stream, 0) >= a.seq:
+                    continue  # finished, as far as the host knew: nothing can race with it
+                if alloc is not self.host and alloc_vc.get(a.stream, 0) >= a.seq:
                     old = ghosts.get((a.stream, a.write))
                     if old is None or old.seq < a.seq:
                         ghosts[(a.stream, a.write)] = a  # the memory's next user must order after it
@@ -401,8 +423,8 @@ class Sanitizer:
         the gather only through its waitable. Returns the clock that waitable captures."""
         install()
         frames = _frames()
+        _settle()
         with self._lock:
-            _raise_pending()
             issuing = self.clock(stream)
             comm = self._collective_clocks.get(issuing.id)
             if comm is None:
@@ -416,8 +438,8 @@ class Sanitizer:
     def on_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str) -> None:
         install()
         frames = _frames()
+        _settle()
         with self._lock:
-            _raise_pending()
             clock, seq = self._tick(stream)
             self._access(src, False, clock, seq, what, frames)
             self._access(dst, True, clock, seq, what, frames)
@@ -425,8 +447,8 @@ class Sanitizer:
     def on_op(self, what: str, hits, frames, host_sync: bool) -> None:
         """A torch operation issued by the host: device memory on the current stream, pinned memory
         on the host itself."""
+        _settle()
         with self._lock:
-            _raise_pending()
             on_device = [h for h in hits if h[2].kind == "device"]
             if on_device:
                 clock, seq = self._tick(self._current_stream())

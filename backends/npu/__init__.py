@@ -16,9 +16,13 @@ documentation and source; not yet run on Ascend hardware):
   ``init_process_group`` only calls ``set_device``.
 * With ``TASK_QUEUE_ENABLE`` (the default) kernel launches go through a host-side task queue:
   ``Event.query()`` is false until the record has left that queue, never falsely true.
-* Events go through ``torch.Event``, which needs a ``torch_npu`` whose device guard implements
-  event synchronisation (recent releases do; old ones raise "Backend doesn't support
-  synchronizing events").
+* Streams and events are ``torch.npu.Stream`` and ``torch.npu.Event`` (the device module's, as
+  for every accelerator backend): ``NPUGuardImpl`` does not implement the generic
+  ``torch.Stream(device=...)`` creation, and torch_npu's ``Event.record``/``wait`` take only NPU
+  streams.
+* Pinned memory comes from torch_npu's caching host allocator, assumed (unchecked) to round up
+  to a power of two as CUDA's does; ``empty_host_cache`` goes through
+  ``torch.npu.empty_host_cache`` where that exists, else ``torch.accelerator.empty_host_cache``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..config import OffloadConfig, OffloadConfigError
+from ..weights.slabs import SlabAllocator, aligned
 from .budget import AUTO_PINNED_SHARE, physical_memory
 from .disk import SpillFolder, checkpoint_image
 from .staging import BOUNCE_BUFFERS, BounceRing, Stager, Ticket, ring_chunk_bytes
@@ -48,11 +49,21 @@ _PIN_ORDER = {STREAM: 0, SWAP: 1, ONCE: 2}
 
 @dataclasses.dataclass
 class HostUnit:
-    """A unit as the policy sees it: its role and the bytes its home takes."""
+    """A unit as the policy sees it: its role and the bytes its home takes (``buffers``: the
+    bytes of each of its host buffers, when they are not the unit's own per-dtype sizes)."""
 
     unit: object
     role: str
     nbytes: int
+    buffers: tuple[int, ...] = ()
+
+    def buffer_bytes(self) -> tuple[int, ...]:
+        return self.buffers or tuple(n * dtype.itemsize for dtype, n in self.unit.numel.items())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """What its home takes in a pinned slab: each buffer starts at an aligned offset."""
+        return sum(aligned(b) for b in self.buffer_bytes())
 
 
 def _size(n: int) -> str:
@@ -111,9 +122,9 @@ def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, res
         in_ram.append(h)
     pinned_left = pinned - reserve
     for h in sorted(in_ram, key=lambda h: _PIN_ORDER[h.role]):
-        if pin and h.nbytes <= pinned_left:
+        if pin and h.pinned_bytes <= pinned_left:
             tiers[id(h.unit)] = Tier.PINNED
-            pinned_left -= h.nbytes
+            pinned_left -= h.pinned_bytes
         else:
             tiers[id(h.unit)] = Tier.STAGED if pin else Tier.PAGEABLE
     return tiers
@@ -133,6 +144,12 @@ class Placement:
             self.bytes[tiers[id(h.unit)]] += h.nbytes
         self._chunk_bytes = chunk_bytes
         self._pin_memory = pin_memory
+        # Pinned homes (and the bounce ring) are cut from slabs planned for all of them at once,
+        # so that the host allocator's rounding wastes nothing (see offload_core.weights.slabs).
+        planned = [b for h in units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
+        if chunk_bytes and pin_memory:
+            planned += [chunk_bytes] * BOUNCE_BUFFERS
+        self.slabs = SlabAllocator(backend, planned) if pin_memory else None
         self._spill = SpillFolder(folder) if folder is not None else None
         self.ring: BounceRing | None = None
         self.stager: Stager | None = None
@@ -146,7 +163,7 @@ class Placement:
         return self._pinned if self._tiers[id(unit)] is Tier.PINNED else _pageable
 
     def _pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.backend.empty_pinned(n, dtype)
+        return self.slabs.allocate(n, dtype)
 
     @property
     def staging(self) -> bool:
@@ -161,7 +178,8 @@ class Placement:
     def stats(self) -> dict[str, int]:
         ring = self.ring.nbytes if self.ring is not None else 0
         return {
-            "pinned_host_bytes": self.bytes[Tier.PINNED] + (ring if self._pin_memory else 0),
+            # what the backend really holds for the slabs still alive, its rounding included
+            "pinned_host_bytes": self.slabs.live_bytes if self.slabs is not None else 0,
             "pageable_host_bytes": self.bytes[Tier.PAGEABLE] + self.bytes[Tier.STAGED],
             "disk_bytes": self.bytes[Tier.DISK],
             "bounce_bytes": ring,
@@ -191,6 +209,17 @@ class Placement:
             self.ring = None
         if self._spill is not None:
             self._spill.remove()
+        self.backend.empty_host_cache()  # pinned blocks the host allocator still caches
+
+    def unpack(self, unit, bound=None) -> None:
+        """Give ``unit``'s tensors ordinary host memory again (``bound``: the views its owners show,
+        see ``WeightUnit.unpack``). When that frees the last home in a pinned slab, the slab goes
+        back to the system at once (the host cache is emptied), so ``disable`` returns pinned
+        memory slab by slab."""
+        before = self.slabs.live_slabs if self.slabs is not None else 0
+        unit.unpack(bound)
+        if self.slabs is not None and self.slabs.live_slabs < before:
+            self.backend.empty_host_cache()
 
     def spill(self, unit) -> None:
         """Give ``unit`` its home on disk: the checkpoint it comes from, or files in the spill

@@ -8,7 +8,6 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from ..config import OffloadConfig
 from ..hostmem.budget import Trimmer
@@ -66,6 +65,15 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def inputs_to_device(device: torch.device) -> Callable:
+    """A forward pre-hook (with kwargs) that moves a module's tensor inputs to ``device``."""
+
+    def hook(module, args, kwargs):
+        return to_device(args, device), to_device(kwargs, device)
+
+    return hook
+
+
 def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, counters: Counters):
     """Queue ``unit``'s home into the per-dtype buffers ``dst`` on ``stream``: one copy per dtype
     (one per bounce chunk for a home outside pinned memory). Returns the load's ticket (see
@@ -110,71 +118,21 @@ def pack_units(units, placement, txn: Transaction, desc: str) -> None:
                 for buffer in unit.host.values():
                     label(buffer, f"host copy of {unit.name}")
             txn.on_rollback(unit.unpack)
+            unit.keep_on(placement.backend.device())
             bar.update(unit.nbytes)
             trimmer.add(unit.nbytes)
     trimmer.flush()
     logger.info("%s: %d units, %.1f MB, placed: %s", desc, len(units), total / 2**20, placement.summary())
 
 
-def unpack_units(units) -> None:
+def unpack_units(units, placement) -> None:
     """Give every unit's tensors ordinary host memory again, one unit at a time, releasing each
-    home as soon as its unit is unpacked: host memory stays near one copy of the model."""
+    home as soon as its unit is unpacked (pinned slabs included, see ``Placement.unpack``): host
+    memory stays near one copy of the model."""
     trimmer = Trimmer()
     for unit in units:
-        if unit.host or unit.image is not None:
-            unit.unpack()
+        if unit.host or unit.image is not None or unit.kept:
+            placement.unpack(unit)
             trimmer.add(unit.nbytes)
     trimmer.flush()
 
-
-class ForwardWrapper:
-    """Runs ``before()`` ahead of ``module``'s forward and ``after(failed)`` behind it, whatever
-    happens in between (an exception, Ctrl-C), holding ``lock`` throughout, by shadowing
-    ``forward`` with an instance attribute. Cheaper than torch's forward hooks, which send every
-    call of the module down torch's slow hook path and skip their ``always_call`` hooks on
-    ``KeyboardInterrupt``; a direct ``module.forward(...)`` call is covered too. ``convert`` may
-    rewrite the arguments first (inputs moved to the device). ``remove()`` restores what was
-    there; ``inspect.signature`` still sees the wrapped forward's parameters."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        before: Callable[[], None],
-        after: Callable[[bool], None],
-        lock,
-        convert: Callable[[tuple, dict], tuple[tuple, dict]] | None = None,
-    ) -> None:
-        self.module = module
-        self._shadowed = module.__dict__.get("forward")  # e.g. another library's wrapper
-        inner = module.forward
-
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                if convert is not None:
-                    args, kwargs = convert(args, kwargs)
-                failed = True
-                try:
-                    before()
-                    result = inner(*args, **kwargs)
-                    failed = False
-                finally:
-                    after(failed)
-                return result
-
-        module.forward = forward
-
-    def remove(self) -> None:
-        if self._shadowed is not None:
-            self.module.forward = self._shadowed
-        else:
-            self.module.__dict__.pop("forward", None)
-
-
-def move_inputs(device: torch.device) -> Callable[[tuple, dict], tuple[tuple, dict]]:
-    """``convert`` for :class:`ForwardWrapper`: every tensor argument moved to ``device``."""
-
-    def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return to_device(args, device), to_device(kwargs, device)
-
-    return convert

@@ -145,10 +145,13 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         if not self.shard:
             return super().host_units()
         return [HostUnit(self.resident, ONCE, self.resident.nbytes),
-                *(HostUnit(u, STREAM, self._shard_bytes(u)) for u in self.units)]
+                *(HostUnit(u, STREAM, self._shard_bytes(u), self._shard_buffers(u)) for u in self.units)]
+
+    def _shard_buffers(self, unit) -> tuple[int, ...]:
+        return tuple(_padded(n, self.world) // self.world * dtype.itemsize for dtype, n in unit.numel.items())
 
     def _shard_bytes(self, unit) -> int:
-        return nbytes_of({dtype: _padded(n, self.world) // self.world for dtype, n in unit.numel.items()})
+        return sum(self._shard_buffers(unit))
 
     @property
     def device_weight_bytes(self) -> int:
@@ -205,9 +208,9 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             return super()._pack(txn)
         pack_units([self.resident], self.placement, txn, "resident weights")
         for unit in tqdm(self.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None, leave=False):
-            originals = [(owner, owner.get().data) for owner in unit.owners()]
-            txn.on_rollback(functools.partial(_rebind_all, originals))
+            txn.on_rollback(functools.partial(_rebind_all, unit.originals()))
             self._shards.append(self._shard(unit))
+            unit.keep_on(self.backend.device())
             unit.host_views = placeholders(unit)
             unit.bind(unit.host_views)
 

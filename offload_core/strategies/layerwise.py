@@ -54,7 +54,7 @@ from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
-from .common import Transaction, allocate_device, copy_unit, default_placement, move_inputs, pack_units
+from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units
 from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
@@ -185,9 +185,11 @@ class LayerwiseOffload(Part):
         for i, block in enumerate(self.blocks):
             self._wrap(block, functools.partial(self._before_block, i), functools.partial(self._after_block, i))
             if self.units[i].image is not None:  # its home is on disk: its state dict is read from there
-                self._hooks.append(block.register_state_dict_post_hook(self._state_from_disk(i)))
+                pre, post = self._state_from_disk(i)
+                self._hooks.append(block.register_state_dict_pre_hook(pre))
+                self._hooks.append(block.register_state_dict_post_hook(post))
                 self._refuse_writes(i, block)
-        self._wrap(self.model, self._begin_pass, self._end_pass, move_inputs(self.backend.device()))
+        self._wrap(self.model, self._begin_pass, self._end_pass, self.backend.device())
 
     def _refuse_writes(self, i: int, block: nn.Module) -> None:
         refuse = functools.partial(_refuse_loading, f"block {self.block_names[i]} of {self.describe()}", "disk")
@@ -195,23 +197,18 @@ class LayerwiseOffload(Part):
             self._hooks.append(module.register_load_state_dict_pre_hook(refuse))
 
     def _state_from_disk(self, i: int):
-        """A state dict hook for block ``i``, whose home is on disk: its entries read from there."""
+        """State dict hooks for block ``i``, whose home is on disk: the block shows its values read
+        from there while its state dict is taken (so that modules with their own
+        ``_save_to_state_dict``, optimum-quanto's, read them too), its placeholders again after."""
         unit = self.units[i]
-        names = {id(m): n for n, m in self.blocks[i].named_modules()}
-        keys = [
-            (f"{names[id(o.module)]}.{o.name}".lstrip("."), index)
-            for index, entry in enumerate(unit.entries)
-            for o in entry.owners
-            if id(o.module) in names
-        ]
 
-        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-            views = unit.views(unit.home())
-            for key, index in keys:
-                if prefix + key in state_dict:
-                    state_dict[prefix + key] = views[index]
+        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            unit.bind(unit.views(unit.home()))
 
-        return hook
+        def post(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+            unit.bind(unit.host_views)
+
+        return pre, post
 
     def _home_views(self, i: int) -> list:
         """What block ``i``'s tensors show outside its forward: its host buffer, or placeholders."""
@@ -279,9 +276,9 @@ class LayerwiseOffload(Part):
                 write_back(self.backend, [
                     (self.resident.host[dtype], buf) for dtype, buf in self.resident_device.items()
                 ])
-                self.resident.unpack(self.resident_views)
-            for i, unit in enumerate(self.units):
-                unit.unpack()  # from the views it shows at home
+                self.placement.unpack(self.resident, self.resident_views)
+            for unit in self.units:
+                self.placement.unpack(unit)  # from the views it shows at home
             self._release()
             self.enabled = False
 

@@ -32,7 +32,7 @@ from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
-from .common import Transaction, allocate_device, default_placement, move_inputs, pack_units
+from .common import Transaction, allocate_device, default_placement, pack_units
 from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
@@ -158,13 +158,13 @@ class ModelLevelOffload(Part):
         )
 
     def _instrument(self) -> None:
-        convert = move_inputs(self.backend.device())
+        device = self.backend.device()
         for index, group in enumerate(self.groups):
-            enter = functools.partial(self._enter, index)
             for c in group.components:
-                self._wrap(c.module, enter, self._exit, convert)
-                for child in c.module.children():  # encode()/decode() bypass the root's forward
-                    self._wrap(child, enter, self._exit)
+                self._wrap(c.module, functools.partial(self._enter, index), self._exit, device)
+                for child in c.module.children():  # encode()/decode() bypass the root's call
+                    self._hooks.append(child.register_forward_pre_hook(functools.partial(self._child_hook, index)))
+                    self._hooks.append(child.register_forward_hook(self._child_done, always_call=True))
 
     def truth(self) -> list:
         self._settle()
@@ -177,7 +177,7 @@ class ModelLevelOffload(Part):
                 return
             self._settle()
             for c in (c for g in self.groups for c in g.components):
-                c.unit.unpack()
+                self.placement.unpack(c.unit)
             self.aliases.clear()
             self.enabled = False
 
@@ -214,6 +214,23 @@ class ModelLevelOffload(Part):
         if self._depth == 0 and self._calls == 0:
             self.release_all()
 
+    def _child_hook(self, index: int, module: nn.Module, args) -> None:
+        """A child called directly (``vae.decode``) activates its group. Traced inside a compiled
+        root, where the group is active already, it is a guarded no-op, so the graph is whole."""
+        if self._active != index:
+            self._before_use(index)
+
+    def _child_done(self, module: nn.Module, args, output) -> None:
+        """A child called directly, outside a pipeline call and its component's own call: its
+        group leaves the device (a guarded no-op inside a compiled root)."""
+        if self._depth == 0 and self._calls == 0 and self._active is not None:
+            self._release()
+
+    @torch.compiler.disable
+    def _release(self) -> None:
+        self.release_all()
+
+    @torch.compiler.disable
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return

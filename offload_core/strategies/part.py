@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..weights.unit import region_tensor
-from .common import Counters, ForwardWrapper, Transaction
+from .calls import CallWrapper
+from .common import Counters, Transaction
 
 
 class Part:
@@ -45,8 +46,10 @@ class Part:
     def _instrument(self) -> None:
         raise NotImplementedError
 
-    def _wrap(self, module: nn.Module, before, after, convert=None) -> None:
-        self._hooks.append(ForwardWrapper(module, before, after, self.lock, convert))
+    def _wrap(self, module: nn.Module, before, after, device: torch.device | None = None) -> None:
+        """Wrap ``module``'s calls (see :class:`CallWrapper`), under the handle's lock; copies and
+        state dicts of the module go through the handle."""
+        self._hooks.append(CallWrapper(module, before, after, device, self.lock))
         self._hooks.append(module.register_state_dict_post_hook(functools.partial(StateDictAliases.hook, self.aliases)))
         if self.owner is not None:
             self._hooks.append(CopyGuard(module, self.owner.plain_copy))

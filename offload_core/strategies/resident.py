@@ -14,7 +14,7 @@ from ..backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Transaction, allocate_device, copy_unit, default_placement, move_inputs, pack_units
+from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units
 from .part import Part, adopt_foreign, write_back
 
 
@@ -69,9 +69,8 @@ class ResidentModules(Part):
         txn.on_rollback(lambda: setattr(self, "enabled", False))
 
     def _instrument(self) -> None:
-        convert = move_inputs(self.backend.device())
         for _, module in self.members:
-            self._wrap(module, self._before, _nothing, convert)
+            self._wrap(module, self._before, None, self.backend.device())
 
     def _before(self) -> None:
         if self.dirty:  # a module or tensor was added (a LoRA layer): take it onto the device too
@@ -90,11 +89,7 @@ class ResidentModules(Part):
                 if unit.host:
                     adopt_foreign(self.backend, unit, views)  # the user's same-shape tensors
                     write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
-                    unit.unpack(views)
+                    self.placement.unpack(unit, views)
             self.device, self.device_views = [], []
             self.aliases.clear()
             self.enabled = False
-
-
-def _nothing(failed: bool) -> None:
-    return None

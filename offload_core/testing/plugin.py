@@ -17,6 +17,17 @@ test that races on purpose, or runs code the sanitizer cannot follow, opts out w
 
 Only ``--backend`` selects the backend here: ``OFFLOAD_CORE_BACKEND`` is deliberately ignored, so
 that a stray environment variable cannot silently change what a test run validated.
+
+Two markers let one test suite run on every backend (``pytest --backend=cuda`` on a GPU machine):
+
+* ``@pytest.mark.fake_only`` — the test needs the fake simulator itself (its options, such as a
+  pinned-memory cap or ``pinned_rounding``, or its internals): skipped under any other backend;
+* ``@pytest.mark.requires_capability(*names)`` — the test needs these
+  :class:`~offload_core.Capability` names (``chaos``, ``capacity``, ...): skipped where the
+  selected backend lacks one.
+
+:func:`selected_backend` names the backend of the run, for helpers that build one outside a
+fixture.
 """
 
 from __future__ import annotations
@@ -51,19 +62,45 @@ def _info(name: str):
         raise pytest.UsageError(f"--backend={name}: {exc}") from None
 
 
+_selected = DEFAULT_BACKEND
+
+
+def selected_backend() -> str:
+    """The backend name this test run selected with ``--backend`` (``fake`` outside pytest, or
+    in a process the run spawned)."""
+    return _selected
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # Fail before collection, as a usage error (exit code 4, no traceback), for a name that is
-    # unknown or cannot run here: every test would otherwise error on the same cause.
+    global _selected
+    config.addinivalue_line("markers", "fake_only: needs the fake simulator itself; skipped under other backends")
+    config.addinivalue_line(
+        "markers", "requires_capability(*names): needs these backend capabilities; skipped where one is missing"
+    )
     config.addinivalue_line(
         "markers", "unsanitized(reason): run without the race sanitizer (a deliberate race, or code it cannot follow)"
     )
+    # Fail before collection, as a usage error (exit code 4, no traceback), for a name that is
+    # unknown or cannot run here: every test would otherwise error on the same cause.
     name = config.getoption("backend")
     info = _info(name)
     if not info.available:
         reason = info.unavailable_reason()
         raise pytest.UsageError(f"--backend={name}: backend {name!r} is not available here" + (f": {reason}" if reason else ""))
+    _selected = name
     if name == "fake":
         os.environ.setdefault(SANITIZE_ENV, "1")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    name = item.config.getoption("backend")
+    if name != "fake" and item.get_closest_marker("fake_only") is not None:
+        pytest.skip(f"needs the fake backend, not {name!r}")
+    capabilities = _info(name).cls.capabilities
+    for marker in item.iter_markers("requires_capability"):
+        missing = [c for c in marker.args if c not in capabilities]
+        if missing:
+            pytest.skip(f"backend {name!r} lacks capability {', '.join(missing)}")
 
 
 def _defaults(cls: type) -> dict[str, Any]:

@@ -23,7 +23,7 @@ class Home:
     """A unit's owners and the home views they show outside the device, with a check cheap
     enough to run before every use (one pointer comparison per parameter)."""
 
-    __slots__ = ("params", "params_home", "buffers", "buffers_home", "_home_ptrs")
+    __slots__ = ("params", "params_home", "buffers", "buffers_home", "_home_ptrs", "composites", "composites_home")
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor]) -> None:
         self.params: list[torch.nn.Parameter] = []
@@ -41,6 +41,9 @@ class Home:
                     self.params.append(owner.param)
                     self.params_home.append(h)
         self._home_ptrs = [v.data_ptr() for v in self.params_home]
+        # quantized weights (wrapper subclasses), rebuilt once around their parts' views
+        self.composites = [c.owners for c in unit.composites]
+        self.composites_home = [c.rebuild([home[k] for k in c.leaves]) for c in unit.composites]
 
     def at_home(self) -> bool:
         """True while every owner still shows its home view (the user has not given a parameter
@@ -54,7 +57,7 @@ class Binding(Home):
     """One unit's owners, their home views and one set of device views, precomputed so that the
     switch costs one assignment per tensor."""
 
-    __slots__ = ("params_device", "buffers_device", "_versions", "_buffer_versions")
+    __slots__ = ("params_device", "buffers_device", "_versions", "_buffer_versions", "composites_device")
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
         super().__init__(unit, home)
@@ -65,6 +68,7 @@ class Binding(Home):
         self.buffers_device = [by_home[id(h)].data for h in self.buffers_home]
         self._versions = [p._version for p in self.params]
         self._buffer_versions: list[int] = []
+        self.composites_device = [c.rebuild([device[k] for k in c.leaves]) for c in unit.composites]
 
     def touched(self) -> bool:
         """True if a parameter was changed in place (through the parameter itself) since the unit
@@ -76,6 +80,9 @@ class Binding(Home):
         for p, view in zip(self.params, self.params_device):
             p.data = view
         self._versions = [p._version for p in self.params]
+        for owners, tensor in zip(self.composites, self.composites_device):
+            for owner in owners:
+                owner.rebind(tensor)
         if self.buffers:
             for owner, view in zip(self.buffers, self.buffers_device):
                 owner.module._buffers[owner.name] = view
@@ -107,6 +114,9 @@ class Binding(Home):
             for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
                 if k not in replaced:
                     owner.module._buffers[owner.name] = view
+            for owners, tensor in zip(self.composites, self.composites_home):
+                for owner in owners:
+                    owner.rebind(tensor)
         return bool(replaced)
 
     def _buffer_changes(self, replaced: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,15 +11,23 @@ A unit's home is in RAM (``host``: pinned or pageable buffers) or on disk (``ima
 region's bytes lie in safetensors files). A tensor on the meta device may carry, as the attribute
 named by :data:`SOURCE_ATTRIBUTE`, the checkpoint slice its values come from (``from_pretrained``
 builds models that way): packing then reads the slice straight into the unit's home.
+
+Quantized weights (tensor subclasses) are packed through their plain parts, see :mod:`.subclass`;
+a subclass that cannot be streamed is kept on the device, outside the buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Mapping
+import logging
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from .subclass import Unstreamable, assign_param, flatten, has_storage, like, plain_alias
+
+logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
 #: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
@@ -27,7 +35,7 @@ SOURCE_ATTRIBUTE = "_offload_core_source"
 
 
 class UnsupportedTensorError(TypeError):
-    """A tensor the packer cannot move faithfully (a subclass, a meta tensor, mixed-dtype aliasing)."""
+    """A tensor the packer cannot move faithfully (a meta or sparse tensor, mixed-dtype aliasing)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,17 +59,10 @@ class Owner:
 
     def rebind(self, tensor: torch.Tensor) -> None:
         if self.param is not None:
-            self.param.data = tensor
+            assign_param(self.param, tensor)
         else:
-            self.module._buffers[self.name] = tensor
-
-    def replace(self, tensor: torch.Tensor) -> None:
-        """Install ``tensor`` itself (a new parameter object, which the unit manages from now on):
-        ``.data`` cannot move a parameter off the meta device."""
-        if self.param is not None:
-            self.module._parameters[self.name] = self.param = tensor
-        else:
-            self.module._buffers[self.name] = tensor
+            current = self.module._buffers.get(self.name)
+            self.module._buffers[self.name] = tensor if current is None else like(current, tensor)
 
     def bound_to(self, view: torch.Tensor) -> bool:
         """True while this owner still shows ``view`` (the tensor it was last bound to), i.e. the
@@ -70,6 +71,14 @@ class Owner:
         if self.param is None:
             return current is view
         return current is self.param and current.data_ptr() == view.data_ptr() and current.shape == view.shape
+
+    def replace(self, tensor: torch.Tensor) -> None:
+        """Install ``tensor`` itself (a new parameter object, which the unit manages from now on):
+        ``.data`` cannot move a parameter off the meta device."""
+        if self.param is not None:
+            self.module._parameters[self.name] = self.param = tensor
+        else:
+            self.module._buffers[self.name] = tensor
 
 
 @dataclasses.dataclass
@@ -84,13 +93,33 @@ class Entry:
     region: int = 0  # index of the storage region it views
 
 
+@dataclasses.dataclass
+class Composite:
+    """A wrapper subclass (a quantized weight): its owners, the entries of its plain parts, and
+    how to rebuild it around views of them."""
+
+    owners: list[Owner]
+    leaves: range  # indices into the unit's entries
+    rebuild: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Kept:
+    """A tensor that cannot be streamed: it goes to the device as it is, and back at unpack."""
+
+    tensor: torch.Tensor
+    owners: list[Owner]
+    reason: str
+    moved: bool = False
+
+
 def storage_key(t: torch.Tensor) -> tuple:
     """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
-    if t.numel() == 0:
-        return ("empty", id(t))
+    if t.numel() == 0 or not has_storage(t):
+        return ("empty", id(t))  # a wrapper subclass's parts are keyed when they are packed
     if t.is_meta:  # no memory, so no address: the storage object itself tells views apart
         return ("meta", t.untyped_storage()._cdata)
-    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+    return (t.device.type, t.device.index, plain_alias(t).untyped_storage().data_ptr())
 
 
 def extent(t: torch.Tensor) -> int:
@@ -118,9 +147,6 @@ def collect_tensors(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tenso
 
 
 def check_supported(t: torch.Tensor, where: str) -> None:
-    base = t.data if isinstance(t, nn.Parameter) else t
-    if type(base) is not torch.Tensor:
-        raise UnsupportedTensorError(f"{where} is a {type(base).__name__}; only plain tensors can be offloaded")
     if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
         raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
     if t.is_sparse or t.layout != torch.strided:
@@ -168,18 +194,41 @@ class WeightUnit:
         self.regions: list[Region] = []
         self.numel: dict[torch.dtype, int] = {}
         self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.composites: list[Composite] = []
+        self.kept: list[Kept] = []
         self.image = None  # a DiskImage when the unit's home is on disk
         self.host_views: list[torch.Tensor] = []  # what owners show at home (views of ``host``, or placeholders)
         by_storage: dict[tuple, list[tuple[torch.Tensor, Entry]]] = {}
-        for t, owners in tensors.values():
-            check_supported(t, f"{name}: {owners[0].name}")
+
+        def add(t: torch.Tensor, owners: list[Owner]) -> None:
             entry = Entry(owners, tuple(t.shape), tuple(t.stride()), t.dtype)
             self.entries.append(entry)
             by_storage.setdefault(storage_key(t), []).append((t, entry))
+
+        for t, owners in tensors.values():
+            where = f"{name}: {owners[0].name}"
+            check_supported(t, where)
+            if has_storage(t):
+                add(t, owners)
+                continue
+            try:
+                flat = flatten(t, where)
+            except Unstreamable as exc:
+                self.kept.append(Kept(t, owners, str(exc)))
+                continue
+            first = len(self.entries)
+            for leaf in flat.leaves:
+                add(leaf, [])
+            self.composites.append(Composite(owners, range(first, len(self.entries)), flat.rebuild))
         for members in by_storage.values():
             self._place(members)
         for index, entry in enumerate(self.entries):
             self.regions[entry.region].entries.append(index)
+        if self.kept:
+            logger.warning(
+                "%s: %d tensors cannot be streamed and stay on the device: %s", name, len(self.kept),
+                "; ".join(k.reason for k in self.kept[:4]) + (" ..." if len(self.kept) > 4 else ""),
+            )
 
     def _place(self, members: list[tuple[torch.Tensor, Entry]]) -> None:
         dtype = members[0][0].dtype
@@ -201,7 +250,7 @@ class WeightUnit:
             if reader is None:
                 names = ", ".join(e.owners[0].name for _, e in members)
                 raise UnsupportedTensorError(f"{self.name}: meta tensors {names} have no checkpoint slice to load")
-        self.regions.append(Region(members[0][0].detach(), first, last - first, dtype, start, reader))
+        self.regions.append(Region(plain_alias(members[0][0]), first, last - first, dtype, start, reader))
 
     @property
     def nbytes(self) -> int:
@@ -212,23 +261,26 @@ class WeightUnit:
         """True if the unit's values are read from checkpoint files rather than held in memory."""
         return any(r.reader is not None for r in self.regions)
 
-    def owners(self) -> Iterable[Owner]:
-        for entry in self.entries:
-            yield from entry.owners
-
     def views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors)."""
+        """Each entry's tensor as a view of ``buffers`` (per-dtype flat tensors, which may
+        themselves be views into a larger storage, such as a pinned slab)."""
         return [
             buffers[e.dtype].as_strided(e.size, e.stride, buffers[e.dtype].storage_offset() + e.offset)
             for e in self.entries
         ]
 
-    def bind(self, views: list[torch.Tensor]) -> None:
+    def owners(self) -> Iterable[Owner]:
+        for entry in self.entries:
+            yield from entry.owners
+
+    def bind(self, views: Sequence[torch.Tensor]) -> None:
         """Point every owner at its view (from :meth:`views`). No data moves."""
         for entry, view in zip(self.entries, views):
-            _bind_entry(entry, view)
+            if entry.owners:
+                _bind_entry(entry, view)
+        self._bind_composites(views)
 
-    def foreign(self, views: list[torch.Tensor]) -> list[tuple[int, Owner]]:
+    def foreign(self, views: Sequence[torch.Tensor]) -> list[tuple[int, Owner]]:
         """(entry index, owner) of every owner that no longer shows its view in ``views`` (the
         ones it was last bound to): the user replaced the tensor or the parameter's data."""
         return [
@@ -237,6 +289,27 @@ class WeightUnit:
             for owner in entry.owners
             if not owner.bound_to(view)
         ]
+
+    def _bind_composites(self, views: Sequence[torch.Tensor]) -> None:
+        """Rebuild each quantized weight around ``views`` of its parts and bind its owners."""
+        for c in self.composites:
+            tensor = c.rebuild([views[k] for k in c.leaves])
+            for owner in c.owners:
+                owner.rebind(tensor)
+
+    def keep_on(self, device: torch.device) -> None:
+        """Move the tensors that cannot be streamed to ``device``, each by its own ``.to()``."""
+        for k in self.kept:
+            moved = k.tensor.to(device)
+            if moved is not k.tensor:
+                for owner in k.owners:
+                    owner.rebind(moved)
+                k.moved = True
+
+    def originals(self) -> list[tuple[Owner, torch.Tensor]]:
+        """Each owner with the tensor it holds now, for putting it back after a failed enable."""
+        owners = [e.owners for e in self.entries] + [c.owners for c in self.composites]
+        return [(o, o.get().data) for group in owners for o in group] + [(o, k.tensor) for k in self.kept for o in k.owners]
 
     def pack(self, allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
         """Copy the unit's tensors into fresh host buffers (``allocate(numel, dtype)``) and bind
@@ -248,15 +321,39 @@ class WeightUnit:
         copied, so gaps, overlaps and zero strides survive.
         """
         host = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
-        views = self.views(host)
-        for r in self.regions:
-            if r.numel:
-                r.fill(host[r.dtype][r.start : r.start + r.numel])
-            for index in r.entries:
-                _bind_entry(self.entries[index], views[index])
-            r.source = r.reader = None
+        views = self.views(host)  # a buffer may be a view into a pinned slab: views are relative to it
+        replaced: list[tuple[Owner, torch.Tensor]] = []  # meta parameters replaced by real ones
+        done = 0
+        try:
+            for done, r in enumerate(self.regions, 1):
+                if r.numel:
+                    r.fill(host[r.dtype][r.start : r.start + r.numel])
+                for index in r.entries:
+                    if self.entries[index].owners:
+                        replaced += _bind_entry(self.entries[index], views[index])
+                r.source = r.reader = None
+        except BaseException:  # an error or Ctrl-C half way: the owners get their values back
+            self._unbind(host, views, self.regions[:done], replaced)
+            raise
         self.host = host
         self.host_views = views
+        self._bind_composites(views)
+
+    def _unbind(self, host, views, regions, replaced) -> None:
+        """Undo part of a ``pack``: the owners of ``regions`` that show their home get ordinary
+        host tensors with the same values (sharing within a region kept), and meta parameters
+        replaced by real ones get their own object back. The home itself is not kept."""
+        for owner, original in replaced:
+            owner.replace(original)
+        for r in regions:
+            plain = torch.empty(r.numel, dtype=r.dtype)
+            if r.numel:
+                plain.copy_(host[r.dtype][r.start : r.start + r.numel])
+            for index in r.entries:
+                entry = self.entries[index]
+                for owner in entry.owners:
+                    if owner.bound_to(views[index]):
+                        owner.rebind(plain.as_strided(entry.size, entry.stride, entry.offset - r.start))
 
     def spill(self, image) -> None:
         """Give the unit a home on disk: ``image`` (a DiskImage) now says where every region's
@@ -300,7 +397,7 @@ class WeightUnit:
             for e in self.entries
         ]
 
-    def unpack(self, bound: list[torch.Tensor] | None = None) -> None:
+    def unpack(self, bound: Sequence[torch.Tensor] | None = None) -> None:
         """Give every owner an ordinary host tensor (same values, dtype, strides, sharing) with the
         home's values.
 
@@ -312,22 +409,31 @@ class WeightUnit:
         does nothing, and an interrupted call can be repeated: owners already given their copy
         keep it.
         """
-        if not self.host and self.image is None:
+        if not self.host and self.image is None and not any(k.moved for k in self.kept):
             return
         bound = self.host_views if bound is None else bound
+        views: list[torch.Tensor] = [torch.empty(0)] * len(self.entries)
         for r in self.regions:
             plain = torch.empty(r.numel, dtype=r.dtype)
             if r.numel:
                 self.read(r.dtype, r.start, r.numel, plain)
             for index in r.entries:
                 entry = self.entries[index]
-                value = plain.as_strided(entry.size, entry.stride, entry.offset - r.start)
-                if not bound:  # never bound (a rolled-back enable): every owner takes its copy
-                    _bind_entry(entry, value)
+                views[index] = plain.as_strided(entry.size, entry.stride, entry.offset - r.start)
+                if not entry.owners:
+                    continue
+                if not bound:  # never bound to anything but its home (a rolled-back enable)
+                    _bind_entry(entry, views[index])
                     continue
                 for owner in entry.owners:
                     if owner.bound_to(bound[index]):
-                        owner.rebind(value)
+                        owner.rebind(views[index])
+        self._bind_composites(views)
+        for k in self.kept:
+            if k.moved:
+                for owner in k.owners:
+                    owner.rebind(k.tensor)
+                k.moved = False
         self.host = {}
         self.image = None
         self.host_views = []
@@ -336,18 +442,22 @@ class WeightUnit:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
 
 
-def _bind_entry(entry: Entry, view: torch.Tensor) -> None:
+def _bind_entry(entry: Entry, view: torch.Tensor) -> list[tuple[Owner, torch.Tensor]]:
     """Re-point every owner of ``entry`` at ``view``; a parameter still on the meta device is
-    replaced by one new parameter object shared by all its owners, so ties survive."""
+    replaced by one new parameter object shared by all its owners, so ties survive. Returns the
+    owners replaced that way, each with what it held."""
     first = entry.owners[0]
     current = first.param if first.is_param else first.get()
     if current.is_meta == view.is_meta:
         for owner in entry.owners:
             owner.rebind(view)
-        return
+        return []
     replacement = nn.Parameter(view, requires_grad=current.requires_grad) if entry.owners[0].is_param else view
+    replaced = []
     for owner in entry.owners:
+        replaced.append((owner, owner.param if owner.is_param else owner.get()))
         owner.replace(replacement)
+    return replaced
 
 
 def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:

@@ -1,0 +1,117 @@
+"""How a strategy runs its work around a module's calls, outside any ``torch.compile`` region.
+
+A strategy's per-call work (wait for a block's weights, queue the next copies, swap a component in)
+has side effects on streams and host state that a compiled graph must not capture: Dynamo would
+either trace it (baking one call's decisions into the graph) or break the graph in the middle of
+the module. So the work runs *around* the module call, never inside it:
+
+* ``module._compiled_call_impl`` (what ``nn.Module.__call__`` runs instead of ``_call_impl`` once
+  ``module.compile()`` has been called) becomes a wrapper that does the work, then runs the module:
+  its own compiled function if it has one, else the plain ``_call_impl``. A block compiled in place
+  (``block.compile()``, diffusers' ``compile_repeated_blocks()``, before or after ``enable``) then
+  runs its work eagerly and its compiled graph whole, ``fullgraph=True`` included.
+* ``module.compile`` is shadowed so that compiling in place after ``enable`` keeps the wrapper
+  outside the new compiled function.
+* The wrapper is ``torch.compiler.disable``-d: when a compiled *parent* reaches the module (a
+  whole-model ``torch.compile``), Dynamo stops the graph there and runs the work eagerly, and the
+  module's own frames are compiled on their own, once per distinct block code and shapes.
+* ``forward`` is pinned in the instance dictionary (the class's own bound method, so nothing
+  changes for an eager call): without it Dynamo inlines a plain module's ``forward`` directly,
+  bypassing ``__call__`` and with it this wrapper.
+
+The call runs under the handle's lock (one call at a time per offloaded model), and ``after`` runs
+whatever happens inside (an exception, Ctrl-C), told whether the call failed, so a strategy's
+state is never left half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .common import to_device
+
+logger = logging.getLogger(__name__)
+
+_REASON = (
+    "offload-core streams this module's weights: its offload step runs between compiled graphs. "
+    "For one graph per block use regional compilation (block.compile(fullgraph=True) or "
+    "model.compile_repeated_blocks(fullgraph=True)); see docs/compatibility.md"
+)
+
+
+class CallWrapper:
+    """Runs ``before()`` ahead of every call of ``module`` and ``after(failed)`` once it returns or
+    raises, holding ``lock``, with the tensor inputs moved to ``device`` when one is given.
+    ``remove()`` restores the module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        before: Callable[[], None] | None = None,
+        after: Callable[[bool], None] | None = None,
+        device: torch.device | None = None,
+        lock: Any = None,
+    ) -> None:
+        self.module = module
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._work_before = before
+        self._device = device
+        self._enter = torch.compiler.disable(self._prepare, reason=_REASON)
+        self._after = torch.compiler.disable(after, reason=_REASON) if after is not None else None
+        self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
+        self._call = torch.compiler.disable(self._run, recursive=False, reason=_REASON)
+        self._pinned_forward = "forward" not in module.__dict__
+        if self._pinned_forward:
+            module.forward = module.forward
+        module._compiled_call_impl = self._call
+        module.compile = self._compile
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._work_before is not None:
+            self._work_before()
+        if self._device is not None:
+            return to_device(args, self._device), to_device(kwargs, self._device)
+        return args, kwargs
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        # Dynamo skips this frame but compiles the frames it calls: the work is in the two
+        # disabled calls, and the module's own frames between them are compiled as usual.
+        with self._lock:
+            failed = True
+            try:
+                args, kwargs = self._enter(args, kwargs)
+                inner = self._inner
+                output = inner(*args, **kwargs) if inner is not None else self.module._call_impl(*args, **kwargs)
+                failed = False
+            finally:
+                if self._after is not None:
+                    self._after(failed)
+            return output
+
+    def _compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile`` for a wrapped module: compile its call, keep the wrapper outside."""
+        self._inner = torch.compile(self.module._call_impl, *args, **kwargs)
+        logger.debug("%s compiled in place; offload work stays outside its graph", type(self.module).__name__)
+
+    def remove(self) -> None:
+        """Unwrap; a compilation done while wrapped stays with the module. The wrapper's own
+        references are dropped too: its wrapped methods refer back to it, and such a cycle would
+        keep the strategy (and the memory it still holds) alive until the next garbage collection."""
+        self._work_before = self._enter = self._after = None
+        state = self.module.__dict__
+        if state.get("_compiled_call_impl") is self._call:
+            if self._inner is not None:
+                state["_compiled_call_impl"] = self._inner
+            else:
+                del state["_compiled_call_impl"]
+        if state.get("compile") == self._compile:
+            del state["compile"]
+        forward = state.get("forward")
+        if self._pinned_forward and getattr(forward, "__func__", None) is type(self.module).forward:
+            del state["forward"]
+        self._call = None

@@ -1,0 +1,157 @@
+"""Pinned host homes cut from a few large pinned slabs.
+
+One pinned allocation per buffer wastes memory on every accelerator we target: torch's caching
+host allocator rounds each request up to a power of two (a block of 0.6 x 2^k bytes takes 2^k)
+and keeps freed blocks cached. So a weight unit's host buffers are views into slabs, and a slab
+is always a size the backend hands out without rounding (``DeviceBackend.pinned_allocation_size``)
+or the whole rounded block, used to its end.
+
+Slab sizes follow what is left to pack (the caller plans every request up front): a slab holds at
+least ``REQUESTS_PER_SLAB`` of the largest request (and ``MIN_SLAB_BYTES``) unless less is left,
+and when the rounded block for what is left would waste more than one request, the slab is the
+next size down and the rest goes into later, smaller slabs.
+
+Requests fill the newest slab in order; one that does not fit opens the next slab, leaving the
+previous one an unused tail smaller than that request. The allocator holds slabs weakly: a slab
+lives exactly as long as some view of it does. Filling in order is what makes the pinned memory of
+a model come back slab by slab as its units are unpacked (in the order they were packed): a later
+unit tucked into an earlier slab's tail would keep that slab alive to the end.
+
+The slab size trades waste against that release: a slab wastes less than one request (so at most
+1/``REQUESTS_PER_SLAB`` of it), and ``disable`` holds at most about one slab beyond the weights
+it has not yet given back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from typing import Iterable
+
+import torch
+
+from .unit import ALIGN_BYTES
+
+logger = logging.getLogger(__name__)
+
+#: smallest slab worth a pinned allocation of its own, when there is that much to pack
+MIN_SLAB_BYTES = 64 * 2**20
+#: a slab holds at least this many of the largest request, so a tail left because a request did
+#: not fit wastes at most 1/REQUESTS_PER_SLAB of the slab
+REQUESTS_PER_SLAB = 4
+
+
+def aligned(nbytes: int) -> int:
+    """Bytes a request takes in a slab: views start at ``ALIGN_BYTES`` boundaries."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclasses.dataclass
+class Slab:
+    storage: weakref.ref  # the slab's untyped storage, alive while any view of it is
+    capacity: int
+    used: int = 0
+
+    @property
+    def tail(self) -> int:
+        return self.capacity - self.used
+
+
+class SlabAllocator:
+    """Sub-allocates host buffers from pinned slabs of ``backend``.
+
+    ``planned``: the byte sizes of every request to come, so that slabs fit what is packed;
+    requests beyond the plan still work, in slabs of the usual size. ``slab_bytes`` overrides the
+    largest slab size.
+    """
+
+    def __init__(self, backend, planned: Iterable[int] = (), slab_bytes: int | None = None) -> None:
+        sizes = [aligned(n) for n in planned]
+        self.backend = backend
+        self.largest = max(sizes, default=0)
+        self.slab_bytes = slab_bytes or max(MIN_SLAB_BYTES, REQUESTS_PER_SLAB * self.largest)
+        self._remaining = sum(sizes)
+        self._slabs: list[Slab] = []
+        self._lock = threading.RLock()  # a slab's finalizer may run inside allocate()
+        self.live_bytes = 0  # real pinned bytes of the slabs still alive
+        self.live_slabs = 0
+
+    @classmethod
+    def for_units(cls, backend, units, **options) -> "SlabAllocator":
+        """An allocator planned for packing ``units`` (one request per unit and dtype)."""
+        return cls(backend, [n * dtype.itemsize for u in units for dtype, n in u.numel.items()], **options)
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat pinned tensor of ``numel`` elements: a view into a slab."""
+        nbytes = numel * dtype.itemsize
+        need = aligned(nbytes)
+        with self._lock:
+            self.largest = max(self.largest, need)
+            slab, storage = self._newest(need)
+            if slab is None:
+                slab, storage = self._new_slab(need)
+            offset = slab.used
+            slab.used += need
+            self._remaining = max(self._remaining - need, 0)
+        view = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,))
+        return view.view(dtype)
+
+    def tail_bytes(self) -> int:
+        """Bytes of live slabs that no request uses: what the slabs waste."""
+        with self._lock:
+            return sum(s.tail for s in self._slabs if s.storage() is not None)
+
+    # -- internals --------------------------------------------------------------------------
+    def _newest(self, need: int) -> tuple[Slab | None, torch.UntypedStorage | None]:
+        """The newest slab, when it is alive and ``need`` fits in its tail."""
+        self._slabs = [slab for slab in self._slabs if slab.storage() is not None]  # the dead are gone
+        if not self._slabs:
+            return None, None
+        slab = self._slabs[-1]
+        storage = slab.storage()
+        if storage is None or need > slab.tail:
+            return None, None
+        return slab, storage
+
+    def _size(self, need: int) -> int:
+        """The next slab's size: see the module docstring."""
+        left = self._remaining or self.slab_bytes  # beyond the plan: slabs of the usual size
+        target = max(min(self.slab_bytes, left), need)
+        block = self.backend.pinned_allocation_size(target)
+        if block == target or block <= left or block - target <= self.largest:
+            return block  # exact, or a rounded block whose slack later requests will use
+        below = block // 2
+        if below >= need and self.backend.pinned_allocation_size(below) == below:
+            return below
+        return block
+
+    def _new_slab(self, need: int) -> tuple[Slab, torch.UntypedStorage]:
+        size = self._size(need)
+        try:
+            tensor = self.backend.empty_pinned(size, torch.uint8)
+        except torch.OutOfMemoryError:
+            smallest = self.backend.pinned_allocation_size(need)
+            if size <= smallest:
+                raise
+            # A full slab is over a pinned limit that the request alone may fit under.
+            logger.debug("a %d-byte pinned slab does not fit; trying %d bytes", size, smallest)
+            size = smallest
+            tensor = self.backend.empty_pinned(size, torch.uint8)
+        storage = tensor.untyped_storage()
+        real = self.backend.pinned_allocation_size(size)
+        self.live_bytes += real
+        self.live_slabs += 1
+        weakref.finalize(storage, self._released, real)
+        slab = Slab(weakref.ref(storage), size)
+        self._slabs.append(slab)
+        return slab, storage
+
+    def _released(self, real: int) -> None:
+        with self._lock:
+            self.live_bytes -= real
+            self.live_slabs -= 1
+
+    def __repr__(self) -> str:
+        return f"<SlabAllocator {self.live_slabs} slabs, {self.live_bytes} pinned bytes>"

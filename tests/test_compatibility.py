@@ -1,0 +1,63 @@
+"""docs/compatibility.md: every cell of the table is a check that runs, and the file is generated
+from the table. The checks are in compat_cases.py; model-level and layerwise run here, the
+distributed column on two gloo processes."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from offload_core.compatibility import ROWS, cells, render
+
+import compat_cases
+from helpers import chaos_backend
+
+#: the table is a statement about the fake backend (chaos mode, its sanitizer, CPU references)
+pytestmark = pytest.mark.fake_only
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
+WORLD = 2
+SINGLE = cells(("model", "layerwise"))
+
+
+@pytest.mark.parametrize("case,strategy,verdict", SINGLE, ids=[f"{c}-{s}" for c, s, _ in SINGLE])
+def test_cell(case, strategy, verdict):
+    compat_cases.CASES[case](strategy, chaos_backend(), verdict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int) -> None:
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])  # tests/ helpers in the spawned process
+    torch.set_num_threads(1)
+    import compat_cases
+    from helpers import chaos_backend
+
+    backend = chaos_backend()
+    backend.init_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}")
+    for case, strategy, verdict in cells(("distributed",)):
+        try:
+            compat_cases.CASES[case](strategy, backend, verdict)
+        except BaseException as exc:
+            raise AssertionError(f"rank {rank}, {case} ({verdict}): {exc}") from exc
+
+
+def test_distributed_cells():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+
+
+def test_every_row_has_its_check_and_the_doc_is_current():
+    assert [row.case for row in ROWS] == list(compat_cases.CASES), "a row without a check, or a check without a row"
+    assert DOC.read_text(encoding="utf-8") == render(), (
+        "docs/compatibility.md is stale: run `python -m offload_core.compatibility > docs/compatibility.md`"
+    )
