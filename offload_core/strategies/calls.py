@@ -82,6 +82,9 @@ class CallWrapper:
         # Dynamo skips this frame but compiles the frames it calls: the work is in the two
         # disabled calls, and the module's own frames between them are compiled as usual.
         with self._lock:
+            # taken now: a strategy that re-packs inside ``before`` removes this wrapper, and the
+            # call that began here must still end with its ``after``
+            after = self._after
             failed = True
             try:
                 args, kwargs = self._enter(args, kwargs)
@@ -89,8 +92,8 @@ class CallWrapper:
                 output = inner(*args, **kwargs) if inner is not None else self.module._call_impl(*args, **kwargs)
                 failed = False
             finally:
-                if self._after is not None:
-                    self._after(failed)
+                if after is not None:
+                    after(failed)
             return output
 
     def _compile(self, *args: Any, **kwargs: Any) -> None:
