@@ -19,7 +19,9 @@ unit tucked into an earlier slab's tail would keep that slab alive to the end.
 
 The slab size trades waste against that release: a slab wastes less than one request (so at most
 1/``REQUESTS_PER_SLAB`` of it), and ``disable`` holds at most about one slab beyond the weights
-it has not yet given back.
+it has not yet given back. Hence a request the backend allocates at its exact size (a backend
+that registers host memory, or the fake without ``pinned_rounding``) gets an allocation of its
+own: nothing would be saved by sharing, and its memory goes as soon as its unit is unpacked.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class SlabAllocator:
 
     def _size(self, need: int) -> int:
         """The next slab's size: see the module docstring."""
+        if need and self.backend.pinned_allocation_size(need) == need:
+            return need  # allocated without rounding: a slab would only hold its memory longer
         left = self._remaining or self.slab_bytes  # beyond the plan: slabs of the usual size
         target = max(min(self.slab_bytes, left), need)
         block = self.backend.pinned_allocation_size(target)
