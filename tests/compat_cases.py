@@ -211,18 +211,29 @@ def _buffers(handle: offload_core.OffloadHandle) -> list[torch.Tensor]:
         units += [c.unit for g in getattr(part, "groups", []) for c in g.components]
         found += [buf for u in units for buf in u.host.values()]
         found += [buf for slot in getattr(part, "slots", []) for buf in slot.values()]
+        found += [buf for g in getattr(part, "groups", []) for c in g.components for buf in (c.device or {}).values()]
     return found
 
 
-def _assert_streamed(blocks: list[nn.Module], kind: type, handle: offload_core.OffloadHandle) -> None:
-    """Each ``kind`` weight of the blocks reads its parts from the strategy's buffers, not from
-    the tensors it was built with."""
-    spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in _buffers(handle)]
-    for block in blocks:
-        for p in block.parameters():
-            if isinstance(p, kind):
-                for leaf in _leaves(p):
-                    assert any(lo <= leaf.data_ptr() < hi for lo, hi in spans), f"a {kind.__name__} part is not streamed"
+def _assert_streamed(blocks: list[nn.Module], kind: type, handle: offload_core.OffloadHandle, step: Callable) -> None:
+    """Each ``kind`` weight of the blocks computes, during ``step()``, on parts read from the
+    strategy's buffers, not on the tensors it was built with. Seen from inside each block's call:
+    outside it a block shows its host buffer, or placeholders where the host holds only a shard."""
+    seen: list[tuple[int, list[tuple[int, int]]]] = []  # (where a part is, the buffers then)
+
+    def record(block: nn.Module, args: tuple) -> None:
+        spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in _buffers(handle)]
+        seen.extend((leaf.data_ptr(), spans) for p in block.parameters() if isinstance(p, kind) for leaf in _leaves(p))
+
+    hooks = [block.register_forward_pre_hook(record) for block in blocks]
+    try:
+        step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen, f"no {kind.__name__} weight was called"
+    for pointer, spans in seen:
+        assert any(lo <= pointer < hi for lo, hi in spans), f"a {kind.__name__} part is not streamed"
 
 
 def _check_quantized(strategy: str, backend, verdict: str, quantize: Callable[[nn.Module], None], kind: type) -> None:
@@ -236,7 +247,7 @@ def _check_quantized(strategy: str, backend, verdict: str, quantize: Callable[[n
     saved = {k: [leaf.clone() for leaf in _leaves(v)] for k, v in model.state_dict().items()}
     with offloaded(model, strategy, backend) as handle:
         assert_equal(run_steps(model, inputs), expected, f"{kind.__name__}, {strategy}")
-        _assert_streamed(blocks, kind, handle)
+        _assert_streamed(blocks, kind, handle, lambda: run_steps(model, inputs, steps=1))
         stats = handle.stats()
         if strategy != "distributed":  # the quantized parts are what is pinned: nothing dequantized, nothing left out
             assert payload <= stats["pinned_host_bytes"] <= payload + ALIGN_BYTES * tensors

@@ -132,9 +132,9 @@ def test_disable_returns_pinned_memory_slab_by_slab(monkeypatch):
     held: list[int] = []
     unpack = WeightUnit.unpack
 
-    def measure_and_unpack(self):
+    def measure_and_unpack(self, *args):
         held.append(backend.pinned_memory_allocated())
-        unpack(self)
+        unpack(self, *args)
 
     monkeypatch.setattr(WeightUnit, "unpack", measure_and_unpack)
     handle.disable()
@@ -259,7 +259,7 @@ def test_units_packed_side_by_side_in_a_slab_view_their_own_bytes():
     assert slabs.live_slabs == 1 and units[1].host[torch.float32].storage_offset() > 0
     for unit, layer, (weight, bias) in zip(units, layers, before):
         assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias), unit.name  # bound at packing
-        unit.bind(unit.host)
+        unit.bind(unit.views(unit.host))
         assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias), unit.name  # bound again
         unit.unpack()
         assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias), unit.name

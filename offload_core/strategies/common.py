@@ -128,11 +128,13 @@ def pack_units(units, placement, txn: Transaction, desc: str) -> None:
 def unpack_units(units, placement) -> None:
     """Give every unit's tensors ordinary host memory again, one unit at a time, releasing each
     home as soon as its unit is unpacked (pinned slabs included, see ``Placement.unpack``): host
-    memory stays near one copy of the model."""
+    memory stays near one copy of the model. An item is a unit, or ``(unit, views)`` for a unit
+    whose owners show views other than its home (see ``WeightUnit.unpack``)."""
     trimmer = Trimmer()
-    for unit in units:
+    for item in units:
+        unit, bound = item if isinstance(item, tuple) else (item, None)
         if unit.host or unit.image is not None or unit.kept:
-            placement.unpack(unit)
+            placement.unpack(unit, bound)
             trimmer.add(unit.nbytes)
     trimmer.flush()
 

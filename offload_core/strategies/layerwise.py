@@ -54,7 +54,7 @@ from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
-from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units
+from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
@@ -276,9 +276,8 @@ class LayerwiseOffload(Part):
                 write_back(self.backend, [
                     (self.resident.host[dtype], buf) for dtype, buf in self.resident_device.items()
                 ])
-                self.placement.unpack(self.resident, self.resident_views)
-            for unit in self.units:
-                self.placement.unpack(unit)  # from the views it shows at home
+            # each block from the views it shows at home
+            unpack_units([(self.resident, self.resident_views), *self.units], self.placement)
             self._release()
             self.enabled = False
 

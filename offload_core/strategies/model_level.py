@@ -32,7 +32,7 @@ from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
-from .common import Transaction, allocate_device, default_placement, pack_units
+from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
@@ -176,8 +176,10 @@ class ModelLevelOffload(Part):
             if not self.enabled:
                 return
             self._settle()
-            for c in (c for g in self.groups for c in g.components):
-                self.placement.unpack(c.unit)
+            components = [c for g in self.groups for c in g.components]
+            for c in components:
+                c.home = None  # it references the home, which goes as soon as its unit is unpacked
+            unpack_units([c.unit for c in components], self.placement)
             self.aliases.clear()
             self.enabled = False
 

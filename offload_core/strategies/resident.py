@@ -14,7 +14,7 @@ from ..backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
 from ..weights.unit import collect_tensors
-from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units
+from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 
 
@@ -89,7 +89,7 @@ class ResidentModules(Part):
                 if unit.host:
                     adopt_foreign(self.backend, unit, views)  # the user's same-shape tensors
                     write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
-                    self.placement.unpack(unit, views)
+            unpack_units(list(zip(self.units, self.device_views)), self.placement)
             self.device, self.device_views = [], []
             self.aliases.clear()
             self.enabled = False
