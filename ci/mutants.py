@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [ROOT / "offload_core" / "pipelines.py"]
+STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [
+    ROOT / "offload_core" / "pipelines.py", ROOT / "offload_core" / "hostmem" / "staging.py",
+]
 #: statements that order work or hand memory over; each must be the target of a mutant
 SYNC = re.compile(r"\.(wait|record|synchronize)\b|wait_stream\(|release_all\(\)$")
 
@@ -47,6 +49,7 @@ CHILD_ALONE = "tests/test_contract_failures.py::test_a_component_child_called_al
 WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
 STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
+STAGED_DISABLE = "tests/test_hostmem.py::test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +147,10 @@ MUTANTS = [
     Mutant("bounce ring: a buffer is refilled only after the copy that read it", S,
            "self.read_done[k].synchronize()", (STAGED,)),
     Mutant("bounce ring: the read of a buffer is marked by an event", S, "self.read_done[k].record(stream)", (STAGED,)),
+    Mutant("stager: waiting for a load's ticket blocks until the load is issued", S, "ticket._done.wait()",
+           (STAGED,)),
+    Mutant("stager: drain blocks until every submitted load is issued", S,
+           "self.submit(lambda: None)._done.wait()", (STAGED_DISABLE,)),
 ]
 
 

@@ -146,6 +146,34 @@ def test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly
     assert backend.pinned_memory_allocated() == 0
 
 
+def test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued(small_chunks, slow_stager, monkeypatch):
+    """Inside ``frozen()`` a forward ends by handing the next forward's first loads to the stager;
+    a disable right after must wait for them before it gives any home back (they read the homes),
+    so that nothing is staged from a home that is being unpacked."""
+    model = mixed_stack()
+    expected = run(model, X)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         pinned_memory=0)
+    stage, unpack = staging.BounceRing.stage, WeightUnit.unpack
+    staged, unpacked = [], []
+
+    def counted_stage(self, *args):
+        stage(self, *args)
+        staged.append(time.monotonic())
+
+    def counted_unpack(self, *args):
+        unpacked.append(time.monotonic())
+        unpack(self, *args)
+
+    monkeypatch.setattr(staging.BounceRing, "stage", counted_stage)
+    monkeypatch.setattr(WeightUnit, "unpack", counted_unpack)
+    with handle.frozen():
+        assert torch.equal(run(model, X), expected)
+        handle.disable()
+    assert staged and unpacked and max(staged) < min(unpacked)
+    assert torch.equal(run(model, X), expected)
+
+
 def test_removing_the_bounce_buffer_wait_is_reported_as_a_race(small_chunks):
     """The sanitizer sees the stager refill a bounce buffer that a queued copy has yet to read."""
     model = mixed_stack()
