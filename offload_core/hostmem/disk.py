@@ -202,17 +202,12 @@ class SpillFolder:
         finally:
             os.close(fd)
         file = SafetensorsFile(path)
-        image = DiskImage()
-        for r in unit.regions:
-            if not r.numel:
-                continue
-            if r.reader is not None:
-                image.add(r.dtype, r.start, r.numel, r.reader)
-            else:
-                whole = file.tensors[str(r.dtype).removeprefix("torch.")]
-                image.add(r.dtype, r.start, r.numel, FileSlice(file, whole.offset + r.start * r.dtype.itemsize,
-                                                               r.dtype, (r.numel,)))
-        return image
+
+        def written(r) -> FileSlice:
+            whole = file.tensors[str(r.dtype).removeprefix("torch.")]
+            return FileSlice(file, whole.offset + r.start * r.dtype.itemsize, r.dtype, (r.numel,))
+
+        return _image(unit, written)
 
     def remove(self) -> None:
         if self.path is not None:
@@ -223,14 +218,15 @@ class SpillFolder:
 def checkpoint_image(unit) -> DiskImage:
     """The image of a unit read from a checkpoint: its regions' slices, and the few regions no
     file holds (buffers computed at construction) kept in memory."""
+    return _image(unit, lambda r: MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)))
+
+
+def _image(unit, fallback) -> DiskImage:
+    """A unit's image: each region read from its checkpoint slice, else from ``fallback(region)``."""
     image = DiskImage()
     for r in unit.regions:
-        if not r.numel:
-            continue
-        if r.reader is not None:
-            image.add(r.dtype, r.start, r.numel, r.reader)
-        else:
-            image.add(r.dtype, r.start, r.numel, MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)))
+        if r.numel:
+            image.add(r.dtype, r.start, r.numel, r.reader if r.reader is not None else fallback(r))
     return image
 
 
