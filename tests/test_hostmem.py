@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import weakref
 
@@ -19,6 +20,7 @@ from offload_core_fake import StreamRaceError
 from offload_core.discovery import find_blocks
 from offload_core.hostmem import budget, staging
 from offload_core.hostmem.disk import FileSlice
+from offload_core.strategies.layerwise import LayerwiseOffload
 from offload_core.weights import slabs as slabs_module
 from offload_core.weights import split_units
 from offload_core.weights.slabs import aligned
@@ -146,29 +148,41 @@ def test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly
     assert backend.pinned_memory_allocated() == 0
 
 
-def test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued(small_chunks, slow_stager, monkeypatch):
+def test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued(small_chunks, monkeypatch):
     """Inside ``frozen()`` a forward ends by handing the next forward's first loads to the stager;
     a disable right after must wait for them before it gives any home back (they read the homes),
-    so that nothing is staged from a home that is being unpacked."""
+    so that nothing is staged from a home that is being unpacked. Those loads are held back until
+    unpacking starts (or half a second has passed), so a disable that does not wait shows every
+    time, whatever the threads' timing."""
     model = mixed_stack()
     expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          pinned_memory=0)
-    stage, unpack = staging.BounceRing.stage, WeightUnit.unpack
+    stage, unpack, load_first = staging.BounceRing.stage, WeightUnit.unpack, LayerwiseOffload._load_first
+    held, unpacking = threading.Event(), threading.Event()
     staged, unpacked = [], []
 
-    def counted_stage(self, *args):
+    def held_back_stage(self, *args):
+        if held.is_set():
+            unpacking.wait(timeout=0.5)
         stage(self, *args)
         staged.append(time.monotonic())
 
     def counted_unpack(self, *args):
         unpacked.append(time.monotonic())
+        unpacking.set()
         unpack(self, *args)
 
-    monkeypatch.setattr(staging.BounceRing, "stage", counted_stage)
+    def held_back_load_first(self):
+        held.set()
+        load_first(self)
+
+    monkeypatch.setattr(staging.BounceRing, "stage", held_back_stage)
     monkeypatch.setattr(WeightUnit, "unpack", counted_unpack)
+    monkeypatch.setattr(LayerwiseOffload, "_load_first", held_back_load_first)
     with handle.frozen():
         assert torch.equal(run(model, X), expected)
+        assert held.is_set(), "the forward handed no load to the stager"
         handle.disable()
     assert staged and unpacked and max(staged) < min(unpacked)
     assert torch.equal(run(model, X), expected)
