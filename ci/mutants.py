@@ -49,6 +49,7 @@ CHILD_ALONE = "tests/test_contract_failures.py::test_a_component_child_called_al
 WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
 STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
+STAGED_RESIDENT = "tests/test_hostmem.py::test_resident_components_are_on_the_device_when_enable_returns"
 STAGED_DISABLE = "tests/test_hostmem.py::test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued"
 
 
@@ -141,7 +142,7 @@ MUTANTS = [
            "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES, REUSE)),
     Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
     Mutant("resident: a staged copy is issued before the host waits for the stream", R,
-           "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_PIPELINE,),
+           "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_RESIDENT,),
            replacement="copy_unit(unit, buf, self.placement, stream, self.counters)"),
     # -- the bounce ring ----------------------------------------------------------------------
     Mutant("bounce ring: a buffer is refilled only after the copy that read it", S,

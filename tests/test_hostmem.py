@@ -21,6 +21,7 @@ from offload_core.discovery import find_blocks
 from offload_core.hostmem import budget, staging
 from offload_core.hostmem.disk import FileSlice
 from offload_core.strategies.layerwise import LayerwiseOffload
+from offload_core.strategies.resident import ResidentModules
 from offload_core.weights import slabs as slabs_module
 from offload_core.weights import split_units
 from offload_core.weights.slabs import aligned
@@ -255,6 +256,47 @@ def test_pipeline_components_without_pinned_memory_are_staged_exactly(tiny_wan, 
     assert torch.equal(tiny_wan.run(seed=0), tiny_wan.expected)
 
 
+def test_resident_components_are_on_the_device_when_enable_returns(tiny_wan, kib_chunks, monkeypatch):
+    """Components kept on the device whose homes are not pinned are copied by the stager; enable
+    returns only once those copies were issued and have landed. The stager's tasks from that step
+    are held back until enable has returned (or half a second has passed), so an enable that does
+    not wait for them shows every time, whatever the threads' timing."""
+    submit, enable = staging.Stager.submit, ResidentModules.enable
+    holding, released = threading.Event(), threading.Event()
+    finished: list[float] = []
+
+    def held_back_submit(self, task):
+        if not holding.is_set():
+            return submit(self, task)
+
+        def held_back():
+            released.wait(timeout=0.5)
+            task()
+            finished.append(time.monotonic())
+
+        return submit(self, held_back)
+
+    def holding_enable(self, txn):
+        holding.set()
+        try:
+            enable(self, txn)
+        finally:
+            holding.clear()
+
+    monkeypatch.setattr(staging.Stager, "submit", held_back_submit)
+    monkeypatch.setattr(ResidentModules, "enable", holding_enable)
+    handle = offload_core.enable_offload(tiny_wan.pipe, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         pinned_memory=0)
+    returned = time.monotonic()
+    released.set()
+    handle.placement.drain()
+    try:
+        assert finished and max(finished) < returned
+        assert torch.equal(tiny_wan.run(seed=0), tiny_wan.expected)
+    finally:
+        handle.disable()
+
+
 @pytest.fixture(scope="module")
 def tiny_wan():
     from offload_core.tiny import build_pipeline
@@ -291,8 +333,6 @@ def test_blocks_beyond_host_memory_are_spilled_and_streamed_from_disk(tmp_path, 
 
 
 def test_a_failed_enable_with_spilled_blocks_restores_them_and_removes_the_files(tmp_path, monkeypatch):
-    from offload_core.strategies.layerwise import LayerwiseOffload
-
     model = mixed_stack()
     before = snapshot(model)
 
