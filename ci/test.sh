@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI: a fresh virtual environment, the pinned CPU torch, the package with its test extras, then
 # exactly the test command of README.md, then the mutation run that shows every synchronisation
-# in the strategies is covered by a test (about 7 minutes on 2 cores; see docs/design.md).
+# in the strategies is covered by a test (7 to 11 minutes on 2 cores; see docs/design.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
