@@ -151,41 +151,50 @@ def test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly
 
 def test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued(small_chunks, monkeypatch):
     """Inside ``frozen()`` a forward ends by handing the next forward's first loads to the stager;
-    a disable right after must wait for them before it gives any home back (they read the homes),
-    so that nothing is staged from a home that is being unpacked. Those loads are held back until
-    unpacking starts (or half a second has passed), so a disable that does not wait shows every
-    time, whatever the threads' timing."""
+    a disable right after must wait for them before it gives any home back (they read the homes).
+    Those loads are held back until unpacking starts (or half a second has passed), so a disable
+    that does not wait for them shows every time, whatever the threads' timing."""
     model = mixed_stack()
     expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          pinned_memory=0)
-    stage, unpack, load_first = staging.BounceRing.stage, WeightUnit.unpack, LayerwiseOffload._load_first
-    held, unpacking = threading.Event(), threading.Event()
-    staged, unpacked = [], []
+    submit, unpack, load_first = staging.Stager.submit, WeightUnit.unpack, LayerwiseOffload._load_first
+    holding, unpacking = threading.Event(), threading.Event()
+    finished, unpacked = [], []
 
-    def held_back_stage(self, *args):
-        if held.is_set():
+    def held_back_submit(self, task):
+        if not holding.is_set():
+            return submit(self, task)
+
+        def held_back():
             unpacking.wait(timeout=0.5)
-        stage(self, *args)
-        staged.append(time.monotonic())
+            try:
+                task()
+            finally:
+                finished.append(time.monotonic())
+
+        return submit(self, held_back)
+
+    def holding_load_first(self):
+        holding.set()
+        try:
+            load_first(self)
+        finally:
+            holding.clear()
 
     def counted_unpack(self, *args):
         unpacked.append(time.monotonic())
         unpacking.set()
         unpack(self, *args)
 
-    def held_back_load_first(self):
-        held.set()
-        load_first(self)
-
-    monkeypatch.setattr(staging.BounceRing, "stage", held_back_stage)
+    monkeypatch.setattr(staging.Stager, "submit", held_back_submit)
+    monkeypatch.setattr(LayerwiseOffload, "_load_first", holding_load_first)
     monkeypatch.setattr(WeightUnit, "unpack", counted_unpack)
-    monkeypatch.setattr(LayerwiseOffload, "_load_first", held_back_load_first)
     with handle.frozen():
         assert torch.equal(run(model, X), expected)
-        assert held.is_set(), "the forward handed no load to the stager"
         handle.disable()
-    assert staged and unpacked and max(staged) < min(unpacked)
+    assert finished, "the forward handed no load to the stager"
+    assert unpacked and max(finished) < min(unpacked)
     assert torch.equal(run(model, X), expected)
 
 
@@ -271,8 +280,10 @@ def test_resident_components_are_on_the_device_when_enable_returns(tiny_wan, kib
 
         def held_back():
             released.wait(timeout=0.5)
-            task()
-            finished.append(time.monotonic())
+            try:
+                task()
+            finally:
+                finished.append(time.monotonic())
 
         return submit(self, held_back)
 
