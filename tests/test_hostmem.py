@@ -75,6 +75,42 @@ def slow_stager(monkeypatch):
     monkeypatch.setattr(staging.BounceRing, "stage", late)
 
 
+class HeldTasks:
+    """Holds back the stager's tasks submitted while ``method`` of ``cls`` runs: each starts only
+    once ``release`` is set (or half a second has passed), and ``finished`` records when each
+    ended, failed or not. A wait missing between the stager and the model's thread then lets the
+    model's thread pass every time, whatever the threads' timing."""
+
+    def __init__(self, monkeypatch, cls: type, method: str) -> None:
+        self.release = threading.Event()
+        self.finished: list[float] = []
+        holding = threading.Event()
+        submit, original = staging.Stager.submit, getattr(cls, method)
+
+        def held_back_submit(stager, task):
+            if not holding.is_set():
+                return submit(stager, task)
+
+            def held_back():
+                self.release.wait(timeout=0.5)
+                try:
+                    task()
+                finally:
+                    self.finished.append(time.monotonic())
+
+            return submit(stager, held_back)
+
+        def holding_method(*args, **kwargs):
+            holding.set()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                holding.clear()
+
+        monkeypatch.setattr(staging.Stager, "submit", held_back_submit)
+        monkeypatch.setattr(cls, method, holding_method)
+
+
 @pytest.fixture
 def kib_chunks(monkeypatch):
     """Bounce buffers of 4 KiB, for the tiny pipelines' larger components."""
@@ -158,43 +194,20 @@ def test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued(sma
     expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          pinned_memory=0)
-    submit, unpack, load_first = staging.Stager.submit, WeightUnit.unpack, LayerwiseOffload._load_first
-    holding, unpacking = threading.Event(), threading.Event()
-    finished, unpacked = [], []
-
-    def held_back_submit(self, task):
-        if not holding.is_set():
-            return submit(self, task)
-
-        def held_back():
-            unpacking.wait(timeout=0.5)
-            try:
-                task()
-            finally:
-                finished.append(time.monotonic())
-
-        return submit(self, held_back)
-
-    def holding_load_first(self):
-        holding.set()
-        try:
-            load_first(self)
-        finally:
-            holding.clear()
+    held = HeldTasks(monkeypatch, LayerwiseOffload, "_load_first")
+    unpack, unpacked = WeightUnit.unpack, []
 
     def counted_unpack(self, *args):
         unpacked.append(time.monotonic())
-        unpacking.set()
+        held.release.set()
         unpack(self, *args)
 
-    monkeypatch.setattr(staging.Stager, "submit", held_back_submit)
-    monkeypatch.setattr(LayerwiseOffload, "_load_first", holding_load_first)
     monkeypatch.setattr(WeightUnit, "unpack", counted_unpack)
     with handle.frozen():
         assert torch.equal(run(model, X), expected)
         handle.disable()
-    assert finished, "the forward handed no load to the stager"
-    assert unpacked and max(finished) < min(unpacked)
+    assert held.finished, "the forward handed no load to the stager"
+    assert unpacked and max(held.finished) < min(unpacked)
     assert torch.equal(run(model, X), expected)
 
 
@@ -270,39 +283,14 @@ def test_resident_components_are_on_the_device_when_enable_returns(tiny_wan, kib
     returns only once those copies were issued and have landed. The stager's tasks from that step
     are held back until enable has returned (or half a second has passed), so an enable that does
     not wait for them shows every time, whatever the threads' timing."""
-    submit, enable = staging.Stager.submit, ResidentModules.enable
-    holding, released = threading.Event(), threading.Event()
-    finished: list[float] = []
-
-    def held_back_submit(self, task):
-        if not holding.is_set():
-            return submit(self, task)
-
-        def held_back():
-            released.wait(timeout=0.5)
-            try:
-                task()
-            finally:
-                finished.append(time.monotonic())
-
-        return submit(self, held_back)
-
-    def holding_enable(self, txn):
-        holding.set()
-        try:
-            enable(self, txn)
-        finally:
-            holding.clear()
-
-    monkeypatch.setattr(staging.Stager, "submit", held_back_submit)
-    monkeypatch.setattr(ResidentModules, "enable", holding_enable)
+    held = HeldTasks(monkeypatch, ResidentModules, "enable")
     handle = offload_core.enable_offload(tiny_wan.pipe, enable_layerwise_offload=True, backend=chaos_backend(),
                                          pinned_memory=0)
     returned = time.monotonic()
-    released.set()
+    held.release.set()
     handle.placement.drain()
     try:
-        assert finished and max(finished) < returned
+        assert held.finished and max(held.finished) < returned
         assert torch.equal(tiny_wan.run(seed=0), tiny_wan.expected)
     finally:
         handle.disable()
