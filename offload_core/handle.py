@@ -80,7 +80,7 @@ class OffloadHandle:
         (weights read from disk), ``bounce_bytes`` (the ring) and ``staged_bytes`` (bytes copied
         through the ring so far); ``host_bytes`` is the weights held in RAM.
         """
-        totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0}
+        totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0, "retired_slot_bytes": 0}
         for part in self.parts:
             for key, value in part.counters.as_dict().items():
                 totals[key] = totals.get(key, 0) + value

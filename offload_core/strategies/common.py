@@ -49,6 +49,7 @@ class Counters:
     h2d_copies: int = 0
     prefetch_misses: int = 0
     loads: int = 0
+    retired_slot_bytes: int = 0  # device memory of slots left to tensors that still view them
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

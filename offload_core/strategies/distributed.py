@@ -432,7 +432,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             self._check_headers()
             for i, unit in enumerate(self.units):
                 self._load(i)
-                self._wait_ready(i, host)
+                self.wait_ready(i, host)
                 slot = self.slots[i % self.num_slots]
                 buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
                 for dtype, buf in buffers.items():

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 import weakref
 from typing import Sequence
 
@@ -54,6 +53,7 @@ from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
+from .autograd import SavedSlots
 from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 
@@ -86,6 +86,9 @@ class LayerwiseOffload(Part):
         self._bound = -1  # the block whose tensors show its slot
         self._occupant: list[int] = []
         self._tickets: dict[int, object] = {}  # block -> stager ticket of its pending load
+        self._slot_uses: list[list[tuple[object, int]]] = []  # per slot: (storage, its use count at rest)
+        self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
+        self.saved = SavedSlots(self)
         self._plan([block for _, block in blocks])
 
     def _plan(self, blocks: list[nn.Module]) -> None:
@@ -144,7 +147,6 @@ class LayerwiseOffload(Part):
         self.freed = [backend.new_event() for _ in range(self.num_slots)]
         self._occupant = [-1] * self.num_slots
         self._queued = False  # copies were queued since the host last waited for the copy stream
-        self._warned_grad = False
         self._stager = self.placement.stager
         self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters))
         done = backend.new_event()
@@ -158,11 +160,7 @@ class LayerwiseOffload(Part):
         self.aliases.clear()
         for unit, buffers in [(self.resident, resident_device), *((u, u.host) for u in self.units if u.host)]:
             self.aliases.add(unit, buffers)
-        self._plan_transfers()
-        self._bindings = [
-            Binding(unit, self._home_views(i), unit.views(self.slots[i % self.num_slots]))
-            for i, unit in enumerate(self.units)
-        ]
+        self._bind_slots()
         self._instrument()
         txn.on_rollback(self._remove_hooks)
         self.enabled = True
@@ -173,6 +171,21 @@ class LayerwiseOffload(Part):
             self.resident_bytes / 2**20,
             "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
         )
+
+    def _bind_slots(self) -> None:
+        """Plan every block's transfers into its slot and its binding to the slot's views, then
+        note how many references each slot's memory has: the ring's own. More, later, means that
+        something outside the ring still holds the slot (see :meth:`_check_slot`)."""
+        self._plan_transfers()
+        self._bindings = [
+            Binding(unit, self._home_views(i), unit.views(self.slots[i % self.num_slots]))
+            for i, unit in enumerate(self.units)
+        ]
+        self.saved.index(self.slots)
+        self._slot_uses = [
+            [(storage, _use_count(storage)) for storage in (b.untyped_storage() for b in slot.values() if b.numel())]
+            for slot in self.slots
+        ]
 
     def _show_placeholders(self) -> None:
         """Blocks with no home in RAM (on disk) show placeholders outside their forward."""
@@ -227,11 +240,42 @@ class LayerwiseOffload(Part):
         return self.backend.new_stream()
 
     def _allocate_device(self) -> None:
+        self.slots = [self._new_slot(s) for s in range(self.num_slots)]
+
+    def _new_slot(self, s: int) -> dict:
         # the label holds the strategy weakly: a global label table must not keep a model alive
-        self.slots = [
-            allocate_device(self.backend, self.slot_shape, functools.partial(_slot_label, weakref.ref(self), s))
-            for s in range(self.num_slots)
-        ]
+        return allocate_device(self.backend, self.slot_shape, functools.partial(_slot_label, weakref.ref(self), s))
+
+    def _check_slot(self, slot: int) -> None:
+        """Before a slot is refilled: if something outside the ring still references its memory
+        (a weight view a hook kept, a block output that views a weight, a tensor autograd saved
+        outside a block), that memory is given to its holder and the slot gets new memory, so
+        the holder keeps reading the weights it took, never the next block's."""
+        if all(_use_count(storage) == uses for storage, uses in self._slot_uses[slot]):
+            return
+        self.copy_stream.synchronize()  # a finished copy may still be letting go of its views
+        if all(_use_count(storage) == uses for storage, uses in self._slot_uses[slot]):
+            return
+        occupant = self._occupant[slot]
+        holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
+        try:
+            replacement = self._new_slot(slot)
+        except torch.OutOfMemoryError as exc:
+            raise OffloadedModelError(
+                f"a tensor viewing the device weights of {holding} of {self.describe()} is still referenced "
+                "after its forward (a kept .detach() or view of a weight, or an output that views one), and "
+                f"there is no device memory for a new slot ({exc}). Keep a .clone() instead of a view, or "
+                "drop the reference before the next blocks run"
+            ) from exc
+        logger.warning(
+            "%s: memory of slot %d (%s) is still referenced outside its block; it stays with its holder "
+            "and the slot gets %.1f MB of new device memory", self.describe(), slot, holding, self.slot_bytes / 2**20,
+        )
+        self.counters.retired_slot_bytes += self.slot_bytes
+        # the new memory may have been freed by compute still queued: copy into it after that
+        self.backend.wait_stream(self.copy_stream, self.backend.current_stream())
+        self.slots[slot] = replacement
+        self._bind_slots()
 
     @property
     def _name(self) -> str:
@@ -288,6 +332,10 @@ class LayerwiseOffload(Part):
         self._tickets = {}
         self._bindings = []
         self._occupant = []
+        self._slot_uses = []
+        while self._grad_hooks:
+            self._grad_hooks.popitem()[1].remove()
+        self.saved.index([])
         self.resident_device = {}
         self.resident_views = []
         self._queued = False
@@ -329,6 +377,7 @@ class LayerwiseOffload(Part):
     def _load(self, i: int) -> None:
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
         slot = i % self.num_slots
+        self._check_slot(slot)
         self._occupant[slot] = -1  # an interrupted load leaves the slot empty, not stale
         self._queued = True
         if self._stager is None:
@@ -372,10 +421,8 @@ class LayerwiseOffload(Part):
         if self._passes:
             return
         self._quiesce()
-        if not failed:
-            self._warn_grad()
-            if self._frozen:
-                self._load_first()
+        if not failed and self._frozen:
+            self._load_first()
 
     def _load_first(self) -> None:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
@@ -412,11 +459,14 @@ class LayerwiseOffload(Part):
             for j in range(i + 1, min(i + 1 + self.depth, len(self.units))):
                 if self._occupant[j % self.num_slots] != j:
                     self._load(j)
-        self._wait_ready(i)
+        self.wait_ready(i)
         self._bound = i
         self._bindings[i].to_device()
+        if torch.is_grad_enabled():
+            self._hook_gradients(i)
+            self.saved.begin_block(i)
 
-    def _wait_ready(self, i: int, reader=None) -> None:
+    def wait_ready(self, i: int, reader=None) -> None:
         """Make compute (a trace records the wait), or the stream ``reader``, wait until block
         ``i`` is in its slot."""
         if self._tickets:
@@ -432,6 +482,7 @@ class LayerwiseOffload(Part):
         return f"{self.label}.{self.block_names[i]}"
 
     def _after_block(self, i: int, failed: bool) -> None:
+        self.saved.end_block()
         if self._bound != i:
             return  # _before_block stopped before binding
         self.freed[i % self.num_slots].record(self.backend.current_stream())
@@ -448,16 +499,56 @@ class LayerwiseOffload(Part):
             return functools.partial(_refuse_write_back, self._no_ram_home(i))
         return functools.partial(write_back, self.backend)
 
-    def _warn_grad(self) -> None:
-        if not self._warned_grad and torch.is_grad_enabled() and any(p.requires_grad for p in self.blocks[0].parameters()):
-            self._warned_grad = True
-            warnings.warn(
-                f"{type(self.model).__name__} ran with autograd enabled while its blocks stream through shared "
-                "device slots: the forward is exact, but a backward pass would read overwritten weights. "
-                "Run offloaded models under torch.no_grad() or torch.inference_mode().",
-                UserWarning,
-                stacklevel=3,
-            )
+
+
+    # -- autograd (see autograd.py) ------------------------------------------------------------
+    def occupant(self, slot: int) -> int:
+        return self._occupant[slot]
+
+    def load_for_backward(self, i: int, miss: bool) -> None:
+        """Load block ``i`` for its backward, once the backward issued so far (which read the
+        slot's last block) is done."""
+        self.freed[i % self.num_slots].record(self.backend.current_stream())
+        if miss:
+            self.counters.prefetch_misses += 1
+            if self.timeline is not None:
+                self.timeline.prefetch_miss(self._span_name(i))
+        self._load(i)
+
+    def end_backward(self) -> None:
+        """The backward is over: wait for its copies (an optimizer step may write the host
+        weights next) and forget what the slots hold; a slot is refilled only after the backward
+        compute that read it."""
+        stream = self.backend.current_stream()
+        for freed in self.freed:
+            freed.record(stream)
+        self._quiesce()
+
+    def _hook_gradients(self, i: int) -> None:
+        """Gradients of block ``i``'s trainable weights accumulate beside their home, the truth
+        an optimizer updates (see docs/layerwise.md, "Training and gradients")."""
+        binding = self._bindings[i]
+        for param, home in zip(binding.params, binding.params_home):
+            if param.requires_grad and id(param) not in self._grad_hooks:
+                hook = functools.partial(_to_home, home.device) if self.units[i].host else functools.partial(
+                    _untrainable, self._untrainable(i))
+                self._grad_hooks[id(param)] = param.register_hook(hook)
+
+    def _untrainable(self, i: int) -> Exception:
+        """The error for a gradient of block ``i``'s weights when they have no host copy to train."""
+        return self._no_ram_home(i)
+
+
+def _use_count(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _to_home(device: torch.device, grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.device == device else grad.to(device)
+
+
+def _untrainable(error: Exception, grad: torch.Tensor) -> torch.Tensor:
+    raise error
 
 
 def _slot_label(strategy: "weakref.ref[LayerwiseOffload]", slot: int) -> str:

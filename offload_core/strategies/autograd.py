@@ -1,0 +1,176 @@
+"""Autograd through streamed blocks: saved weights become references, reloaded in backward.
+
+A block's parameters view its device slot only while the block's forward runs; the slot is then
+refilled with a later block. Autograd, left alone, would keep what the forward saved for backward
+(``addmm`` keeps ``weight.t()``, a view of the slot) and read another block's weights in backward.
+So while a streamed block runs with autograd recording, a saved-tensor hook replaces every saved
+tensor that views a slot by a :class:`SlotRef` (block, dtype, offset, shape, stride): device memory
+holds no weights for backward, only activations. In backward, the first reference of a block makes
+sure the block is in its slot again, loaded from its host home (the truth) like in a forward, and
+queues the copies of the blocks whose backward comes next (the reverse of the forward's order), so
+that they overlap this block's backward: every block is copied once per forward and once per
+backward, and device memory stays the slots plus activations.
+
+Hooks that were already active around the block (non-reentrant gradient checkpointing, the
+user's own ``saved_tensors_hooks``) still see every saved tensor that is not a slot view.
+
+The backward's last act (an autograd engine callback) waits for the copies it queued, so that an
+optimizer step that writes the host weights right after never races a copy reading them, and the
+slots are forgotten: the next forward loads afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+from torch._C import _autograd
+
+logger = logging.getLogger(__name__)
+
+#: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
+#: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
+_outer_hooks: Callable[[], Any] = getattr(_autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRef:
+    """A saved tensor that viewed block ``block``'s weights in its slot: its place in the slot's
+    buffer of ``dtype``, so that it can be viewed again wherever the block is loaded next."""
+
+    block: int
+    dtype: torch.dtype
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    """A saved tensor handed to the hooks that were active around the block."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
+
+
+class SavedSlots:
+    """The saved-tensor hooks of one layerwise strategy and the reloads of its backward.
+
+    ``strategy`` gives: ``slots`` (per slot, a flat buffer per dtype), ``num_slots``, ``depth``,
+    ``lock``, ``counters`` and ``load_for_backward(i, miss)``, which loads block ``i`` into its
+    slot after the compute issued so far, and ``wait_ready(i)``, which makes compute wait for it;
+    ``occupant(slot)`` and ``end_backward()`` (wait for the copies, forget the slots)."""
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+        self._slot_of: dict[int, tuple[int, torch.dtype]] = {}  # storage address -> (slot, dtype)
+        self._order: list[int] = []  # blocks in the order their forwards saved weights
+        self._stale = False  # a backward ended: the next recording forward starts a new order
+        self._cursor = -1  # where in _order the running backward is
+        self._in_backward = False
+        self._saving: int | None = None  # the block whose forward is recording
+        self._hooks: Any = None
+        self._outer: Any = None
+
+    # -- the slots' memory ---------------------------------------------------------------------
+    def index(self, slots: list[dict[torch.dtype, torch.Tensor]]) -> None:
+        """Learn which storage is which slot (again after a slot was replaced)."""
+        self._slot_of = {
+            buffer.untyped_storage().data_ptr(): (s, dtype)
+            for s, buffers in enumerate(slots)
+            for dtype, buffer in buffers.items()
+            if buffer.numel()
+        }
+
+    # -- forward ---------------------------------------------------------------------------------
+    def begin_block(self, i: int) -> None:
+        """Around block ``i``'s forward, when autograd records: saved slot views become
+        references. Paired with :meth:`end_block`."""
+        self._outer = _outer_hooks(False)
+        self._saving = i
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+
+    def end_block(self) -> None:
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            self._saving = self._outer = None
+            hooks.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        where = self._slot_of.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if where is None or t.dtype != where[1]:
+            if where is not None:  # a slot view reinterpreted as another dtype: keep a copy of it
+                return t.clone()
+            outer = self._outer
+            return t if outer is None else _Outer(outer[0](t), outer[1])
+        slot, dtype = where
+        block = self.strategy.occupant(slot)
+        if not self._order or self._order[-1] != block:
+            if self._stale:
+                self._order, self._stale = [], False
+            self._order.append(block)
+            self._trim()
+        base = self.strategy.slots[slot][dtype]
+        return SlotRef(block, dtype, t.storage_offset() - base.storage_offset(), t.shape, t.stride())
+
+    def _trim(self) -> None:
+        """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
+        grow the order for ever: keep the most recent forwards."""
+        limit = 4 * max(len(self.strategy.units), 1)
+        if len(self._order) > limit:
+            del self._order[: len(self._order) - limit]
+
+    # -- backward --------------------------------------------------------------------------------
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Outer:
+            return packed.unpack(packed.packed)
+        if type(packed) is not SlotRef:
+            return packed
+        strategy = self.strategy
+        with strategy.lock:
+            first = not self._in_backward
+            if first:
+                self._begin_backward()
+            i = packed.block
+            slot = i % strategy.num_slots
+            if strategy.occupant(slot) != i:
+                strategy.load_for_backward(i, miss=not first)
+            self._prefetch(i)
+            strategy.wait_ready(i)
+            base = strategy.slots[slot][packed.dtype]
+            return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._cursor = len(self._order) - 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _prefetch(self, i: int) -> None:
+        """Queue the loads of the blocks whose backward follows block ``i``'s (each into a slot
+        that is neither ``i``'s nor another of these)."""
+        strategy, order = self.strategy, self._order
+        cursor = self._cursor
+        if not (0 <= cursor < len(order)) or order[cursor] != i:
+            below = [k for k in range(min(cursor, len(order) - 1), -1, -1) if order[k] == i]
+            if not below:
+                return
+            cursor = self._cursor = below[0]
+        taken = {i % strategy.num_slots}
+        k = cursor - 1
+        while k >= 0 and len(taken) <= strategy.depth:
+            j = order[k]
+            slot = j % strategy.num_slots
+            if slot not in taken:
+                taken.add(slot)
+                if strategy.occupant(slot) != j:
+                    strategy.load_for_backward(j, miss=False)
+            k -= 1
+
+    def _end_backward(self) -> None:
+        with self.strategy.lock:
+            self._in_backward = False
+            self._stale = True
+            self.strategy.end_backward()
