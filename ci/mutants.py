@@ -51,6 +51,8 @@ STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_th
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
 STAGED_RESIDENT = "tests/test_hostmem.py::test_resident_components_are_on_the_device_when_enable_returns"
 STAGED_DISABLE = "tests/test_hostmem.py::test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued"
+TRAINING = "tests/test_autograd.py::test_weight_gradients_and_optimizer_steps_update_the_host_truth"
+NEW_SLOT = "tests/test_autograd.py::test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +90,19 @@ MUTANTS = [
     Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
            "self.ready[i].wait(reader)", (DISTRIBUTED,)),
     Mutant("layerwise: the slot of a block that ran is marked free", L,
-           "self.freed[i % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
-    Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,)),
+           "self.freed[i % self.num_slots].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE),
+           occurrence=0, occurrences=2),
+    Mutant("layerwise: a block called out of order is loaded", L, "self._load(i)", (LIFECYCLE,),
+           occurrence=0, occurrences=2),
+    Mutant("layerwise backward: a slot is refilled only after the backward that read it", L,
+           "self.freed[i % self.num_slots].record(self.backend.current_stream())", (TRAINING,),
+           occurrence=1, occurrences=2),
+    Mutant("layerwise backward: a block whose weights backward needs is loaded", L, "self._load(i)", (TRAINING,),
+           occurrence=1, occurrences=2),
+    Mutant("layerwise backward: its end marks every slot free for the next forward's copies", L,
+           "freed.record(stream)", (TRAINING,)),
+    Mutant("layerwise: a new slot (the old one kept by its holder) is filled after earlier compute", L,
+           "self.backend.wait_stream(self.copy_stream, self.backend.current_stream())", (NEW_SLOT,)),
     Mutant("layerwise: a block shows its slot only while it runs", L, "self._bindings[i].to_device()", (LIFECYCLE,)),
     # -- changes copied home ------------------------------------------------------------------
     Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
@@ -112,7 +125,7 @@ MUTANTS = [
     Mutant("distributed: a shard takes a forward's buffer changes only once they have landed", D,
            "done.synchronize()", (SHARDED,)),
     Mutant("distributed: the event after a shard's update is recorded", D, "done.record(stream)", (SHARDED,)),
-    Mutant("distributed disable: the read-back waits for the block's gather", D, "self._wait_ready(i, host)",
+    Mutant("distributed disable: the read-back waits for the block's gather", D, "self.wait_ready(i, host)",
            (DISTRIBUTED,)),
     Mutant("distributed disable: host waits for the read-back", D, "host.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------

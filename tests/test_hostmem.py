@@ -632,6 +632,10 @@ def test_from_pretrained_replaces_a_component_like_diffusers(tmp_path):
                                             max_sequence_length=call.pop("max_sequence_length"),
                                             text_encoder_out_layers=call.pop("text_encoder_out_layers"))
     reference = diffusers.Flux2Pipeline.from_pretrained(tmp_path, text_encoder=None)
+    for tensor in reference.transformer.parameters():
+        # weights read from the file may start anywhere (diffusers can map the file); kernels pick
+        # their path by alignment, and offloaded weights start at aligned addresses: compare alike
+        tensor.data = tensor.data.clone()
     reference.set_progress_bar_config(disable=True)
     expected = as_tensor(reference(prompt_embeds=embeds, generator=torch.Generator().manual_seed(0), **call).images)
     handle = offload_core.from_pretrained(tmp_path, text_encoder=None, enable_layerwise_offload=True,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -40,6 +41,7 @@ class SlotRef:
     """A saved tensor that viewed block ``block``'s weights in its slot: its place in the slot's
     buffer of ``dtype``, so that it can be viewed again wherever the block is loaded next."""
 
+    epoch: int  # the enable that packed the block: a re-pack lays the slots out anew
     block: int
     dtype: torch.dtype
     offset: int
@@ -58,13 +60,14 @@ class _Outer:
 class SavedSlots:
     """The saved-tensor hooks of one layerwise strategy and the reloads of its backward.
 
-    ``strategy`` gives: ``slots`` (per slot, a flat buffer per dtype), ``num_slots``, ``depth``,
+    ``strategy`` (held weakly: a graph kept after ``disable`` must not keep the model's device
+    memory alive) gives: ``enabled``, ``epoch`` (counts enables), ``slots`` (per slot, a flat buffer per dtype), ``num_slots``, ``depth``,
     ``lock``, ``counters`` and ``load_for_backward(i, miss)``, which loads block ``i`` into its
     slot after the compute issued so far, and ``wait_ready(i)``, which makes compute wait for it;
     ``occupant(slot)`` and ``end_backward()`` (wait for the copies, forget the slots)."""
 
     def __init__(self, strategy) -> None:
-        self.strategy = strategy
+        self._strategy = weakref.ref(strategy)
         self._slot_of: dict[int, tuple[int, torch.dtype]] = {}  # storage address -> (slot, dtype)
         self._order: list[int] = []  # blocks in the order their forwards saved weights
         self._stale = False  # a backward ended: the next recording forward starts a new order
@@ -107,19 +110,20 @@ class SavedSlots:
             outer = self._outer
             return t if outer is None else _Outer(outer[0](t), outer[1])
         slot, dtype = where
-        block = self.strategy.occupant(slot)
+        strategy = self._strategy()
+        block = strategy.occupant(slot)
         if not self._order or self._order[-1] != block:
             if self._stale:
                 self._order, self._stale = [], False
             self._order.append(block)
             self._trim()
-        base = self.strategy.slots[slot][dtype]
-        return SlotRef(block, dtype, t.storage_offset() - base.storage_offset(), t.shape, t.stride())
+        base = strategy.slots[slot][dtype]
+        return SlotRef(strategy.epoch, block, dtype, t.storage_offset() - base.storage_offset(), t.shape, t.stride())
 
     def _trim(self) -> None:
         """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
         grow the order for ever: keep the most recent forwards."""
-        limit = 4 * max(len(self.strategy.units), 1)
+        limit = 4 * max(len(self._strategy().units), 1)
         if len(self._order) > limit:
             del self._order[: len(self._order) - limit]
 
@@ -129,7 +133,13 @@ class SavedSlots:
             return packed.unpack(packed.packed)
         if type(packed) is not SlotRef:
             return packed
-        strategy = self.strategy
+        strategy = self._strategy()
+        if strategy is None or not strategy.enabled or strategy.epoch != packed.epoch:
+            raise RuntimeError(
+                "this backward reads weights of an offloaded block, but the offload was disabled or re-packed "
+                "(a structural change) since the forward that saved them: run backward before handle.disable() "
+                "or before changing the model's structure"
+            )
         with strategy.lock:
             first = not self._in_backward
             if first:
@@ -151,7 +161,7 @@ class SavedSlots:
     def _prefetch(self, i: int) -> None:
         """Queue the loads of the blocks whose backward follows block ``i``'s (each into a slot
         that is neither ``i``'s nor another of these)."""
-        strategy, order = self.strategy, self._order
+        strategy, order = self._strategy(), self._order
         cursor = self._cursor
         if not (0 <= cursor < len(order)) or order[cursor] != i:
             below = [k for k in range(min(cursor, len(order) - 1), -1, -1) if order[k] == i]
@@ -170,7 +180,9 @@ class SavedSlots:
             k -= 1
 
     def _end_backward(self) -> None:
-        with self.strategy.lock:
-            self._in_backward = False
-            self._stale = True
-            self.strategy.end_backward()
+        self._in_backward = False
+        self._stale = True
+        strategy = self._strategy()
+        if strategy is not None and strategy.enabled:
+            with strategy.lock:
+                strategy.end_backward()

@@ -89,6 +89,7 @@ class LayerwiseOffload(Part):
         self._slot_uses: list[list[tuple[object, int]]] = []  # per slot: (storage, its use count at rest)
         self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
         self.saved = SavedSlots(self)
+        self.epoch = 0  # counts enables: autograd's references to slots are valid within one
         self._plan([block for _, block in blocks])
 
     def _plan(self, blocks: list[nn.Module]) -> None:
@@ -160,7 +161,11 @@ class LayerwiseOffload(Part):
         self.aliases.clear()
         for unit, buffers in [(self.resident, resident_device), *((u, u.host) for u in self.units if u.host)]:
             self.aliases.add(unit, buffers)
+        self.epoch += 1
         self._bind_slots()
+        # the ring's own references to each slot, counted at rest: more, later, means that
+        # something outside the ring still holds the slot (see _check_slot)
+        self._slot_uses = [self._uses(s) for s in range(self.num_slots)]
         self._instrument()
         txn.on_rollback(self._remove_hooks)
         self.enabled = True
@@ -173,19 +178,13 @@ class LayerwiseOffload(Part):
         )
 
     def _bind_slots(self) -> None:
-        """Plan every block's transfers into its slot and its binding to the slot's views, then
-        note how many references each slot's memory has: the ring's own. More, later, means that
-        something outside the ring still holds the slot (see :meth:`_check_slot`)."""
+        """Plan every block's transfers into its slot and its binding to the slot's views."""
         self._plan_transfers()
         self._bindings = [
             Binding(unit, self._home_views(i), unit.views(self.slots[i % self.num_slots]))
             for i, unit in enumerate(self.units)
         ]
         self.saved.index(self.slots)
-        self._slot_uses = [
-            [(storage, _use_count(storage)) for storage in (b.untyped_storage() for b in slot.values() if b.numel())]
-            for slot in self.slots
-        ]
 
     def _show_placeholders(self) -> None:
         """Blocks with no home in RAM (on disk) show placeholders outside their forward."""
@@ -251,10 +250,7 @@ class LayerwiseOffload(Part):
         (a weight view a hook kept, a block output that views a weight, a tensor autograd saved
         outside a block), that memory is given to its holder and the slot gets new memory, so
         the holder keeps reading the weights it took, never the next block's."""
-        if all(_use_count(storage) == uses for storage, uses in self._slot_uses[slot]):
-            return
-        self.copy_stream.synchronize()  # a finished copy may still be letting go of its views
-        if all(_use_count(storage) == uses for storage, uses in self._slot_uses[slot]):
+        if self._at_rest(slot):
             return
         occupant = self._occupant[slot]
         holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
@@ -276,6 +272,15 @@ class LayerwiseOffload(Part):
         self.backend.wait_stream(self.copy_stream, self.backend.current_stream())
         self.slots[slot] = replacement
         self._bind_slots()
+        self._slot_uses[slot] = self._uses(slot)
+
+    def _uses(self, slot: int) -> list[tuple[object, int]]:
+        """Each storage of a slot with its use count now, when only the ring references it."""
+        storages = [b.untyped_storage() for b in self.slots[slot].values() if b.numel()]
+        return [(storage, _use_count(storage)) for storage in storages]
+
+    def _at_rest(self, slot: int) -> bool:
+        return all(_use_count(storage) == uses for storage, uses in self._slot_uses[slot])
 
     @property
     def _name(self) -> str:
