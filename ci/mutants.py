@@ -80,7 +80,9 @@ MUTANTS = [
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: the host waits for queued copies before it may write host memory (end of a forward, "
-           "disable)", L, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,)),
+           "disable)", L, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,), occurrence=1, occurrences=2),
+    Mutant("layerwise: a slot is judged kept only once finished transfers let go of it (a collective's work)", L,
+           "self.copy_stream.synchronize()", (DISTRIBUTED,), occurrence=0, occurrences=2),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.freed[slot].wait(stream)",
            (STRATEGIES,)),
     Mutant("layerwise: the slot's occupant is recorded", L, "self._occupant[slot] = i", (PROPERTIES,)),

@@ -179,6 +179,11 @@ class SavedSlots:
                     strategy.load_for_backward(j, miss=False)
             k -= 1
 
+    def forget_backward(self) -> None:
+        """A forward starts: a backward that raised before its end (its callback never ran) is over."""
+        if self._in_backward:
+            self._in_backward, self._stale = False, True
+
     def _end_backward(self) -> None:
         self._in_backward = False
         self._stale = True

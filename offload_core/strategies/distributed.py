@@ -401,6 +401,24 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             if alone:
                 self._finish(failed)
 
+    def end_backward(self) -> None:
+        """A backward's loads gathered headers too: its end is checked like a pass's (every rank
+        runs the same backward), before its gradients are used."""
+        if self.shard:
+            try:
+                self._finish(False)
+            finally:
+                self._loaded_in_pass = -1
+        super().end_backward()
+
+    def _untrainable(self, i: int) -> Exception:
+        if not self.shard:
+            return super()._untrainable(i)
+        return DistributedOffloadError(
+            f"weights of block {self.block_names[i]} of {self.describe()} require grad, but each rank holds only "
+            "a shard of them: freeze them (requires_grad_(False)), or enable with shard_host_weights=False to train them"
+        )
+
     def _load_aborted(self, i: int) -> None:
         """The load the other ranks run for block ``i``, flagged as aborted by this rank, so that
         they are not left waiting for a partner that never comes."""

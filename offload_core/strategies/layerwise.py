@@ -252,6 +252,9 @@ class LayerwiseOffload(Part):
         the holder keeps reading the weights it took, never the next block's."""
         if self._at_rest(slot):
             return
+        self.copy_stream.synchronize()  # a finished transfer (a collective's work) may still hold views
+        if self._at_rest(slot):
+            return
         occupant = self._occupant[slot]
         holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
         try:
@@ -416,6 +419,7 @@ class LayerwiseOffload(Part):
         self._passes += 1
         if self._passes > 1:
             return
+        self.saved.forget_backward()  # one that failed never reached its end
         self._reconcile(range(len(self.units)))
         for j in range(self.num_slots):
             if self._occupant[j] != j:
