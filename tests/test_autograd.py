@@ -61,12 +61,14 @@ def enable(model, strategy: str):
 
 
 def assert_streamed_twice(handle, steps: int) -> None:
-    """Layerwise: each block was loaded once per forward and once per backward, none late, and
-    the device never held more than the resident weights and the slots."""
+    """Layerwise: each block was loaded once per forward and once per backward (less the last
+    blocks, still in their slots when the backward starts), none late, and the device never held
+    more than the resident weights and the slots."""
     part = handle.parts[0]
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
-    assert stats["loads"] == 2 * steps * len(part.units)
+    blocks = len(part.units)
+    assert stats["loads"] == steps * (2 * blocks - min(part.num_slots, blocks))
     assert stats["retired_slot_bytes"] == 0
     if exact_accounting():
         assert stats["device_peak_bytes"] == part.device_weight_bytes
@@ -330,4 +332,48 @@ def test_no_device_memory_for_a_new_slot_is_a_clear_error():
     kept.clear()
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+    handle.disable()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_weight_changed_between_forward_and_backward_is_refused_as_without_offload(depth):
+    """Autograd refuses a backward that needs a weight changed in place since the forward; so does
+    the offloaded model, for the blocks it reloads and for those still in their slots alike."""
+    model, reference, inputs = pair("wan-t2v", trainable=True)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, prefetch_depth=depth,
+                                         backend=chaos_backend())
+    for m, match in ((reference, "modified by an inplace operation"), (model, "modified in place after the forward")):
+        for block in (0, -1):  # reloaded for backward / still in its slot when backward starts
+            loss = loss_of(m, inputs)
+            with torch.no_grad():
+                m.blocks[block].ffn.net[2].weight.mul_(1.5)
+            with pytest.raises(RuntimeError, match=match):
+                loss.backward()
+    x = leaf_inputs(inputs)
+    loss_of(model, x).backward()  # the model is usable after the refusal
+    assert x["hidden_states"].grad is not None
+    loss = loss_of(model, inputs)
+    handle.disable()
+    with pytest.raises(RuntimeError, match="offload was disabled or re-packed"):
+        loss.backward()
+
+
+def test_a_backward_that_raised_is_over_when_the_next_one_starts():
+    """A backward that raised before its end (a hook failed) leaves no trace: another graph's
+    backward right after it, and the forwards after that, are exact."""
+    model, reference, inputs = pair("flux2", trainable=False)
+    handle = enable(model, "layerwise1")
+    results = []
+    for m in (reference, model):
+        failing, ok = leaf_inputs(inputs), leaf_inputs(inputs)
+        doomed, loss = loss_of(m, failing), loss_of(m, ok)
+        failing["hidden_states"].register_hook(lambda grad: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            doomed.backward()
+        loss.backward()
+        with torch.no_grad():
+            results.append((input_grads(ok), first_tensor(m(**inputs))))
+    (grads_ref, out_ref), (grads, out) = results
+    assert_equal(grads, grads_ref, "input gradients after a failed backward")
+    assert torch.equal(out, out_ref)
     handle.disable()

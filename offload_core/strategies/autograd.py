@@ -22,6 +22,7 @@ slots are forgotten: the next forward loads afresh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Any, Callable
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
 _outer_hooks: Callable[[], Any] = getattr(_autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+#: which backward is running (torch builds without it: a backward that failed is seen as over only
+#: when the next forward starts)
+_graph_task: Callable[[], Any] = getattr(torch._C, "_current_graph_task_id", lambda: None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +65,11 @@ class SavedSlots:
     """The saved-tensor hooks of one layerwise strategy and the reloads of its backward.
 
     ``strategy`` (held weakly: a graph kept after ``disable`` must not keep the model's device
-    memory alive) gives: ``enabled``, ``epoch`` (counts enables), ``slots`` (per slot, a flat buffer per dtype), ``num_slots``, ``depth``,
-    ``lock``, ``counters`` and ``load_for_backward(i, miss)``, which loads block ``i`` into its
+    memory alive) gives: ``enabled``, ``epoch`` (counts enables), ``slots`` (per slot, a flat
+    buffer per dtype), ``num_slots``, ``depth``, ``lock``, ``units`` and ``load_for_backward(i, miss)``, which loads block ``i`` into its
     slot after the compute issued so far, and ``wait_ready(i)``, which makes compute wait for it;
-    ``occupant(slot)`` and ``end_backward()`` (wait for the copies, forget the slots)."""
+    ``occupant(slot)``, ``versions(i)`` (the version counters of block ``i``'s parameters) and
+    ``end_backward()`` (wait for the copies, forget the slots)."""
 
     def __init__(self, strategy) -> None:
         self._strategy = weakref.ref(strategy)
@@ -73,7 +78,11 @@ class SavedSlots:
         self._stale = False  # a backward ended: the next recording forward starts a new order
         self._cursor = -1  # where in _order the running backward is
         self._in_backward = False
-        self._saving: int | None = None  # the block whose forward is recording
+        self._task: Any = None  # the running backward's graph task
+        self._checked: set[int] = set()  # blocks whose versions this backward has checked
+        self._versions: dict[int, tuple[int, ...]] = {}  # block -> its weights' versions after its forward
+        self.recorded = False  # a reference was made since the strategy last cleared this
+        self._block: int | None = None  # the block whose forward is recording, once it saved a weight
         self._hooks: Any = None
         self._outer: Any = None
 
@@ -92,15 +101,19 @@ class SavedSlots:
         """Around block ``i``'s forward, when autograd records: saved slot views become
         references. Paired with :meth:`end_block`."""
         self._outer = _outer_hooks(False)
-        self._saving = i
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
 
     def end_block(self) -> None:
+        """After the block's forward: note its weights' versions, so that a backward after an
+        in-place change to them is refused, as autograd refuses it without offload."""
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
-            self._saving = self._outer = None
+            self._outer = None
             hooks.__exit__(None, None, None)
+            if self._block is not None:
+                self._versions[self._block] = self._strategy().versions(self._block)
+                self._block = None
 
     def _pack(self, t: torch.Tensor) -> Any:
         where = self._slot_of.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
@@ -112,6 +125,7 @@ class SavedSlots:
         slot, dtype = where
         strategy = self._strategy()
         block = strategy.occupant(slot)
+        self._block, self.recorded = block, True
         if not self._order or self._order[-1] != block:
             if self._stale:
                 self._order, self._stale = [], False
@@ -141,10 +155,15 @@ class SavedSlots:
                 "or before changing the model's structure"
             )
         with strategy.lock:
-            first = not self._in_backward
+            task = _graph_task()
+            first = not self._in_backward or task != self._task
             if first:
-                self._begin_backward()
+                if self._in_backward:  # a backward that raised before its end
+                    strategy.end_backward()
+                self._begin_backward(task)
             i = packed.block
+            if i not in self._checked:
+                self._check_versions(strategy, i)
             slot = i % strategy.num_slots
             if strategy.occupant(slot) != i:
                 strategy.load_for_backward(i, miss=not first)
@@ -153,10 +172,20 @@ class SavedSlots:
             base = strategy.slots[slot][packed.dtype]
             return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
 
-    def _begin_backward(self) -> None:
-        self._in_backward = True
+    def _check_versions(self, strategy, i: int) -> None:
+        if strategy.versions(i) != self._versions.get(i):
+            raise RuntimeError(
+                f"a weight of block {strategy.block_names[i]} of {strategy.describe()} that this backward needs was "
+                "modified in place after the forward that used it (an optimizer step, load_state_dict, a write "
+                "under no_grad); without offload autograd refuses this too. Run backward before changing weights"
+            )
+        self._checked.add(i)
+
+    def _begin_backward(self, task: Any) -> None:
+        self._in_backward, self._task = True, task
+        self._checked.clear()
         self._cursor = len(self._order) - 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
 
     def _prefetch(self, i: int) -> None:
         """Queue the loads of the blocks whose backward follows block ``i``'s (each into a slot
@@ -179,12 +208,17 @@ class SavedSlots:
                     strategy.load_for_backward(j, miss=False)
             k -= 1
 
-    def forget_backward(self) -> None:
-        """A forward starts: a backward that raised before its end (its callback never ran) is over."""
-        if self._in_backward:
-            self._in_backward, self._stale = False, True
+    def forget_backward(self) -> bool:
+        """A forward starts: a backward that raised before its end (its callback never ran) is
+        over. Returns whether there was one, which the strategy must then end."""
+        if not self._in_backward:
+            return False
+        self._in_backward, self._stale = False, True
+        return True
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, task: Any) -> None:
+        if not self._in_backward or task != self._task:
+            return  # a backward already ended (by a later one that found it unfinished)
         self._in_backward = False
         self._stale = True
         strategy = self._strategy()

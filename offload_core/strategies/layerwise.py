@@ -419,7 +419,11 @@ class LayerwiseOffload(Part):
         self._passes += 1
         if self._passes > 1:
             return
-        self.saved.forget_backward()  # one that failed never reached its end
+        if self.saved.forget_backward():  # one that failed never reached its end
+            self.end_backward()
+        if self.saved.recorded:  # the slots kept for a backward are not trusted by a forward
+            self.saved.recorded = False
+            self._quiesce()
         self._reconcile(range(len(self.units)))
         for j in range(self.num_slots):
             if self._occupant[j] != j:
@@ -429,9 +433,16 @@ class LayerwiseOffload(Part):
         self._passes -= 1
         if self._passes:
             return
+        if failed or not self.saved.recorded:
+            self._quiesce()
+            if not failed and self._frozen:
+                self._load_first()
+            return
+        # a backward comes: it starts with the blocks still in their slots (they cannot have
+        # changed since without their versions showing it, which the backward checks)
+        occupants = self._occupant
         self._quiesce()
-        if not failed and self._frozen:
-            self._load_first()
+        self._occupant = occupants
 
     def _load_first(self) -> None:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
@@ -524,6 +535,9 @@ class LayerwiseOffload(Part):
                 self.timeline.prefetch_miss(self._span_name(i))
         self._load(i)
 
+    def versions(self, i: int) -> tuple[int, ...]:
+        return tuple(p._version for p in self._bindings[i].params)
+
     def end_backward(self) -> None:
         """The backward is over: wait for its copies (an optimizer step may write the host
         weights next) and forget what the slots hold; a slot is refilled only after the backward
@@ -531,6 +545,7 @@ class LayerwiseOffload(Part):
         stream = self.backend.current_stream()
         for freed in self.freed:
             freed.record(stream)
+        self.saved.recorded = False
         self._quiesce()
 
     def _hook_gradients(self, i: int) -> None:
