@@ -360,8 +360,9 @@ def test_a_weight_changed_between_forward_and_backward_is_refused_as_without_off
 
 def test_a_backward_that_raised_is_over_when_the_next_one_starts():
     """A backward that raised before its end (a hook failed) leaves no trace: another graph's
-    backward right after it, and the forwards after that, are exact."""
-    model, reference, inputs = pair("flux2", trainable=False)
+    backward right after it, an optimizer step that writes the host weights, and the forward after
+    that are exact."""
+    model, reference, inputs = pair("flux2", trainable=True)
     handle = enable(model, "layerwise1")
     results = []
     for m in (reference, model):
@@ -370,7 +371,9 @@ def test_a_backward_that_raised_is_over_when_the_next_one_starts():
         failing["hidden_states"].register_hook(lambda grad: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             doomed.backward()
+        m.zero_grad()
         loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
         with torch.no_grad():
             results.append((input_grads(ok), first_tensor(m(**inputs))))
     (grads_ref, out_ref), (grads, out) = results
