@@ -380,3 +380,32 @@ def test_a_backward_that_raised_is_over_when_the_next_one_starts():
     assert_equal(grads, grads_ref, "input gradients after a failed backward")
     assert torch.equal(out, out_ref)
     handle.disable()
+
+
+def test_model_level_backward_reads_the_device_copy_the_forward_used():
+    """Autograd saves a parameter as itself (a norm's weight in a product) and reads what it shows at
+    backward; model-level has sent the component home by then: the saved weight must still be the
+    device copy its forward used, not the host copy (on an accelerator, another device)."""
+    model, _, inputs = pair("flux2", trainable=False)
+    handle = enable(model, "model")
+    part = handle.parts[0]
+    homes = [buf for group in part.groups for c in group.components for buf in c.unit.host.values()]
+    loss = loss_of(model, leaf_inputs(inputs))
+    saved = []
+    nodes, seen = [loss.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        saved += [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        nodes += [next_node for next_node, _ in node.next_functions]
+    saved = [t for t in saved if isinstance(t, torch.Tensor) and t.numel()]
+    assert saved, "no saved weight found"
+
+    def at_home(t):
+        return any(h.data_ptr() <= t.data_ptr() < h.data_ptr() + h.nbytes for h in homes)
+
+    assert not any(at_home(t) for t in saved), "backward would read the host copy"
+    loss.backward()
+    handle.disable()

@@ -225,3 +225,31 @@ class SavedSlots:
         if strategy is not None and strategy.enabled:
             with strategy.lock:
                 strategy.end_backward()
+
+
+class SavedParameters:
+    """Autograd saves a parameter it needs for backward as the parameter itself, and reads whatever
+    the parameter shows when backward runs. Model-level offload sends a component home when its
+    forward ends, so that backward would read the host copy (on an accelerator, the wrong device).
+    Inside this context a saved parameter is replaced by a detached alias of what it shows now (the
+    device copy), which keeps that memory alive until backward, as a resident model would; other
+    saved tensors go to the hooks that were active around it."""
+
+    def __enter__(self) -> "SavedParameters":
+        self._outer = _outer_hooks(False)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_alias)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter):
+            return t.detach()
+        outer = self._outer
+        return t if outer is None else _Outer(outer[0](t), outer[1])
+
+
+def _unpack_alias(packed: Any) -> torch.Tensor:
+    return packed.unpack(packed.packed) if type(packed) is _Outer else packed

@@ -32,6 +32,7 @@ from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
+from .autograd import SavedParameters
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 
@@ -83,6 +84,7 @@ class ModelLevelOffload(Part):
         self._active: int | None = None
         self._calls = 0  # pipeline calls in progress: groups stay on the device until they end
         self._depth = 0  # component forwards in progress
+        self._saving: list = []  # per component forward in progress: its SavedParameters, if recording
         self.peak_weight_bytes = 0
 
     def _plan(self) -> None:
@@ -210,9 +212,14 @@ class ModelLevelOffload(Part):
     def _enter(self, index: int) -> None:
         self._depth += 1
         self._before_use(index)
+        self._saving.append(SavedParameters().__enter__() if torch.is_grad_enabled() else None)
 
     def _exit(self, failed: bool) -> None:
         self._depth -= 1
+        if len(self._saving) > self._depth:  # entries are added once the group is on the device
+            saving = self._saving.pop()
+            if saving is not None:
+                saving.__exit__(None, None, None)
         if self._depth == 0 and self._calls == 0:
             self.release_all()
 
