@@ -49,6 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from offload_core.labels import describe
 
+from .memory import Spans
+
 __all__ = ["Sanitizer", "StreamRaceError", "paused", "suspended"]
 
 
@@ -124,6 +126,8 @@ class Tracked:
 
 # storage key -> Tracked, for every sanitized backend in the process (one dispatch mode serves all)
 _TRACKED: dict[tuple[int, int], Tracked] = {}
+# the tracked storages by address, for tensors viewing a slice of one
+_SPANS = Spans()
 # lifetime reports found in finalizers, where nothing can be raised; raised at the next operation
 # or synchronisation of any sanitized backend
 _PENDING: list[str] = []
@@ -156,6 +160,21 @@ def _raise_pending() -> None:
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
     return t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+def _find(t: torch.Tensor) -> tuple[Tracked | None, int]:
+    """The tracked storage ``t`` views, and where ``t``'s own storage starts inside it (bytes):
+    ``t`` may view a storage sliced out of a tracked one (``untyped_storage()[a:b]``, what an
+    offloaded weight shows at home), the same memory."""
+    key = _key(t)
+    tracked = _TRACKED.get(key)
+    if tracked is not None:
+        return tracked, 0
+    start = _SPANS.find(t.data_ptr())
+    if start is None:
+        return None, 0
+    tracked = _TRACKED.get((key[0], start))
+    return tracked, key[1] - start
 
 
 def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -283,7 +302,7 @@ def _visit(value: Any, write: bool, hits: list) -> None:
         return
     for v in values:
         if isinstance(v, torch.Tensor) and v.numel():
-            tracked = _TRACKED.get(_key(v))
+            tracked = _find(v)[0]
             if tracked is not None:
                 hits.append((v, write, tracked))
 
@@ -381,6 +400,7 @@ class Sanitizer:
                 del ghosts[k]
             inherited = [dataclasses.replace(a, start=0, end=nbytes) for a in ghosts.values()]
             _TRACKED[key] = Tracked(self, kind, alloc, inherited)
+            _SPANS.add(tensor)
         weakref.finalize(tensor.untyped_storage(), self._dropped, key)
 
     def _dropped(self, key: tuple[int, int]) -> None:
@@ -466,10 +486,11 @@ class Sanitizer:
         enqueued after it is ordered after it."""
         if not t.numel():
             return
-        tracked = _TRACKED.get(_key(t))
+        tracked, shift = _find(t)
         if tracked is None or tracked.sanitizer is not self:
             return
         start, end = _extent_bytes(t)
+        start, end = start + shift, end + shift
         host = self.host
         kept: list[Access] = []
         for a in tracked.accesses:

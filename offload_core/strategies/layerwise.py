@@ -151,7 +151,7 @@ class LayerwiseOffload(Part):
         done.record(self.copy_stream)
         done.synchronize()
         self.resident_device = resident_device
-        self.resident_views = self.resident.views(resident_device)
+        self.resident_views = self.resident.region_views(resident_device)
         self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
         self._show_placeholders()

@@ -4,7 +4,10 @@ structural change, changes copied home, and state dicts whose tensors look indep
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import functools
+import sys
 import threading
 from typing import Any, Callable
 
@@ -65,6 +68,7 @@ class Part:
         elif not on:
             self._remove_hooks()
 
+    @torch.inference_mode(False)  # a lazy re-pack inside the user's inference_mode builds ordinary tensors
     def repack(self, apply: Callable[[], None] | None = None) -> None:
         """Disable, run ``apply`` on the ordinary model (a dtype change), pack again from what the
         model holds now. If packing again fails, the part stays disabled and the error says so."""
@@ -154,7 +158,10 @@ class CopyGuard:
     """Makes ``copy.deepcopy`` and pickling of an instrumented module (or pipeline) produce an
     ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``: otherwise
     the copy would share this library's wrappers, whose closures point at the original model.
-    Instance attributes, so the object's class stays untouched; ``remove()`` takes them away."""
+    ``copy.copy`` asks for the same ``__reduce_ex__`` and gets what it gets without offload: a
+    shallow copy sharing the original's submodules and weights (offloaded with them), less the
+    guard and the call wrapper, which are bound to the original. Instance attributes, so the
+    object's class stays untouched; ``remove()`` takes them away."""
 
     def __init__(self, obj: Any, copier: Callable[[Any, dict], Any]) -> None:
         self.obj = obj
@@ -163,6 +170,8 @@ class CopyGuard:
             return copier(obj, memo)
 
         def reduce_ex(protocol: int) -> Any:
+            if sys._getframe(1).f_code is copy.copy.__code__:
+                return shallow_reduction(obj)
             return copier(obj, {}).__reduce_ex__(protocol)
 
         obj.__dict__["__deepcopy__"] = deepcopy
@@ -171,6 +180,20 @@ class CopyGuard:
     def remove(self) -> None:
         self.obj.__dict__.pop("__deepcopy__", None)
         self.obj.__dict__.pop("__reduce_ex__", None)
+
+
+#: what this library puts in an instrumented object's ``__dict__`` (guard, call wrapper)
+BOUND_TO_ORIGINAL = ("__deepcopy__", "__reduce_ex__", "_compiled_call_impl", "compile")
+
+
+def shallow_reduction(obj: Any) -> tuple:
+    """``copy.copy``'s reduction of ``obj`` as without offload: its class and a copy of its
+    ``__dict__``, less what this library put there bound to ``obj`` itself."""
+    state = {
+        key: value for key, value in obj.__dict__.items()
+        if key not in BOUND_TO_ORIGINAL and getattr(value, "__self__", None) is not obj
+    }
+    return copyreg.__newobj__, (type(obj),), state
 
 
 class StateDictAliases:
