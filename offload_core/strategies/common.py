@@ -97,6 +97,7 @@ def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, cou
     return placement.run(functools.partial(placement.issue, transfers, stream))
 
 
+@torch.inference_mode(False)  # a load inside the user's inference_mode: later copies write them outside it
 def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
     """One flat device buffer per dtype, named ``name`` in error reports (:mod:`offload_core.labels`)."""
     buffers = {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}

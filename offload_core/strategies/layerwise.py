@@ -82,6 +82,7 @@ class LayerwiseOffload(Part):
         self.block_names = [name for name, _ in blocks]
         self.prefetch_depth = prefetch_depth
         self._passes = 0  # nesting depth of model forwards
+        self._starting = False  # a pass began and its first block has not been reached yet
         self._frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
         self._bound = -1  # the block whose tensors show its slot
         self._occupant: list[int] = []
@@ -360,8 +361,10 @@ class LayerwiseOffload(Part):
 
     def _begin_pass(self) -> None:
         self._passes += 1
-        if self._passes > 1:
-            return
+        self._starting = self._passes == 1  # started at the first block: after the model's own pre-hooks
+
+    def _start_pass(self) -> None:
+        self._starting = False
         self._reconcile(range(len(self.units)))
         for j in range(self.num_slots):
             if self._occupant[j] != j:
@@ -371,6 +374,7 @@ class LayerwiseOffload(Part):
         self._passes -= 1
         if self._passes:
             return
+        self._starting = False
         self._quiesce()
         if not failed:
             self._warn_grad()
@@ -399,6 +403,8 @@ class LayerwiseOffload(Part):
                 f"block {self.block_names[i]} was called inside the forward of block "
                 f"{self.block_names[self._bound]}; offloaded blocks must not call one another"
             )
+        if self._starting:
+            self._start_pass()
         in_pass = self._passes > 0
         if not in_pass:
             self._reconcile([i])
