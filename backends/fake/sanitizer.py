@@ -23,7 +23,10 @@ The model, as on a GPU (and as PyTorch's CUDA sanitizer models CUDA):
   memory. Two accesses to overlapping bytes, one of them a write, from different streams whose
   clocks are unordered are a race: :class:`StreamRaceError`, naming both sides.
 * Lifetime: a buffer whose last reference is dropped may be handed to the next allocation of the
-  stream it was allocated on (a caching allocator's reuse). Dropping it while work on another
+  stream it was allocated on (a caching allocator's reuse). Pinned memory from the backend's
+  allocator is the exception for copies: CUDA's and torch_npu's caching host allocators record an
+  event on the stream of every copy that touches a pinned block and reuse the block only after
+  it, so dropping a pinned buffer that a queued ``copy_async`` still reads or writes is safe. Dropping it while work on another
   stream that touches it is neither known finished by the host nor ordered before its allocation
   stream is reported. Accesses that are only ordered before the allocation stream carry over, as
   "ghosts", to the next device allocation on that stream: a copy into the new buffer on a side
@@ -421,6 +424,8 @@ class Sanitizer:
             for a in tracked.accesses:
                 if host.get(a.stream, 0) >= a.seq:
                     continue  # finished, as far as the host knew: nothing can race with it
+                if tracked.kind == "pinned" and a.site.what.startswith("copy_async"):
+                    continue  # the pinned allocator records the copy's stream and reuses the block after it
                 if alloc is not self.host and alloc_vc.get(a.stream, 0) >= a.seq:
                     old = ghosts.get((a.stream, a.write))
                     if old is None or old.seq < a.seq:
