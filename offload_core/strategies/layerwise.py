@@ -55,7 +55,7 @@ from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
 from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
-from .part import Part, adopt_foreign, write_back
+from .part import Part, adopt_foreign, changed_during_call, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class LayerwiseOffload(Part):
         self._occupant = [-1] * self.num_slots
 
     # -- keeping the model and its packing in step ------------------------------------------
-    def _reconcile(self, blocks) -> None:
+    def _reconcile(self, blocks, during: str | None = None) -> None:
         """Before a pass: every block must still show its host views. A parameter given new data
         of the same shape and dtype (``p.data = t``) has it copied home; a buffer replaced the
         same way too; any other change, or a module or tensor added (``dirty``), re-packs."""
@@ -314,6 +314,8 @@ class LayerwiseOffload(Part):
                     raise self._no_ram_home(i)
                 self._quiesce()  # copies queued earlier read the host as it was
                 structural |= adopt_foreign(self.backend, self.units[i], self._home_views(i))
+        if structural and during is not None:
+            raise changed_during_call(self, during)
         if structural:
             logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
             self.dirty = False
@@ -361,11 +363,13 @@ class LayerwiseOffload(Part):
 
     def _begin_pass(self) -> None:
         self._passes += 1
-        self._starting = self._passes == 1  # started at the first block: after the model's own pre-hooks
+        if self._passes == 1:
+            self._reconcile(range(len(self.units)))
+            self._starting = True  # loads start at the first block: after the model's own pre-hooks
 
     def _start_pass(self) -> None:
         self._starting = False
-        self._reconcile(range(len(self.units)))
+        self._reconcile(range(len(self.units)), during="a forward pre-hook of the model")
         for j in range(self.num_slots):
             if self._occupant[j] != j:
                 self._load(j)

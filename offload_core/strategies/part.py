@@ -112,6 +112,20 @@ def attach(part: Part, handle: Any) -> None:
     part.owner = handle
 
 
+def changed_during_call(part: Part, during: str) -> Exception:
+    """The error for a structural change (a new Parameter, a module added) made once a call of
+    the model had begun, ``during`` what: the call's blocks are bound already, so it cannot be
+    re-packed around them. The part re-packs before the next call."""
+    from ..handle import OffloadedModelError
+
+    part.dirty = True
+    return OffloadedModelError(
+        f"{during} changed the structure of {part.describe()} (a new Parameter, another shape or dtype, a module "
+        "added) after its offloaded forward had begun; make that change before calling the model (the next call "
+        "re-packs it), or call handle.disable() first"
+    )
+
+
 class RepackError(RuntimeError):
     """Packing a model again after a structural change failed; that part is no longer offloaded."""
 
