@@ -55,7 +55,7 @@ from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
 from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
-from .part import Part, adopt_foreign, changed_during_call, write_back
+from .part import Part, adopt_foreign, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class LayerwiseOffload(Part):
         self._occupant = [-1] * self.num_slots
 
     # -- keeping the model and its packing in step ------------------------------------------
-    def _reconcile(self, blocks, during: str | None = None) -> None:
+    def _reconcile(self, blocks) -> None:
         """Before a pass: every block must still show its host views. A parameter given new data
         of the same shape and dtype (``p.data = t``) has it copied home; a buffer replaced the
         same way too; any other change, or a module or tensor added (``dirty``), re-packs."""
@@ -314,8 +314,6 @@ class LayerwiseOffload(Part):
                     raise self._no_ram_home(i)
                 self._quiesce()  # copies queued earlier read the host as it was
                 structural |= adopt_foreign(self.backend, self.units[i], self._home_views(i))
-        if structural and during is not None:
-            raise changed_during_call(self, during)
         if structural:
             logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
             self.dirty = False
@@ -369,7 +367,8 @@ class LayerwiseOffload(Part):
 
     def _start_pass(self) -> None:
         self._starting = False
-        self._reconcile(range(len(self.units)), during="a forward pre-hook of the model")
+        with self.no_repack("a forward pre-hook of the model"):  # this call's blocks are bound already
+            self._reconcile(range(len(self.units)))
         for j in range(self.num_slots):
             if self._occupant[j] != j:
                 self._load(j)

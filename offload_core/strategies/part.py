@@ -4,12 +4,13 @@ structural change, changes copied home, and state dicts whose tensors look indep
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 import functools
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +42,17 @@ class Part:
         self.enabled = False
         self._hooks: list = []
         self.aliases = StateDictAliases()
+        self._no_repack: str | None = None  # inside no_repack(): what would have asked for one
+
+    @contextlib.contextmanager
+    def no_repack(self, during: str) -> Iterator[None]:
+        """Refuse re-packing inside: a call has begun and bound its modules, so a structural change
+        made ``during`` it raises :func:`changed_during_call` (the next call re-packs)."""
+        self._no_repack = during
+        try:
+            yield
+        finally:
+            self._no_repack = None
 
     def truth(self) -> list[tuple[Any, list[torch.Tensor], dict]]:
         """(unit, views its owners show, buffers holding its true values) per packed unit."""
@@ -72,6 +84,8 @@ class Part:
     def repack(self, apply: Callable[[], None] | None = None) -> None:
         """Disable, run ``apply`` on the ordinary model (a dtype change), pack again from what the
         model holds now. If packing again fails, the part stays disabled and the error says so."""
+        if self._no_repack is not None:
+            raise changed_during_call(self, self._no_repack)
         owner = self.owner
         if owner is not None:
             owner._busy += 1  # the handle's hooks let this part's own changes through
