@@ -220,3 +220,44 @@ def test_diffusers_own_offloading_after_enable_is_refused(strategy, method):
     assert torch.equal(ours.run(), theirs.run())
     handle.disable()
     assert type(ours.pipe).enable_model_cpu_offload is type(theirs.pipe).enable_model_cpu_offload
+
+
+# -- structure and lifecycle ---------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_shortened_block_list_is_found_again(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    assert torch.equal(run(model, 0), run(reference, 0))
+    for x in (model, reference):
+        x.blocks = x.blocks[:3]
+    _same_forwards(model, reference, steps=(1, 2))
+    assert_offloaded(handle, model)
+    if strategy == "layerwise":
+        assert handle.parts[0].block_names == ["blocks.0", "blocks.1", "blocks.2"]
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_torch_export_is_refused_naming_disable(strategy, strict):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    with pytest.raises(Exception, match=r"torch.export cannot trace Reuse while it is offloaded.*handle.disable\(\)"):
+        torch.export.export(model, (torch.randn(3, 8),), strict=strict)
+    _same_forwards(model, reference)
+    handle.disable()
+    exported = torch.export.export(model, (torch.randn(3, 8),))  # the fix the message names
+    assert exported is not None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_closing_the_fake_backend_while_enabled_does_not_hang(strategy):
+    model, reference = build(), build()
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    assert torch.equal(run(model, 0), run(reference, 0))
+    backend.close()
+    _same_forwards(model, reference, steps=(1, 2))
+    handle.disable()
+    assert_same(model, reference)

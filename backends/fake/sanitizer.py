@@ -169,7 +169,10 @@ def _find(t: torch.Tensor) -> tuple[Tracked | None, int]:
     """The tracked storage ``t`` views, and where ``t``'s own storage starts inside it (bytes):
     ``t`` may view a storage sliced out of a tracked one (``untyped_storage()[a:b]``, what an
     offloaded weight shows at home), the same memory."""
-    key = _key(t)
+    try:
+        key = _key(t)
+    except RuntimeError:  # no memory behind it (torch.export's fake tensors): nothing to track
+        return None, 0
     tracked = _TRACKED.get(key)
     if tracked is not None:
         return tracked, 0

@@ -55,7 +55,7 @@ from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
 from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
-from .part import Part, adopt_foreign, write_back
+from .part import Part, adopt_foreign, blocks_now, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,9 @@ class LayerwiseOffload(Part):
         self.slot_shape = slot_numel(self.units)
 
     def _replan(self) -> None:
-        # a block replaced by a new module is picked up by its name
-        self._plan([self.model.get_submodule(name) for name in self.block_names])
+        found = blocks_now(self.model, self.block_names)  # by name, or found again after a shortened list
+        self.block_names = [name for name, _ in found]
+        self._plan([block for _, block in found])
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step."""

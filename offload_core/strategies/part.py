@@ -95,8 +95,8 @@ class Part:
                 if apply is not None:
                     apply()
             finally:
-                self._replan()
                 try:
+                    self._replan()
                     with Transaction() as txn:
                         if owner is not None and owner.config is not None:
                             owner.place(self, txn)  # the new units need homes
@@ -118,6 +118,21 @@ class Part:
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+def blocks_now(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
+    """A streamed model's blocks when it is packed again: by their names (a block replaced by a
+    new module is picked up), or found afresh when a name is gone (the block list was shortened
+    or moved: ``model.blocks = model.blocks[:2]``)."""
+    try:
+        return [(name, model.get_submodule(name)) for name in names]
+    except AttributeError:
+        from ..discovery import find_blocks
+
+        found = find_blocks(model)
+        if not found:
+            raise
+        return found
 
 
 def attach(part: Part, handle: Any) -> None:
