@@ -113,8 +113,9 @@ class OffloadHandle:
         """Remove every hook, put the weights back in ordinary host tensors, free device memory.
 
         Calling it again does nothing. If it is interrupted (Ctrl-C, an error), the handle stays
-        enabled and calling it again finishes the job: each step is done once."""
-        with self.lock:
+        enabled and calling it again finishes the job: each step is done once. Inside
+        ``torch.inference_mode`` too: the tensors given back are ordinary ones."""
+        with self.lock, torch.inference_mode(False):
             if not self.enabled:
                 return
             for part in reversed(self.parts):
@@ -181,6 +182,8 @@ class OffloadHandle:
                 return original(module, fn, recurse)
             tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
             action, where = classify(fn, tensors, self.backend.device())
+            if action == "none" and not is_conversion(fn):
+                action = "change"  # it may work in place or depend on values: stand-ins cannot tell
             if action == "none":
                 return module
             name = type(module).__name__
@@ -230,6 +233,23 @@ class OffloadHandle:
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"<OffloadHandle {self.strategy} on {type(self.target).__name__} via {self.backend.name}: {state}>"
+
+
+#: the ``nn.Module`` methods whose ``_apply`` function is a conversion: a new tensor (or the input
+#: itself) made from the input's device, dtype and layout alone, so that stand-ins tell what it does
+CONVERSIONS = frozenset(
+    ("to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type", "xpu", "ipu", "mtia", "to_empty")
+)
+
+
+def is_conversion(fn: Callable) -> bool:
+    """True for torch's own conversions (``.to()``, ``.half()``, ``.cuda()`` ...). Any other
+    ``_apply`` function (``share_memory()``, ``lambda t: t.mul_(2)``, a library's own) may write in
+    place or depend on the values, which stand-ins cannot show: it goes through a re-pack."""
+    owner = getattr(fn, "__qualname__", "").split(".<locals>.")[0]
+    return getattr(fn, "__module__", None) == nn.Module.__module__ and owner.startswith("Module.") and (
+        owner[len("Module."):] in CONVERSIONS
+    )
 
 
 def classify(fn: Callable, tensors: list[torch.Tensor], device: torch.device) -> tuple[str, Any]:

@@ -27,8 +27,9 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 _lock = threading.Lock()
-#: id(module) -> (weak module, weak handle, part)
-_modules: dict[int, tuple[weakref.ref, weakref.ref, Any]] = {}
+#: id(module) -> (weak module, weak handle, weak part): nothing here keeps a model alive, so a model
+#: dropped without ``disable()`` is collected with its handle, and the handle's memory goes with it
+_modules: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
 #: id(parameter) -> (weak parameter, weak handle)
 _params: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 #: id(handle) -> the keys it registered
@@ -42,8 +43,8 @@ def owner_of(module: nn.Module) -> tuple[Any, Any] | None:
     found = _modules.get(id(module))
     if found is None or found[0]() is not module:
         return None
-    handle = found[1]()
-    return None if handle is None else (handle, found[2])
+    handle, part = found[1](), found[2]()
+    return None if handle is None or part is None else (handle, part)
 
 
 def register(handle: Any) -> None:
@@ -58,7 +59,7 @@ def register(handle: Any) -> None:
                 continue
             for root in part.modules():
                 for module in root.modules():
-                    _modules[id(module)] = (weakref.ref(module), ref, part)
+                    _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
                     mods.append(id(module))
                 for p in root.parameters():
                     _params[id(p)] = (weakref.ref(p), ref)

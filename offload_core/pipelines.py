@@ -24,7 +24,7 @@ from .backend import DeviceBackend
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import BlockDiscoveryError, find_blocks
 from .discovery.blocks import no_blocks_hint
-from .handle import OffloadHandle
+from .handle import OffloadedModelError, OffloadHandle
 from .hostmem.placement import plan_placement
 from .strategies.common import Transaction
 from .strategies.part import CopyGuard, attach
@@ -86,12 +86,41 @@ def model_level_groups(pipe: Any, modules: list[tuple[str, nn.Module]]) -> list[
 STEP_CALLBACKS = ("callback_on_step_end", "callback")
 
 
-def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list) -> type:
+#: diffusers' own offloading: it moves the weights this library streams
+PIPELINE_OFFLOAD_METHODS = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
+
+
+def check_components(pipe: Any, enabled: dict[str, nn.Module], handle: OffloadHandle) -> None:
+    """Refuse a call when a component was replaced, added or removed since enable: the new one
+    would run un-offloaded (on an accelerator, on the wrong device) while the handle still holds
+    the old one's memory. Checked at every call, before any work."""
+    now = dict(pipeline_modules(pipe))
+    changed = sorted(n for n in {*enabled, *now} if enabled.get(n) is not now.get(n))
+    if changed:
+        raise OffloadedModelError(
+            f"{type(pipe).__name__}: component(s) {', '.join(changed)} changed since enable_offload, so offloading "
+            f"no longer covers them. Put the original back, or call handle.disable() and enable_offload(pipe) "
+            f"again ({handle!r})"
+        )
+
+
+def _refuse_offload_method(name: str, handle: OffloadHandle):
+    def refuse(self, *args, **kwargs):
+        raise OffloadConfigError(
+            f"{type(self).__name__}.{name}() would move the weights that offload-core streams ({handle!r}); "
+            "use one or the other: call handle.disable() first"
+        )
+
+    return refuse
+
+
+def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]) -> type:
     device = handle.backend.device()
 
     def __call__(self, *args, **kwargs):
         # one call at a time per handle; components stay on the device until the call ends; without
         # step callbacks no user code runs between steps, so the weights stay as they are
+        check_components(self, enabled, handle)
         callbacks = any(kwargs.get(name) is not None for name in STEP_CALLBACKS)
         with handle.lock, (contextlib.nullcontext() if callbacks else handle.frozen()):
             staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
@@ -110,6 +139,7 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list) -> type:
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
+        **{name: _refuse_offload_method(name, handle) for name in PIPELINE_OFFLOAD_METHODS if hasattr(cls, name)},
     }
     return type(cls.__name__, (cls,), namespace)
 
@@ -133,7 +163,7 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
         for part in parts:
             attach(part, handle)
             part.enable(txn)
-        instrument = _pipeline_instrumentation(pipe, handle, parts)
+        instrument = _pipeline_instrumentation(pipe, handle, parts, dict(modules))
         instrument(True)
         txn.on_rollback(lambda: instrument(False))
     handle.parts = parts
@@ -142,11 +172,12 @@ def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend)
     return handle
 
 
-def _pipeline_instrumentation(pipe: Any, handle: OffloadHandle, parts: list):
+def _pipeline_instrumentation(pipe: Any, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]):
     """Gives the pipeline instance a same-named subclass (its device, end-of-call release, the
-    handle's lock) and plain copies; ``instrument(False)`` restores the class."""
+    handle's lock, the component check, diffusers' own offloading refused) and plain copies;
+    ``instrument(False)`` restores the class."""
     original = type(pipe)
-    subclass = _pipeline_subclass(original, handle, parts)
+    subclass = _pipeline_subclass(original, handle, parts, enabled)
     guards: list[CopyGuard] = []
 
     def instrument(on: bool) -> None:

@@ -202,18 +202,38 @@ def test_the_host_reading_a_d2h_result(b, sync):
 # -- lifetimes --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["pinned source", "device destination"])
+@pytest.mark.parametrize("kind", ["device source", "device destination"])
 def test_dropping_a_buffer_while_a_copy_may_still_touch_it(b, kind):
     side = b.new_stream()
-    src, dst = pinned(b, torch.ones(N)), b.empty_device(N, torch.float32)
+    src, dst = uploaded(b, torch.ones(N)), b.empty_device(N, torch.float32)
     b.copy_async(dst, src, side)
-    if kind == "pinned source":
+    if kind == "device source":
         del src
     else:
         del dst
     gc.collect()
     with pytest.raises(StreamRaceError, match=r"freed \(its last reference dropped\) while work that touches it"):
         b.synchronize()
+
+
+@pytest.mark.parametrize("direction", ["H2D source", "D2H destination"])
+def test_dropping_a_pinned_buffer_after_queuing_its_copy_is_safe(b, direction):
+    """CUDA's and torch_npu's caching host allocators record an event on the copy's stream and
+    reuse a pinned block only after it: the release needs no wait, and the copy still lands."""
+    side = b.new_stream()
+    host, dev = pinned(b, torch.full((N,), 3.0)), uploaded(b, torch.full((N,), 5.0))
+    kept = dev if direction == "H2D source" else None
+    if direction == "H2D source":
+        b.copy_async(dev, host, side)
+    else:
+        b.copy_async(host, dev, side)
+    del host
+    gc.collect()
+    side.synchronize()
+    b.synchronize()
+    if kept is not None:
+        assert torch.equal(kept, torch.full((N,), 3.0))
+
 
 
 def test_dropping_buffers_after_the_host_knows_the_copy_is_done(b):

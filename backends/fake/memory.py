@@ -9,6 +9,8 @@ memory with the same class.
 
 from __future__ import annotations
 
+import bisect
+import weakref
 from typing import Any
 
 import torch
@@ -21,12 +23,58 @@ class FakeOutOfMemoryError(torch.OutOfMemoryError):
 
 
 class Pool(AllocationTracker):
-    """A capacity-checked pool of CPU tensors standing in for one kind of fake memory."""
+    """A capacity-checked pool of CPU tensors standing in for one kind of fake memory.
+
+    A tensor owns memory of the pool when it views an allocation's storage or a storage sliced
+    out of one (``untyped_storage()[a:b]``, what an offloaded weight shows at home): as a real
+    pinned allocator answers for any address inside its blocks."""
 
     def __init__(self, kind: str, capacity: int | None, **model: Any) -> None:
         super().__init__(kind, capacity, oom_error=FakeOutOfMemoryError, **model)
         self.label = f"fake {kind}"  # error messages say "fake device out of memory"
+        self._spans = Spans()
+
+    def allocate(self, size, dtype, factory=None) -> torch.Tensor:
+        tensor = super().allocate(size, dtype) if factory is None else super().allocate(size, dtype, factory)
+        self._spans.add(tensor)
+        return tensor
 
     def owns(self, tensor: torch.Tensor) -> bool:
         # Only CPU tensors can be fake device or pinned memory.
-        return tensor.device.type == "cpu" and super().owns(tensor)
+        if tensor.device.type != "cpu":
+            return False
+        return super().owns(tensor) or (tensor.numel() > 0 and self._spans.find(tensor.data_ptr()) is not None)
+
+
+class Spans:
+    """Live storages by address, for finding the one an address falls in: a sorted index rebuilt
+    lazily after a storage comes or goes (lookups far outnumber allocations)."""
+
+    def __init__(self) -> None:
+        self._ends: dict[int, int] = {}  # first byte -> end byte
+        self._starts: list[int] | None = []
+
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        if not storage.nbytes():
+            return
+        self._ends[start] = start + storage.nbytes()
+        self._starts = None
+        weakref.finalize(storage, self._drop, start)
+
+    def _drop(self, start: int) -> None:
+        self._ends.pop(start, None)
+        self._starts = None
+
+    def find(self, address: int) -> int | None:
+        """The first byte of the live storage holding ``address``, or None."""
+        starts = self._starts
+        if starts is None:
+            starts = self._starts = sorted(self._ends.copy())  # a finalizer may drop one meanwhile
+        k = bisect.bisect_right(starts, address) - 1
+        if k < 0:
+            return None
+        start = starts[k]
+        end = self._ends.get(start)
+        return start if end is not None and address < end else None

@@ -23,7 +23,10 @@ The model, as on a GPU (and as PyTorch's CUDA sanitizer models CUDA):
   memory. Two accesses to overlapping bytes, one of them a write, from different streams whose
   clocks are unordered are a race: :class:`StreamRaceError`, naming both sides.
 * Lifetime: a buffer whose last reference is dropped may be handed to the next allocation of the
-  stream it was allocated on (a caching allocator's reuse). Dropping it while work on another
+  stream it was allocated on (a caching allocator's reuse). Pinned memory from the backend's
+  allocator is the exception for copies: CUDA's and torch_npu's caching host allocators record an
+  event on the stream of every copy that touches a pinned block and reuse the block only after
+  it, so dropping a pinned buffer that a queued ``copy_async`` still reads or writes is safe. Dropping it while work on another
   stream that touches it is neither known finished by the host nor ordered before its allocation
   stream is reported. Accesses that are only ordered before the allocation stream carry over, as
   "ghosts", to the next device allocation on that stream: a copy into the new buffer on a side
@@ -48,6 +51,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from offload_core.labels import describe
+
+from .memory import Spans
 
 __all__ = ["Sanitizer", "StreamRaceError", "paused", "suspended"]
 
@@ -124,6 +129,8 @@ class Tracked:
 
 # storage key -> Tracked, for every sanitized backend in the process (one dispatch mode serves all)
 _TRACKED: dict[tuple[int, int], Tracked] = {}
+# the tracked storages by address, for tensors viewing a slice of one
+_SPANS = Spans()
 # lifetime reports found in finalizers, where nothing can be raised; raised at the next operation
 # or synchronisation of any sanitized backend
 _PENDING: list[str] = []
@@ -156,6 +163,24 @@ def _raise_pending() -> None:
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
     return t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+def _find(t: torch.Tensor) -> tuple[Tracked | None, int]:
+    """The tracked storage ``t`` views, and where ``t``'s own storage starts inside it (bytes):
+    ``t`` may view a storage sliced out of a tracked one (``untyped_storage()[a:b]``, what an
+    offloaded weight shows at home), the same memory."""
+    try:
+        key = _key(t)
+    except RuntimeError:  # no memory behind it (torch.export's fake tensors): nothing to track
+        return None, 0
+    tracked = _TRACKED.get(key)
+    if tracked is not None:
+        return tracked, 0
+    start = _SPANS.find(t.data_ptr())
+    if start is None:
+        return None, 0
+    tracked = _TRACKED.get((key[0], start))
+    return tracked, key[1] - start
 
 
 def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -283,7 +308,7 @@ def _visit(value: Any, write: bool, hits: list) -> None:
         return
     for v in values:
         if isinstance(v, torch.Tensor) and v.numel():
-            tracked = _TRACKED.get(_key(v))
+            tracked = _find(v)[0]
             if tracked is not None:
                 hits.append((v, write, tracked))
 
@@ -381,6 +406,7 @@ class Sanitizer:
                 del ghosts[k]
             inherited = [dataclasses.replace(a, start=0, end=nbytes) for a in ghosts.values()]
             _TRACKED[key] = Tracked(self, kind, alloc, inherited)
+            _SPANS.add(tensor)
         weakref.finalize(tensor.untyped_storage(), self._dropped, key)
 
     def _dropped(self, key: tuple[int, int]) -> None:
@@ -401,6 +427,8 @@ class Sanitizer:
             for a in tracked.accesses:
                 if host.get(a.stream, 0) >= a.seq:
                     continue  # finished, as far as the host knew: nothing can race with it
+                if tracked.kind == "pinned" and a.site.what.startswith("copy_async"):
+                    continue  # the pinned allocator records the copy's stream and reuses the block after it
                 if alloc is not self.host and alloc_vc.get(a.stream, 0) >= a.seq:
                     old = ghosts.get((a.stream, a.write))
                     if old is None or old.seq < a.seq:
@@ -466,10 +494,11 @@ class Sanitizer:
         enqueued after it is ordered after it."""
         if not t.numel():
             return
-        tracked = _TRACKED.get(_key(t))
+        tracked, shift = _find(t)
         if tracked is None or tracked.sanitizer is not self:
             return
         start, end = _extent_bytes(t)
+        start, end = start + shift, end + shift
         host = self.host
         kept: list[Access] = []
         for a in tracked.accesses:

@@ -88,6 +88,7 @@ class _Queue:
         self.enqueued = 0
         self.done = 0
         self.error: BaseException | None = None
+        self.closed = False  # after close(), work runs on the submitting thread (see submit)
         self.thread = threading.Thread(target=self.run, name=f"offload-core-{name}", daemon=True)
         self.thread.start()
         _QUEUES.add(self)
@@ -103,6 +104,18 @@ class _Queue:
         with self.cond:
             self.enqueued += 1
             seq = self.enqueued
+            if self.closed:
+                # no worker any more (backend.close() with a model still offloaded): run the work
+                # here, in order, rather than queue it for nobody and hang its waiter
+                self.waiters += 1
+                self.cond.wait_for(lambda: self.done >= seq - 1 or _EXITING.is_set())
+                self.waiters -= 1
+                if prepare is not None and self.error is None:
+                    with suspended():
+                        prepare()
+                self._execute(fn, label, nbytes)
+                self._mark_done(seq)
+                return seq
             if inline and self.done == seq - 1 and self.error is None and prepare is None:
                 # An idle stream starts the work at once: run it here, under the lock, so that
                 # no later submission can overtake it. Waking the worker would cost more than a
@@ -163,6 +176,8 @@ class _Queue:
             raise StreamError(f"work on fake stream {self.name!r} failed: {self.error!r}") from self.error
 
     def stop(self) -> None:
+        with self.cond:  # work submitted from now on runs inline; what was queued before still drains
+            self.closed = True
         self.tasks.put(None)
 
 

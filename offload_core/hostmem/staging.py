@@ -153,6 +153,7 @@ def _work(tasks: queue.SimpleQueue) -> None:
             failed = exc
         ticket.error = failed
         ticket._done.set()
+        item = task = None  # a finished task must not keep its strategy (and a dropped model) alive
 
 
 def _stop_stagers() -> None:

@@ -44,6 +44,10 @@ _REASON = (
 )
 
 
+class ExportError(RuntimeError):
+    """``torch.export`` of an offloaded model; the message names ``handle.disable()``."""
+
+
 class CallWrapper:
     """Runs ``before()`` ahead of every call of ``module`` and ``after(failed)`` once it returns or
     raises, holding ``lock``, with the tensor inputs moved to ``device`` when one is given.
@@ -65,11 +69,23 @@ class CallWrapper:
         self._after = torch.compiler.disable(after, reason=_REASON) if after is not None else None
         self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
         self._call = torch.compiler.disable(self._run, recursive=False, reason=_REASON)
+        self._entry = self._checked_call  # one bound method, so that remove() recognises it
         self._pinned_forward = "forward" not in module.__dict__
         if self._pinned_forward:
             module.forward = module.forward
-        module._compiled_call_impl = self._call
+        module._compiled_call_impl = self._entry
         module.compile = self._compile
+
+    def _checked_call(self, *args: Any, **kwargs: Any) -> Any:
+        """The call, refused while ``torch.export`` traces it (outside the disabled frame, which
+        export would reject with a message naming neither offloading nor its fix)."""
+        if torch.compiler.is_exporting():
+            raise ExportError(
+                f"torch.export cannot trace {type(self.module).__name__} while it is offloaded: its weights move "
+                "between host and device around every call. Call handle.disable() first, export the plain model, "
+                "then enable offloading again"
+            )
+        return self._call(*args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._work_before is not None:
@@ -107,7 +123,7 @@ class CallWrapper:
         keep the strategy (and the memory it still holds) alive until the next garbage collection."""
         self._work_before = self._enter = self._after = None
         state = self.module.__dict__
-        if state.get("_compiled_call_impl") is self._call:
+        if state.get("_compiled_call_impl") is self._entry:
             if self._inner is not None:
                 state["_compiled_call_impl"] = self._inner
             else:
@@ -117,4 +133,4 @@ class CallWrapper:
         forward = state.get("forward")
         if self._pinned_forward and getattr(forward, "__func__", None) is type(self.module).forward:
             del state["forward"]
-        self._call = None
+        self._call = self._entry = None

@@ -55,7 +55,7 @@ from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
 from .autograd import SavedSlots
 from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
-from .part import Part, adopt_foreign, write_back
+from .part import Part, adopt_foreign, blocks_now, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class LayerwiseOffload(Part):
         self.block_names = [name for name, _ in blocks]
         self.prefetch_depth = prefetch_depth
         self._passes = 0  # nesting depth of model forwards
+        self._starting = False  # a pass began and its first block has not been reached yet
         self._frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
         self._bound = -1  # the block whose tensors show its slot
         self._occupant: list[int] = []
@@ -100,8 +101,9 @@ class LayerwiseOffload(Part):
         self.slot_shape = slot_numel(self.units)
 
     def _replan(self) -> None:
-        # a block replaced by a new module is picked up by its name
-        self._plan([self.model.get_submodule(name) for name in self.block_names])
+        found = blocks_now(self.model, self.block_names)  # by name, or found again after a shortened list
+        self.block_names = [name for name, _ in found]
+        self._plan([block for _, block in found])
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step."""
@@ -154,7 +156,7 @@ class LayerwiseOffload(Part):
         done.record(self.copy_stream)
         done.synchronize()
         self.resident_device = resident_device
-        self.resident_views = self.resident.views(resident_device)
+        self.resident_views = self.resident.region_views(resident_device)
         self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
         self._show_placeholders()
@@ -425,6 +427,12 @@ class LayerwiseOffload(Part):
             self.saved.recorded = False
             self._quiesce()
         self._reconcile(range(len(self.units)))
+        self._starting = True  # loads start at the first block: after the model's own pre-hooks
+
+    def _start_pass(self) -> None:
+        self._starting = False
+        with self.no_repack("a forward pre-hook of the model"):  # this call's blocks are bound already
+            self._reconcile(range(len(self.units)))
         for j in range(self.num_slots):
             if self._occupant[j] != j:
                 self._load(j)
@@ -433,6 +441,7 @@ class LayerwiseOffload(Part):
         self._passes -= 1
         if self._passes:
             return
+        self._starting = False
         if failed or not self.saved.recorded:
             self._quiesce()
             if not failed and self._frozen:
@@ -466,6 +475,8 @@ class LayerwiseOffload(Part):
                 f"block {self.block_names[i]} was called inside the forward of block "
                 f"{self.block_names[self._bound]}; offloaded blocks must not call one another"
             )
+        if self._starting:
+            self._start_pass()
         in_pass = self._passes > 0
         if not in_pass:
             self._reconcile([i])

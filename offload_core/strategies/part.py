@@ -4,9 +4,13 @@ structural change, changes copied home, and state dicts whose tensors look indep
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import copyreg
 import functools
+import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -38,6 +42,17 @@ class Part:
         self.enabled = False
         self._hooks: list = []
         self.aliases = StateDictAliases()
+        self._no_repack: str | None = None  # inside no_repack(): what would have asked for one
+
+    @contextlib.contextmanager
+    def no_repack(self, during: str) -> Iterator[None]:
+        """Refuse re-packing inside: a call has begun and bound its modules, so a structural change
+        made ``during`` it raises :func:`changed_during_call` (the next call re-packs)."""
+        self._no_repack = during
+        try:
+            yield
+        finally:
+            self._no_repack = None
 
     def truth(self) -> list[tuple[Any, list[torch.Tensor], dict]]:
         """(unit, views its owners show, buffers holding its true values) per packed unit."""
@@ -65,9 +80,12 @@ class Part:
         elif not on:
             self._remove_hooks()
 
+    @torch.inference_mode(False)  # a lazy re-pack inside the user's inference_mode builds ordinary tensors
     def repack(self, apply: Callable[[], None] | None = None) -> None:
         """Disable, run ``apply`` on the ordinary model (a dtype change), pack again from what the
         model holds now. If packing again fails, the part stays disabled and the error says so."""
+        if self._no_repack is not None:
+            raise changed_during_call(self, self._no_repack)
         owner = self.owner
         if owner is not None:
             owner._busy += 1  # the handle's hooks let this part's own changes through
@@ -77,8 +95,8 @@ class Part:
                 if apply is not None:
                     apply()
             finally:
-                self._replan()
                 try:
+                    self._replan()
                     with Transaction() as txn:
                         if owner is not None and owner.config is not None:
                             owner.place(self, txn)  # the new units need homes
@@ -102,10 +120,39 @@ class Part:
         return type(self).__name__
 
 
+def blocks_now(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
+    """A streamed model's blocks when it is packed again: by their names (a block replaced by a
+    new module is picked up), or found afresh when a name is gone (the block list was shortened
+    or moved: ``model.blocks = model.blocks[:2]``)."""
+    try:
+        return [(name, model.get_submodule(name)) for name in names]
+    except AttributeError:
+        from ..discovery import find_blocks
+
+        found = find_blocks(model)
+        if not found:
+            raise
+        return found
+
+
 def attach(part: Part, handle: Any) -> None:
     """Before ``enable``: the part shares the handle's lock and makes plain copies through it."""
     part.lock = handle.lock
     part.owner = handle
+
+
+def changed_during_call(part: Part, during: str) -> Exception:
+    """The error for a structural change (a new Parameter, a module added) made once a call of
+    the model had begun, ``during`` what: the call's blocks are bound already, so it cannot be
+    re-packed around them. The part re-packs before the next call."""
+    from ..handle import OffloadedModelError
+
+    part.dirty = True
+    return OffloadedModelError(
+        f"{during} changed the structure of {part.describe()} (a new Parameter, another shape or dtype, a module "
+        "added) after its offloaded forward had begun; make that change before calling the model (the next call "
+        "re-packs it), or call handle.disable() first"
+    )
 
 
 class RepackError(RuntimeError):
@@ -154,7 +201,10 @@ class CopyGuard:
     """Makes ``copy.deepcopy`` and pickling of an instrumented module (or pipeline) produce an
     ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``: otherwise
     the copy would share this library's wrappers, whose closures point at the original model.
-    Instance attributes, so the object's class stays untouched; ``remove()`` takes them away."""
+    ``copy.copy`` asks for the same ``__reduce_ex__`` and gets what it gets without offload: a
+    shallow copy sharing the original's submodules and weights (offloaded with them), less the
+    guard and the call wrapper, which are bound to the original. Instance attributes, so the
+    object's class stays untouched; ``remove()`` takes them away."""
 
     def __init__(self, obj: Any, copier: Callable[[Any, dict], Any]) -> None:
         self.obj = obj
@@ -163,6 +213,8 @@ class CopyGuard:
             return copier(obj, memo)
 
         def reduce_ex(protocol: int) -> Any:
+            if sys._getframe(1).f_code is copy.copy.__code__:
+                return shallow_reduction(obj)
             return copier(obj, {}).__reduce_ex__(protocol)
 
         obj.__dict__["__deepcopy__"] = deepcopy
@@ -171,6 +223,20 @@ class CopyGuard:
     def remove(self) -> None:
         self.obj.__dict__.pop("__deepcopy__", None)
         self.obj.__dict__.pop("__reduce_ex__", None)
+
+
+#: what this library puts in an instrumented object's ``__dict__`` (guard, call wrapper)
+BOUND_TO_ORIGINAL = ("__deepcopy__", "__reduce_ex__", "_compiled_call_impl", "compile")
+
+
+def shallow_reduction(obj: Any) -> tuple:
+    """``copy.copy``'s reduction of ``obj`` as without offload: its class and a copy of its
+    ``__dict__``, less what this library put there bound to ``obj`` itself."""
+    state = {
+        key: value for key, value in obj.__dict__.items()
+        if key not in BOUND_TO_ORIGINAL and getattr(value, "__self__", None) is not obj
+    }
+    return copyreg.__newobj__, (type(obj),), state
 
 
 class StateDictAliases:

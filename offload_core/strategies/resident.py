@@ -56,7 +56,7 @@ class ResidentModules(Part):
         for unit, buf in zip(self.units, self.device):
             self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))
         stream.synchronize()
-        self.device_views = [unit.views(buf) for unit, buf in zip(self.units, self.device)]
+        self.device_views = [unit.region_views(buf) for unit, buf in zip(self.units, self.device)]
         self.aliases.clear()
         for unit, buf in zip(self.units, self.device):
             self.aliases.add(unit, buf)

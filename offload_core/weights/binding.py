@@ -92,8 +92,8 @@ class Binding(Home):
         """Show the home views again, first copying home (``write_back`` of (home, device view)
         pairs) whatever changed on the device.
 
-        Returns True when a buffer was replaced by a tensor of another shape or dtype: that tensor
-        is left in its module (it is the truth) and the unit must be re-packed."""
+        Returns True when a buffer was replaced, or a parameter given data, of another shape or
+        dtype: that tensor is left in its module (it is the truth) and the unit must be re-packed."""
         params = self.params
         changed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if [p._version for p in params] != self._versions:  # rare: a forward edited a weight in place
@@ -102,6 +102,7 @@ class Binding(Home):
                 for p, home, device, version in zip(params, self.params_home, self.params_device, self._versions)
                 if p._version != version
             ]
+        kept = self._data_changes(changed)
         replaced: list[int] = []
         if self.buffers:
             changed += self._buffer_changes(replaced)
@@ -109,15 +110,32 @@ class Binding(Home):
             if changed:
                 write_back(changed)
         finally:  # home again even if copying home failed: the home views are still the truth
-            for p, view in zip(params, self.params_home):
-                p.data = view
+            for k, (p, view) in enumerate(zip(params, self.params_home)):
+                if k not in kept:
+                    p.data = view
             for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
                 if k not in replaced:
                     owner.module._buffers[owner.name] = view
             for owners, tensor in zip(self.composites, self.composites_home):
                 for owner in owners:
                     owner.rebind(tensor)
-        return bool(replaced)
+        return bool(replaced or kept)
+
+    def _data_changes(self, changed: list[tuple[torch.Tensor, torch.Tensor]]) -> set[int]:
+        """Parameters given new data during the use (``p.data = t`` in a hook or a forward), which
+        no version counter shows: like a replaced Parameter, the new data is the truth. Of the
+        same shape and dtype it is copied home (into ``changed``); anything else is left in the
+        parameter, and the returned indices make the unit re-pack around it."""
+        kept: set[int] = set()
+        for k, (p, device) in enumerate(zip(self.params, self.params_device)):
+            if p.data_ptr() == device.data_ptr() and p.shape == device.shape and p.stride() == device.stride():
+                continue
+            if p.shape == device.shape and p.dtype == device.dtype:
+                changed[:] = [pair for pair in changed if pair[1] is not device]
+                changed.append((self.params_home[k], p.data))
+            else:
+                kept.add(k)
+        return kept
 
     def _buffer_changes(self, replaced: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(home, device view) of each buffer the forward changed in place or replaced by a tensor

@@ -269,6 +269,18 @@ class WeightUnit:
             for e in self.entries
         ]
 
+    def region_views(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry's tensor as :meth:`views` does, over a storage of its region's own (a slice
+        of the buffer's storage, same memory): what a user reaches from the model (``p.detach()``,
+        ``p.data``) then looks as independent as before packing, and ``torch.save`` of one tensor
+        writes its region, not the whole buffer. Tensors of one region share its storage, so ties
+        and views of one another survive."""
+        spans = [region_tensor(buffers[r.dtype], r.start, r.numel) for r in self.regions]
+        return [
+            spans[e.region].as_strided(e.size, e.stride, e.offset - self.regions[e.region].start)
+            for e in self.entries
+        ]
+
     def owners(self) -> Iterable[Owner]:
         for entry in self.entries:
             yield from entry.owners
@@ -321,7 +333,7 @@ class WeightUnit:
         copied, so gaps, overlaps and zero strides survive.
         """
         host = {dtype: allocate(n, dtype) for dtype, n in self.numel.items()}
-        views = self.views(host)  # a buffer may be a view into a pinned slab: views are relative to it
+        views = self.region_views(host)  # a buffer may be a view into a pinned slab: views are relative to it
         replaced: list[tuple[Owner, torch.Tensor]] = []  # meta parameters replaced by real ones
         done = 0
         try:

@@ -1,0 +1,263 @@
+"""Issue 20's cases (docs/design.md, "What you can do to an offloaded model", rows 11 to 18): what
+an experienced user does to a model that an earlier contract pass did not try. Each is applied
+alike to an offloaded model and to the same model without offload and compared with
+torch.equal, or must raise a clear error that names the fix and leave the model usable."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import offload_core
+from offload_core.handle import OffloadedModelError
+from offload_core.tiny import build_pipeline
+
+from contract_models import STRATEGIES, assert_offloaded, assert_same, build, run
+from helpers import chaos_backend
+
+
+def _enable(model, strategy, **options):
+    return offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy], **options)
+
+
+def _same_forwards(model, reference, steps=(0, 1)) -> None:
+    for step in steps:
+        assert torch.equal(run(model, step), run(reference, step)), f"forward {step}"
+
+
+# -- weight edits at moments the strategy might not see ------------------------------------------
+def _scale_in_place(x):
+    with torch.no_grad():
+        x.blocks[1].layers[0].weight.mul_(1.5)
+
+
+def _scale_through_data(x):
+    x.blocks[1].layers[0].weight.data.mul_(1.5)
+
+
+def _assign_data(x):
+    w = x.blocks[1].layers[0].weight
+    w.data = w.data * 1.5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("edit", [_scale_in_place, _scale_through_data, _assign_data], ids=lambda f: f.__name__[1:])
+def test_a_model_pre_hook_that_edits_a_block_weight_is_seen(strategy, edit):
+    """The pass begins (layerwise: the first blocks are queued) before the model's own pre-hooks
+    run: the block's copy must be checked against the host where it is used."""
+    if strategy == "model" and edit is _scale_through_data:
+        pytest.skip("a limit (docs/design.md): model-level swaps the model in before its pre-hooks, and a write "
+                    "through .data into the device copy moves no version counter")
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    for x in (model, reference):
+        x.register_forward_pre_hook(lambda module, args: edit(module))
+    _same_forwards(model, reference)
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
+class DataAssigning(nn.Module):
+    """A layer whose forward gives its weight new data (a quantiser's fake-quant step, say)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        w = self.inner.weight
+        w.data = (w.data * 0.5).to(w.dtype)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_that_assigns_weight_data_is_kept(strategy):
+    model, reference = build(), build()
+    for x in (model, reference):
+        x.blocks[1].layers[0] = DataAssigning(x.blocks[1].layers[0])
+    handle = _enable(model, strategy)
+    _same_forwards(model, reference, steps=(0, 1, 2))
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
+# -- inference mode ------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_enable_and_repack_inside_inference_mode_build_ordinary_tensors(strategy):
+    model, reference = build(), build()
+    with torch.inference_mode():
+        handle = _enable(model, strategy)
+    _same_forwards(model, reference)
+    for x in (model, reference):  # a structural change: the next forward re-packs, inside inference_mode
+        x.blocks[3].layers[0].register_buffer("extra", torch.ones(2))
+    with torch.inference_mode():
+        assert torch.equal(model(torch.ones(3, 8)), reference(torch.ones(3, 8)))
+    _same_forwards(model, reference, steps=(2,))
+    assert not any(p.is_inference() for p in model.parameters())
+    with torch.inference_mode():
+        handle.disable()
+    assert not handle.enabled
+    assert not any(p.is_inference() for p in model.parameters())
+    assert_same(model, reference)
+
+
+# -- _apply with functions stand-ins cannot read -------------------------------------------------
+APPLIED = {
+    "in_place": lambda t: t.mul_(2) if t.is_floating_point() else t,
+    "value_dependent": lambda t: t - t.mean() if t.is_floating_point() and t.numel() > 1 else t,
+    "share_memory": None,
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("fn", APPLIED)
+def test_apply_with_an_in_place_or_value_dependent_function_acts_as_without_offload(strategy, fn):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    for x in (model, reference):
+        x.share_memory() if APPLIED[fn] is None else x._apply(APPLIED[fn])
+    _same_forwards(model, reference)
+    assert_same(model, reference)
+    assert_offloaded(handle, model)
+    handle.disable()
+    assert_same(model, reference)
+
+
+# -- copies and saves ----------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_copy_copy_is_a_shallow_copy_as_without_offload(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    shallow = copy.copy(model)
+    assert shallow is not model and shallow.blocks is model.blocks and shallow.embed.weight is model.embed.weight
+    assert torch.equal(run(shallow, 0), run(copy.copy(reference), 0))
+    _same_forwards(model, reference, steps=(1,))  # the copy's forward ran the same blocks: same state
+    handle.disable()
+    assert_same(model, reference)
+
+
+def _saved_bytes(tensors: dict) -> int:
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return len(buffer.getvalue())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saving_detached_tensors_writes_only_their_bytes(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    picks = ("embed.bias", "blocks.0.layers.0.weight", "blocks.2.layers.1.weight")
+    ours = {n: p.detach() for n, p in model.named_parameters() if n in picks}
+    theirs = {n: p.detach() for n, p in reference.named_parameters() if n in picks}
+    assert _saved_bytes(ours) == _saved_bytes(theirs)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()))
+    assert all(torch.equal(loaded[n], theirs[n]) for n in picks)
+    handle.disable()
+
+
+# -- lifetime ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("options", [{}, {"pinned_memory": 0}], ids=["pinned", "staged"])
+def test_a_model_dropped_without_disable_frees_its_memory(strategy, options):
+    backend = chaos_backend()
+    model = build()
+    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy], **options)
+    run(model, 0)
+    assert backend.pinned_memory_allocated() > 0 or options
+    gone = weakref.ref(model)
+    del model, handle
+    gc.collect()
+    assert gone() is None
+    assert backend.memory_allocated() == 0
+    assert backend.pinned_memory_allocated() == 0
+
+
+# -- pipelines -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_pipeline_dropped_without_disable_frees_its_memory(strategy):
+    backend = chaos_backend()
+    tiny = build_pipeline("flux2")
+    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **STRATEGIES[strategy])
+    tiny.run()
+    gone = weakref.ref(tiny.pipe)
+    del tiny, handle
+    gc.collect()
+    assert gone() is None
+    assert backend.memory_allocated() == 0
+    assert backend.pinned_memory_allocated() == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_component_replaced_after_enable_is_refused_at_the_next_call(strategy):
+    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    original = ours.pipe.transformer
+    ours.pipe.transformer = build_pipeline("flux2", seed=1).pipe.transformer
+    with pytest.raises(OffloadedModelError, match=r"transformer changed since enable_offload.*handle.disable\(\)"):
+        ours.run()
+    ours.pipe.transformer = original  # the model is usable again as it was
+    assert torch.equal(ours.run(), theirs.run())
+    handle.disable()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload"])
+def test_diffusers_own_offloading_after_enable_is_refused(strategy, method):
+    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    with pytest.raises(offload_core.OffloadConfigError, match=rf"{method}\(\).*handle.disable\(\)"):
+        getattr(ours.pipe, method)()
+    assert torch.equal(ours.run(), theirs.run())
+    handle.disable()
+    assert type(ours.pipe).enable_model_cpu_offload is type(theirs.pipe).enable_model_cpu_offload
+
+
+# -- structure and lifecycle ---------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_shortened_block_list_is_found_again(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    assert torch.equal(run(model, 0), run(reference, 0))
+    for x in (model, reference):
+        x.blocks = x.blocks[:3]
+    _same_forwards(model, reference, steps=(1, 2))
+    assert_offloaded(handle, model)
+    if strategy == "layerwise":
+        assert handle.parts[0].block_names == ["blocks.0", "blocks.1", "blocks.2"]
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_torch_export_is_refused_naming_disable(strategy, strict):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    with pytest.raises(Exception, match=r"torch.export cannot trace Reuse while it is offloaded.*handle.disable\(\)"):
+        torch.export.export(model, (torch.randn(3, 8),), strict=strict)
+    _same_forwards(model, reference)
+    handle.disable()
+    exported = torch.export.export(model, (torch.randn(3, 8),))  # the fix the message names
+    assert exported is not None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_closing_the_fake_backend_while_enabled_does_not_hang(strategy):
+    model, reference = build(), build()
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    assert torch.equal(run(model, 0), run(reference, 0))
+    backend.close()
+    _same_forwards(model, reference, steps=(1, 2))
+    handle.disable()
+    assert_same(model, reference)
