@@ -27,6 +27,7 @@ state is never left half-way.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -42,6 +43,17 @@ _REASON = (
     "For one graph per block use regional compilation (block.compile(fullgraph=True) or "
     "model.compile_repeated_blocks(fullgraph=True)); see docs/compatibility.md"
 )
+
+
+def compile_disabled(fn: Callable, recursive: bool = True) -> Callable:
+    """``fn`` under ``torch.compiler.disable``, with the reason Dynamo shows at the graph break
+    where this torch accepts one (``reason=`` is newer than the oldest torch we support, which
+    raises ``TypeError`` for it). Looked up at each call, at enable time: cheap, and a test can
+    stand in an older torch."""
+    disable = torch.compiler.disable
+    if "reason" in inspect.signature(disable).parameters:
+        return disable(fn, recursive=recursive, reason=_REASON)
+    return disable(fn, recursive=recursive)
 
 
 class CallWrapper:
@@ -61,10 +73,10 @@ class CallWrapper:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._work_before = before
         self._device = device
-        self._enter = torch.compiler.disable(self._prepare, reason=_REASON)
-        self._after = torch.compiler.disable(after, reason=_REASON) if after is not None else None
+        self._enter = compile_disabled(self._prepare)
+        self._after = compile_disabled(after) if after is not None else None
         self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
-        self._call = torch.compiler.disable(self._run, recursive=False, reason=_REASON)
+        self._call = compile_disabled(self._run, recursive=False)
         self._pinned_forward = "forward" not in module.__dict__
         if self._pinned_forward:
             module.forward = module.forward
