@@ -85,7 +85,7 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     if pinned is None:
         pinned = max(0, int(AUTO_PINNED_SHARE * physical_memory()) - backend.pinned_memory_allocated())
     largest = max((n * d.itemsize for h in units for d, n in h.unit.numel.items()), default=0)
-    ring = BOUNCE_BUFFERS * ring_chunk_bytes(largest)
+    ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))  # what the ring takes in a pinned slab
     tiers = _assign(units, pin, host, pinned, reserve=0)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
         tiers = _assign(units, pin, host, pinned, reserve=ring)
