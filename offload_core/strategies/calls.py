@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import types
 from typing import Any, Callable
 
 import torch
@@ -49,7 +50,13 @@ def compile_disabled(fn: Callable, recursive: bool = True) -> Callable:
     """``fn`` under ``torch.compiler.disable``, with the reason Dynamo shows at the graph break
     where this torch accepts one (``reason=`` is newer than the oldest torch we support, which
     raises ``TypeError`` for it). Looked up at each call, at enable time: cheap, and a test can
-    stand in an older torch."""
+    stand in an older torch.
+
+    A bound method is disabled as its function, then bound again: before torch 2.8,
+    ``recursive=False`` marks the function it is given with an attribute, which a bound method
+    cannot take (and it skips the function's code, the same for every instance)."""
+    if inspect.ismethod(fn):
+        return types.MethodType(compile_disabled(fn.__func__, recursive), fn.__self__)
     disable = torch.compiler.disable
     if "reason" in inspect.signature(disable).parameters:
         return disable(fn, recursive=recursive, reason=_REASON)
