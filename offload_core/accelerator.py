@@ -23,8 +23,9 @@ been reached, which is also what makes freeing it safe with a caching allocator.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -33,6 +34,8 @@ from .backend import Capability, DeviceBackend, Event, Stream
 from .memory_accounting import AllocationTracker, as_shape, power_of_two_ceil
 
 __all__ = ["AcceleratorBackend", "BackendUnavailableError", "CollectiveWork"]
+
+logger = logging.getLogger(__name__)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -132,6 +135,9 @@ class AcceleratorBackend(DeviceBackend):
     def device_count(self) -> int:
         return int(self._mod.device_count())
 
+    def bind_thread(self, device: torch.device) -> None:
+        self._mod.set_device(device.index if device.index is not None else int(self._mod.current_device()))
+
     # -- streams --------------------------------------------------------------------------
     def new_stream(self) -> Stream:
         stream_class = self._mod.Stream if self._vendor_streams else torch.Stream
@@ -183,17 +189,29 @@ class AcceleratorBackend(DeviceBackend):
         return power_of_two_ceil(nbytes)
 
     def empty_host_cache(self) -> None:
-        """Free the host allocator's cached pinned blocks, through the device module where it
-        offers it, else through ``torch.accelerator`` when this device is torch's accelerator."""
-        empty = getattr(self._mod, "empty_host_cache", None)
+        """Free the host allocator's cached pinned blocks (see :meth:`host_cache_emptier`). Where
+        this torch has no way to, the blocks stay cached and so does the tracker's count of them:
+        ``pinned_memory_allocated`` keeps reporting what is really held."""
+        empty = self.host_cache_emptier()
         if empty is None:
-            accelerator = getattr(torch, "accelerator", None)
-            current = accelerator.current_accelerator() if hasattr(accelerator, "current_accelerator") else None
-            if current is not None and current.type == self.device_type:
-                empty = getattr(accelerator, "empty_host_cache", None)
-        if empty is not None:
-            empty()
-            self._pinned.empty_cache()
+            logger.debug("%s: this torch (%s) cannot empty the pinned host cache", self.name, torch.__version__)
+            return
+        empty()
+        self._pinned.empty_cache()
+
+    def host_cache_emptier(self) -> Callable[[], None] | None:
+        """The call that empties this device's pinned host cache on this torch, or None.
+
+        The generic one is ``torch.accelerator.empty_host_cache`` (newer torch only), and only
+        when this device is torch's current accelerator: it empties that accelerator's host
+        allocator. A vendor backend overrides this with its device's own name for the call,
+        falling back to this one."""
+        accelerator = getattr(torch, "accelerator", None)
+        empty = getattr(accelerator, "empty_host_cache", None)
+        if empty is None or not hasattr(accelerator, "current_accelerator"):
+            return None
+        current = accelerator.current_accelerator()
+        return empty if current is not None and current.type == self.device_type else None
 
     # -- device memory --------------------------------------------------------------------
     def empty_device(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:

@@ -131,6 +131,13 @@ class DeviceBackend(abc.ABC):
     def device_count(self) -> int:
         """How many devices of this kind this process can use."""
 
+    def bind_thread(self, device: torch.device) -> None:
+        """Make ``device`` the current device of the calling thread. Offload-core calls it first
+        on each thread it starts (the stager), with the device of the thread that enabled
+        offloading: a device runtime keeps the current device per thread, and a new thread
+        starts on device 0, where its work would create a context on a rank bound elsewhere.
+        The default does nothing (a backend with one device)."""
+
     # -- streams ----------------------------------------------------------------------------
     @abc.abstractmethod
     def new_stream(self) -> Stream:

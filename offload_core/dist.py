@@ -8,13 +8,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# torch 2.12 renamed all_gather_into_tensor to all_gather_single and deprecated the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
-    """Gather every rank's ``input`` into ``output`` in rank order (``world_size * input.numel()``)."""
-    return _all_gather(output, input, group=group, async_op=async_op)
+    """Gather every rank's ``input`` into ``output`` in rank order (``world_size * input.numel()``).
+
+    By the first name this torch has: ``all_gather_single`` (torch 2.13 renamed
+    ``all_gather_into_tensor`` to it and deprecated the old name), ``all_gather_into_tensor``
+    (torch 2.6 to 2.12), else ``all_gather`` into a list of views of ``output``, which every
+    collective library implements. Looked up at each call, so that a test can stand in a
+    ``torch.distributed`` with only the names a given version has.
+    """
+    single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+    if single is not None:
+        return single(output, input, group=group, async_op=async_op)
+    parts = list(output.view(-1).chunk(dist.get_world_size(group)))
+    return dist.all_gather(parts, input.view(-1), group=group, async_op=async_op)
 
 
 def init_process_group(dist_backend: str, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:

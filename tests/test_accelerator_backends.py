@@ -9,6 +9,7 @@ needs a device is the conformance kit: ``pytest --backend=cuda --pyargs offload_
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import inspect
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 from pathlib import Path
 
@@ -516,16 +518,16 @@ class VendorModule(StandInModule):
     def mem_get_info(self, device=None) -> tuple[int, int]:
         return self.driver_free, self.total
 
-    def empty_host_cache(self) -> None:
+    def host_empty_cache(self) -> None:  # torch_npu's name; torch.cuda has none
         self.host_cache_emptied += 1
 
 
 VENDOR = VendorModule()
 
 
-class VendorBackend(AcceleratorBackend):
-    """A device whose generic stream creation is unsupported; tensors live on the CPU so that a
-    strategy can run end to end on it."""
+class VendorBackend(NpuBackend):
+    """An NPU-like device whose generic stream creation is unsupported; tensors live on the CPU so
+    that a strategy can run end to end on it."""
 
     name = "vendor-stand-in"
     device_type = "cpu"
@@ -635,3 +637,246 @@ def test_collective_timeout_is_torchs_default_unless_the_user_sets_one(monkeypat
     with pytest.raises(ValueError, match="timeout must be positive, got 0"):
         backend.init_process_group(0, 1, "tcp://127.0.0.1:1", timeout=0)
     assert len(joined) == 3
+
+
+# -- the stand-ins name only what the real modules have ------------------------------------------
+
+#: torch_npu's names that torch.cuda lacks (listed in torch_npu.npu.__all__)
+NPU_ONLY = {"host_empty_cache"}
+
+
+@pytest.mark.parametrize("stand_in", [StandInModule, VendorModule])
+def test_stand_in_device_modules_have_only_names_the_real_modules_have(stand_in):
+    # torch.cuda exists in every torch build, CUDA or not: its names are the reference
+    names = {n for n in dir(stand_in) if not n.startswith("_")} - {"calls", "stream_stack", "count", "current"}
+    names -= {"default", "allocated", "reserved", "driver_free", "total", "host_cache_emptied"}  # recorded state
+    assert sorted(n for n in names - NPU_ONLY if not hasattr(torch.cuda, n)) == []
+    assert not hasattr(torch.cuda, "empty_host_cache")  # what accelerator.py used to call
+
+
+# -- the pinned host cache, by the names each torch and torch_npu version has ---------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, name: str):
+        return lambda: self.calls.append(name)
+
+
+def torch_as_of(recorder: Recorder, *, host_empty_cache: bool, accelerator_empty: bool, accelerator: str | None):
+    """A ``torch`` with the host-cache names of one version and build, and nothing else changed.
+    Checked in the wheels: ``torch._C._host_emptyCache`` is in every CUDA build from 2.6 (not in
+    CPU builds); ``torch.accelerator`` exists from 2.6, its ``empty_host_cache`` from 2.12."""
+    stand_in = types.ModuleType("torch")
+    stand_in.__getattr__ = lambda name: getattr(torch, name)
+    stand_in._C = types.SimpleNamespace(**({"_host_emptyCache": recorder("_C._host_emptyCache")} if host_empty_cache else {}))
+    names = {
+        # a torch.device where the device type is registered ("npu" needs torch_npu): its type
+        "current_accelerator": lambda: types.SimpleNamespace(type=accelerator) if accelerator else None,
+        "device_count": lambda: 1 if accelerator else 0,
+        "is_available": lambda: accelerator is not None,
+    }
+    if accelerator_empty:
+        names["empty_host_cache"] = recorder("accelerator.empty_host_cache")
+    stand_in.accelerator = types.SimpleNamespace(**names)
+    return stand_in
+
+
+class StandInCuda(CudaBackend):
+    @classmethod
+    def probe(cls) -> bool:
+        return True
+
+    def _device_module(self):
+        return StandInModule()
+
+
+class NpuModule(StandInModule):
+    """torch_npu's device module as far as the host cache goes: ``host_empty_cache`` where the
+    installed torch_npu has it."""
+
+    def __init__(self, recorder: Recorder | None) -> None:
+        super().__init__()
+        if recorder is not None:
+            self.host_empty_cache = recorder("npu.host_empty_cache")
+
+
+class StandInNpu(NpuBackend):
+    module: NpuModule
+
+    @classmethod
+    def probe(cls) -> bool:
+        return True
+
+    def _device_module(self):
+        return self.module
+
+
+@pytest.mark.parametrize(
+    "backend_class, torch_names, npu_has_it, expected",
+    [
+        (StandInCuda, dict(host_empty_cache=True, accelerator_empty=False, accelerator="cuda"), None,
+         "_C._host_emptyCache"),  # torch 2.6 to 2.11, CUDA build
+        (StandInCuda, dict(host_empty_cache=True, accelerator_empty=True, accelerator="cuda"), None,
+         "_C._host_emptyCache"),  # torch 2.12 and later, CUDA build
+        (StandInCuda, dict(host_empty_cache=False, accelerator_empty=True, accelerator="cuda"), None,
+         "accelerator.empty_host_cache"),  # a build without the private name
+        (StandInCuda, dict(host_empty_cache=False, accelerator_empty=False, accelerator=None), None,
+         None),  # torch 2.6 to 2.11 without CUDA: nothing to call
+        (StandInNpu, dict(host_empty_cache=False, accelerator_empty=False, accelerator="npu"), True,
+         "npu.host_empty_cache"),  # torch_npu with its own name, on torch 2.6 to 2.11
+        (StandInNpu, dict(host_empty_cache=False, accelerator_empty=True, accelerator="npu"), False,
+         "accelerator.empty_host_cache"),  # a torch_npu without it, on torch 2.12 and later
+        (StandInNpu, dict(host_empty_cache=False, accelerator_empty=True, accelerator="cuda"), False,
+         None),  # torch's accelerator is another device: its host cache is not ours to empty
+    ],
+)
+def test_the_host_cache_is_emptied_by_the_names_this_torch_has(monkeypatch, backend_class, torch_names, npu_has_it,
+                                                                expected):
+    recorder = Recorder()
+    stand_in = torch_as_of(recorder, **torch_names)
+    monkeypatch.setattr("offload_core.accelerator.torch", stand_in)
+    monkeypatch.setattr("offload_core_cuda.torch", stand_in)
+    monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    if backend_class is StandInNpu:
+        monkeypatch.setattr(StandInNpu, "module", NpuModule(recorder if npu_has_it else None), raising=False)
+    backend = backend_class()
+    block = backend.empty_pinned(1000)
+    del block
+    gc.collect()
+    assert backend.pinned_memory_allocated() == 1024  # freed, still cached by the host allocator
+    backend.empty_host_cache()
+    assert recorder.calls == ([expected] if expected else [])
+    # the count follows what is really held: emptied only where the cache really was
+    assert backend.pinned_memory_allocated() == (0 if expected else 1024)
+
+
+# -- compiler.disable's reason=, where the signature has it -----------------------------------------
+
+
+@pytest.mark.parametrize("takes_reason", [False, True])  # torch 2.6 and 2.7 / 2.8 and later
+def test_compiler_disable_gets_a_reason_only_where_it_takes_one(monkeypatch, takes_reason):
+    from offload_core.strategies.calls import CallWrapper
+
+    seen: list[dict] = []
+    if takes_reason:
+        def disable(fn=None, recursive=True, *, reason=None):
+            seen.append({"recursive": recursive, "reason": reason})
+            return fn
+    else:
+        def disable(fn=None, recursive=True):
+            seen.append({"recursive": recursive})
+            if not recursive:
+                fn._torchdynamo_disable = True  # what torch 2.6's skip() does: a bound method cannot take it
+            return fn
+    monkeypatch.setattr(torch.compiler, "disable", disable)
+    module = torch.nn.Linear(2, 2)
+    ran: list[str] = []
+    wrapper = CallWrapper(module, before=lambda: ran.append("before"), after=lambda failed: ran.append("after"))
+    module(torch.ones(1, 2))
+    assert ran == ["before", "after"]
+    assert len(seen) == 3 and [s["recursive"] for s in seen] == [True, True, False]
+    assert all(("reason" in s) == takes_reason for s in seen)
+    if takes_reason:
+        assert all("regional compilation" in s["reason"] for s in seen)
+    wrapper.remove()
+
+
+# -- the all-gather by the names this torch.distributed has ------------------------------------------
+
+
+def distributed_as_of(calls: list, *names: str):
+    """A ``torch.distributed`` with only ``names`` of the gather family (and the world size)."""
+    def named(name):
+        def call(output, input, group=None, async_op=False):
+            calls.append(name)
+            if name == "all_gather":
+                for rank, part in enumerate(output):
+                    part.copy_(input + rank)
+            else:
+                output.view(-1).copy_(torch.cat([input + r for r in range(output.numel() // input.numel())]))
+            return "work"
+        return call
+
+    return types.SimpleNamespace(get_world_size=lambda group=None: 3, **{n: named(n) for n in names})
+
+
+@pytest.mark.parametrize(
+    "names, used",
+    [
+        (("all_gather_single", "all_gather_into_tensor", "all_gather"), "all_gather_single"),  # torch 2.13+
+        (("all_gather_into_tensor", "all_gather"), "all_gather_into_tensor"),  # torch 2.6 to 2.12
+        (("all_gather",), "all_gather"),  # neither tensor-output name: a list of views of the output
+    ],
+)
+def test_all_gather_uses_the_first_name_this_torch_has(monkeypatch, names, used):
+    calls: list = []
+    monkeypatch.setattr(offload_dist, "dist", distributed_as_of(calls, *names))
+    output = torch.zeros(2, 3)
+    assert offload_dist.all_gather(output, torch.tensor([1.0, 2.0]), async_op=True) == "work"
+    assert calls == [used]
+    assert output.flatten().tolist() == [1.0, 2.0, 2.0, 3.0, 3.0, 4.0]
+
+
+def _list_gather_worker(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    without = types.ModuleType("torch.distributed")  # the real module less its tensor-output gathers
+    without.__getattr__ = lambda name: (
+        getattr(dist, name) if name not in ("all_gather_single", "all_gather_into_tensor") else None
+    )
+    offload_dist.dist = without
+    output = torch.zeros(2, 3)
+    offload_dist.all_gather(output, torch.arange(3.0) + 10 * rank, async_op=True).wait()
+    assert output.tolist() == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
+    dist.destroy_process_group()
+
+
+def test_the_list_fallback_gathers_in_rank_order_with_real_gloo():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_list_gather_worker, args=(port,), nprocs=2, join=True)
+
+
+# -- a thread bound to the rank's device ---------------------------------------------------------
+
+
+class ThreadLocalModule(StandInModule):
+    """A device module whose current device is per thread, as a device runtime's is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def set_device(self, index: int) -> None:
+        self.calls.append(("set_device", index))
+        self._local.index = index
+
+
+def test_bind_thread_sets_the_calling_threads_device_and_the_stager_binds_first(monkeypatch):
+    from offload_core.hostmem.staging import Stager
+
+    module = ThreadLocalModule()
+    monkeypatch.setattr(StandInBackend, "_device_module", lambda self: module)
+    backend = StandInBackend()
+    module.set_device(3)  # this rank's device, on the enabling thread
+    stager = Stager(on_start=functools.partial(backend.bind_thread, backend.device()))
+    seen: list[torch.device] = []
+    stager.wait(stager.submit(lambda: seen.append(backend.device())))
+    stager.close()
+    assert seen == [torch.device("cuda", 3)]  # a new thread starts on device 0 without the binding
+    unbound = Stager()
+    unbound.wait(unbound.submit(lambda: seen.append(backend.device())))
+    unbound.close()
+    assert seen[-1] == torch.device("cuda", 0)

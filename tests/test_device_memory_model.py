@@ -65,7 +65,8 @@ def test_model_level_prefetch_decides_on_allocatable_memory_under_a_caching_allo
             y = b(a(x))
             part.release_all()
     assert backend.memory_reserved() >= 2 * group and backend.memory_allocated() == 0
-    assert seen == ["loading", "loading", "loading"], "the next group was not prefetched beside the cache"
+    # not on the first call: what a's compute takes beside its weights is measured then
+    assert seen == ["host", "loading", "loading"], "the next group was not prefetched beside the cache"
     assert torch.equal(y, x @ expected[1].T @ expected[0].T)
     assert backend.max_memory_allocated() <= capacity
     part.disable()

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from offload_core.weights.unit import ALIGN_BYTES
+
 WORLD = 2
 D = 32  # wide enough that half the blocks' bytes dwarf alignment and padding
-ALIGN_BYTES = 64
 
 # the ranks run on the fake backend over gloo; a device backend's collectives need one device per rank
 pytestmark = pytest.mark.fake_only

@@ -166,7 +166,7 @@ def test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly
     resident, blocks = unit_bytes(model)
     costs = [pinned_cost(u) for u in split_units(model, find_blocks(model))[1]]
     ring = staging.BOUNCE_BUFFERS * 64
-    pinned = ring + costs[0] + costs[1]  # the ring first, then blocks in order
+    pinned = staging.BOUNCE_BUFFERS * aligned(64) + costs[0] + costs[1]  # the ring first, then blocks in order
     backend = chaos_backend()
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend, pinned_memory=pinned)
     stats = handle.stats()
@@ -311,7 +311,7 @@ def test_blocks_beyond_host_memory_are_spilled_and_streamed_from_disk(tmp_path, 
     before = snapshot(model)
     expected = [run(model, X + i) for i in range(3)]
     resident, blocks = unit_bytes(model)
-    ring = staging.BOUNCE_BUFFERS * 64
+    ring = staging.BOUNCE_BUFFERS * aligned(64)  # as it takes pinned memory: each buffer aligned
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          host_memory=resident + ring + blocks[0], offload_folder=tmp_path)
     spilled = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
@@ -567,7 +567,7 @@ def test_loading_packing_and_spilling_show_progress_in_bytes(tmp_path, monkeypat
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     model = mixed_stack()
     resident, blocks = unit_bytes(model)
-    ring = staging.BOUNCE_BUFFERS * 64
+    ring = staging.BOUNCE_BUFFERS * aligned(64)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          host_memory=resident + ring + blocks[0], offload_folder=tmp_path / "spill")
     handle.disable()

@@ -148,9 +148,11 @@ def test_disable_returns_pinned_memory_slab_by_slab(monkeypatch):
 
 def test_views_are_aligned_disjoint_typed_and_live_as_long_as_the_slab():
     backend = offload_core.get_backend("fake", chaos=False, pinned_rounding="pow2")
-    # aligned sizes 192, 192, 0, 320, 320: none a power of two (those get allocations of their own),
-    # together exactly one 1 KiB block
-    requests = [(48, torch.float32), (96, torch.bfloat16), (0, torch.float16), (40, torch.int64), (300, torch.bool)]
+    # aligned sizes 192, 192, 0, 320, 320 times ALIGN_BYTES / 64: none a power of two (those get
+    # allocations of their own), together exactly one block of 16 alignments
+    k = ALIGN_BYTES // 64
+    requests = [(48 * k, torch.float32), (96 * k, torch.bfloat16), (0, torch.float16), (40 * k, torch.int64),
+                (300 * k, torch.bool)]
     slabs = SlabAllocator(backend, [n * d.itemsize for n, d in requests])
     views = [slabs.allocate(n, d) for n, d in requests]
     for view, (n, dtype) in zip(views, requests):
@@ -176,12 +178,13 @@ def test_requests_fill_slabs_in_order_so_that_they_free_in_order():
     """A request that does not fit opens the next slab; later, smaller requests do not go back to
     an earlier slab's tail, which would keep that slab alive until they are unpacked."""
     backend = offload_core.get_backend("fake", chaos=False, pinned_rounding="pow2")
-    slabs = SlabAllocator(backend, slab_bytes=1024)
-    first = slabs.allocate(640, torch.uint8)  # a 1024-byte slab, 384-byte tail
-    second = slabs.allocate(640, torch.uint8)  # does not fit: a second slab
-    small = slabs.allocate(64, torch.uint8)  # would fit the first tail; goes to the newest slab
+    k = ALIGN_BYTES // 64  # sizes in units of 1/64 of the alignment
+    slabs = SlabAllocator(backend, slab_bytes=1024 * k)
+    first = slabs.allocate(640 * k, torch.uint8)  # a 1024k-byte slab, 384k-byte tail
+    second = slabs.allocate(640 * k, torch.uint8)  # does not fit: a second slab
+    small = slabs.allocate(64 * k, torch.uint8)  # would fit the first tail; goes to the newest slab
     assert small.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-    assert slabs.live_slabs == 2 and slabs.tail_bytes() == 384 + 320
+    assert slabs.live_slabs == 2 and slabs.tail_bytes() == (384 + 320) * k
     del first
     gc.collect()
     assert slabs.live_slabs == 1  # the first slab went with its only buffer
@@ -249,7 +252,7 @@ def test_units_packed_side_by_side_in_a_slab_view_their_own_bytes():
     """A home is a view at an offset into a slab: every tensor bound to it, at packing and after,
     sees its own values."""
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 8) for _ in range(3)]
+    layers = [nn.Linear(16, 32) for _ in range(3)]  # aligned homes of no power of two, filling one slab
     before = [(l.weight.detach().clone(), l.bias.detach().clone()) for l in layers]
     units = [WeightUnit(f"layer{i}", collect_tensors([l])) for i, l in enumerate(layers)]
     backend = offload_core.get_backend("fake", chaos=False, pinned_rounding="pow2")
@@ -273,7 +276,7 @@ def test_a_backend_that_allocates_exact_sizes_gets_one_allocation_per_home():
     views = [slabs.allocate(n, torch.uint8) for n in (640, 640, 64)]
     assert len({v.untyped_storage().data_ptr() for v in views}) == 3
     assert slabs.live_slabs == 3 and slabs.tail_bytes() == 0
-    assert backend.pinned_memory_allocated() == 640 + 640 + 64
+    assert backend.pinned_memory_allocated() == aligned(640) + aligned(640) + aligned(64)
     del views[0]
     gc.collect()
-    assert slabs.live_slabs == 2 and backend.pinned_memory_allocated() == 640 + 64
+    assert slabs.live_slabs == 2 and backend.pinned_memory_allocated() == aligned(640) + aligned(64)

@@ -51,6 +51,12 @@ class CudaBackend(AcceleratorBackend):
         where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         return f"no CUDA device is visible{where}"
 
+    def host_cache_emptier(self):
+        """``torch._C._host_emptyCache`` (what ``torch.cuda.graphs`` itself calls; CUDA builds
+        only), else the generic ``torch.accelerator.empty_host_cache``. There is no
+        ``torch.cuda.empty_host_cache``: looking for one silently did nothing."""
+        return getattr(torch._C, "_host_emptyCache", None) or super().host_cache_emptier()
+
 
 @hookimpl
 def offload_core_register_backends(register):

@@ -158,6 +158,7 @@ class FakeBackend(DeviceBackend):
         self.device_cache = device_cache
         self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._local = threading.local()
+        self.bound_threads: list[tuple[str, torch.device]] = []  # bind_thread calls: (thread name, device)
         self.sanitizer = Sanitizer(self.current_stream) if sanitize else None
         self._default = DefaultStream(self.timeline, self.sanitizer)
         self._streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
@@ -176,6 +177,10 @@ class FakeBackend(DeviceBackend):
 
     def device_count(self) -> int:
         return os.cpu_count() or 1
+
+    def bind_thread(self, device: torch.device) -> None:
+        """Recorded, with the calling thread's name, so that tests can see which threads bound."""
+        self.bound_threads.append((threading.current_thread().name, device))
 
     # -- streams --------------------------------------------------------------------------
     def new_stream(self) -> FakeStream:

@@ -21,8 +21,8 @@ documentation and source; not yet run on Ascend hardware):
   ``torch.Stream(device=...)`` creation, and torch_npu's ``Event.record``/``wait`` take only NPU
   streams.
 * Pinned memory comes from torch_npu's caching host allocator, assumed (unchecked) to round up
-  to a power of two as CUDA's does; ``empty_host_cache`` goes through
-  ``torch.npu.empty_host_cache`` where that exists, else ``torch.accelerator.empty_host_cache``.
+  to a power of two as CUDA's does; ``empty_host_cache`` goes through torch_npu's
+  ``torch.npu.host_empty_cache`` where that exists, else ``torch.accelerator.empty_host_cache``.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ class NpuBackend(AcceleratorBackend):
         visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
         where = f" (ASCEND_RT_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         return f"{_RUNTIME} found no NPU device{where}"
+
+    def host_cache_emptier(self):
+        """torch_npu's ``torch.npu.host_empty_cache`` (its name for it; there is no
+        ``torch.npu.empty_host_cache``), else the generic ``torch.accelerator.empty_host_cache``."""
+        return getattr(self._mod, "host_empty_cache", None) or super().host_cache_emptier()
 
 
 @hookimpl

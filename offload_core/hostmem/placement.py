@@ -4,7 +4,8 @@ Every unit gets one tier, decided once over all the parts of an enable call befo
 packed (so a refused plan leaves the model untouched):
 
 * ``PINNED``: page-locked memory, copied straight to the device;
-* ``PAGEABLE``: ordinary memory copied straight (``pin_memory=False``: such copies block the host);
+* ``PAGEABLE``: ordinary memory copied straight (``pin_memory=False``), each copy waited for on the
+  stager thread (see ``Placement._blocking_copy``);
 * ``STAGED``: ordinary memory, copied through the bounce ring (see :mod:`.staging`);
 * ``DISK``: no home in RAM; read from a safetensors file into the bounce ring when needed.
 
@@ -84,7 +85,7 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     if pinned is None:
         pinned = max(0, int(AUTO_PINNED_SHARE * physical_memory()) - backend.pinned_memory_allocated())
     largest = max((n * d.itemsize for h in units for d, n in h.unit.numel.items()), default=0)
-    ring = BOUNCE_BUFFERS * ring_chunk_bytes(largest)
+    ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))  # what the ring takes in a pinned slab
     tiers = _assign(units, pin, host, pinned, reserve=0)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
         tiers = _assign(units, pin, host, pinned, reserve=ring)
@@ -153,6 +154,8 @@ class Placement:
         self._spill = SpillFolder(folder) if folder is not None else None
         self.ring: BounceRing | None = None
         self.stager: Stager | None = None
+        self._copied = None  # the event a blocking copy from a pageable home waits for
+        self.blocking_copy_bytes = 0  # written on the stager thread only
 
     # -- policy ---------------------------------------------------------------------------
     def tier(self, unit) -> Tier:
@@ -184,6 +187,9 @@ class Placement:
             "disk_bytes": self.bytes[Tier.DISK],
             "bounce_bytes": ring,
             "staged_bytes": self.ring.staged_bytes if self.ring is not None else 0,
+            # copies from pageable memory (homes, or the ring's buffers), each waited for on the
+            # stager thread: they cannot overlap compute the way pinned ones do
+            "blocking_copy_bytes": self.blocking_copy_bytes + (self.ring.blocking_bytes if self.ring else 0),
         }
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -193,8 +199,12 @@ class Placement:
         txn.on_rollback(self.close)
         if self.staging:
             allocate = self._pinned if self._pin_memory else _pageable
-            self.ring = BounceRing(self.backend, allocate, self._chunk_bytes)
-            self.stager = Stager()
+            self.ring = BounceRing(self.backend, allocate, self._chunk_bytes, blocking=not self._pin_memory)
+        if self.bytes[Tier.PAGEABLE]:
+            self._copied = self.backend.new_event()
+        if self.staging or self.bytes[Tier.PAGEABLE]:
+            # the device of this (enabling) thread, so that the stager's work goes to it too
+            self.stager = Stager(functools.partial(self.backend.bind_thread, self.backend.device()))
         for part in parts:
             part.placement = self
 
@@ -243,12 +253,25 @@ class Placement:
         )
 
     def issue(self, transfers, stream) -> None:
-        """Queue ``transfers`` on ``stream`` (on the stager thread when anything is staged)."""
+        """Queue ``transfers`` on ``stream`` (on the stager thread when anything is staged or
+        pageable)."""
         for dst, src in transfers:
-            if isinstance(src, torch.Tensor):
+            if not isinstance(src, torch.Tensor):
+                self.ring.stage(dst, src, stream)
+            elif self._pin_memory:  # then every direct source is a pinned home
                 self.backend.copy_async(dst, src, stream)
             else:
-                self.ring.stage(dst, src, stream)
+                self._blocking_copy(dst, src, stream)
+
+    def _blocking_copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """A copy from a pageable home, waited for here on purpose. A runtime may make such a
+        copy wait for everything queued before it on ``stream`` (torch_npu always does, CUDA
+        may); waiting for it explicitly does so on every backend, on the stager thread rather
+        than the thread that issues compute, and the bytes show in ``stats()``."""
+        self.backend.copy_async(dst, src, stream)
+        self._copied.record(stream)
+        self._copied.synchronize()
+        self.blocking_copy_bytes += src.nbytes
 
     def run(self, task: Callable[[], None]) -> Ticket | None:
         """Run ``task`` (a load: waits, copies, a ready event) now, or hand it to the stager."""

@@ -48,14 +48,18 @@ class BounceRing:
     """A few pinned buffers, filled on the host and copied to the device in turn."""
 
     def __init__(self, backend, allocate: Callable[[int, torch.dtype], torch.Tensor], chunk_bytes: int,
-                 count: int = BOUNCE_BUFFERS) -> None:
+                 count: int = BOUNCE_BUFFERS, blocking: bool = False) -> None:
+        """``blocking``: the buffers are pageable (``pin_memory=False``), so each copy from them
+        is waited for at once, as :meth:`Placement.issue` does for pageable homes."""
         self.backend = backend
+        self.blocking = blocking
         self.chunk_bytes = chunk_bytes
         self.buffers = [allocate(chunk_bytes, torch.uint8) for _ in range(count)]
         self.read_done = [backend.new_event() for _ in range(count)]
         self._used = [False] * count
         self._next = 0
         self.staged_bytes = 0  # written on the stager thread only
+        self.blocking_bytes = 0  # of which copied with the host waiting (pageable buffers)
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +87,9 @@ class BounceRing:
             self.read_done[k].record(stream)
             self._used[k] = True
             self.staged_bytes += count * dtype.itemsize
+            if self.blocking:
+                self.read_done[k].synchronize()
+                self.blocking_bytes += count * dtype.itemsize
 
 
 class Ticket:
@@ -103,9 +110,11 @@ _exit_hook: list = []  # the exit hook, once registered
 class Stager:
     """One worker thread that issues loads in submission order."""
 
-    def __init__(self, name: str = "offload-core-stager") -> None:
+    def __init__(self, on_start: Callable[[], None] | None = None, name: str = "offload-core-stager") -> None:
+        """``on_start`` runs first on the new thread (binding it to the device); if it fails,
+        every task reports that failure."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_work, args=(self._queue,), name=name, daemon=True)
+        self._thread = threading.Thread(target=_work, args=(self._queue, on_start), name=name, daemon=True)
         self._thread.start()
         weakref.finalize(self, self._queue.put, None)  # the thread holds only the queue
         if not _exit_hook:
@@ -136,10 +145,16 @@ class Stager:
             self._thread.join()
 
 
-def _work(tasks: queue.SimpleQueue) -> None:
+def _work(tasks: queue.SimpleQueue, on_start: Callable[[], None] | None) -> None:
     """The stager's loop. After a task fails, later tasks are not run (their copies would wait
     on events the failed task never recorded): each reports the first failure."""
     failed: BaseException | None = None
+    try:
+        if on_start is not None:
+            on_start()
+    except BaseException as exc:  # noqa: BLE001 - reported by every task's ticket
+        logger.exception("the stager thread could not bind to its device")
+        failed = exc
     while True:
         item = tasks.get()
         if item is None or _EXITING.is_set():

@@ -27,7 +27,9 @@ state is never left half-way.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import types
 from typing import Any, Callable
 
 import torch
@@ -48,6 +50,23 @@ class ExportError(RuntimeError):
     """``torch.export`` of an offloaded model; the message names ``handle.disable()``."""
 
 
+def compile_disabled(fn: Callable, recursive: bool = True) -> Callable:
+    """``fn`` under ``torch.compiler.disable``, with the reason Dynamo shows at the graph break
+    where this torch accepts one (``reason=`` is newer than the oldest torch we support, which
+    raises ``TypeError`` for it). Looked up at each call, at enable time: cheap, and a test can
+    stand in an older torch.
+
+    A bound method is disabled as its function, then bound again: before torch 2.8,
+    ``recursive=False`` marks the function it is given with an attribute, which a bound method
+    cannot take (and it skips the function's code, the same for every instance)."""
+    if inspect.ismethod(fn):
+        return types.MethodType(compile_disabled(fn.__func__, recursive), fn.__self__)
+    disable = torch.compiler.disable
+    if "reason" in inspect.signature(disable).parameters:
+        return disable(fn, recursive=recursive, reason=_REASON)
+    return disable(fn, recursive=recursive)
+
+
 class CallWrapper:
     """Runs ``before()`` ahead of every call of ``module`` and ``after(failed)`` once it returns or
     raises, holding ``lock``, with the tensor inputs moved to ``device`` when one is given.
@@ -65,10 +84,10 @@ class CallWrapper:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._work_before = before
         self._device = device
-        self._enter = torch.compiler.disable(self._prepare, reason=_REASON)
-        self._after = torch.compiler.disable(after, reason=_REASON) if after is not None else None
+        self._enter = compile_disabled(self._prepare)
+        self._after = compile_disabled(after) if after is not None else None
         self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
-        self._call = torch.compiler.disable(self._run, recursive=False, reason=_REASON)
+        self._call = compile_disabled(self._run, recursive=False)
         self._entry = self._checked_call  # one bound method, so that remove() recognises it
         self._pinned_forward = "forward" not in module.__dict__
         if self._pinned_forward:

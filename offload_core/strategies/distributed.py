@@ -122,7 +122,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         self._shards: list[dict[torch.dtype, torch.Tensor]] = []
         self.fingerprints: list[tuple[int, ...]] = []
         self.serial = -1
-        self._aborting = False  # loads issued now carry an aborted header
+        self._aborted: set[int] = set()  # blocks whose next load carries an aborted header
         super().__init__(model, blocks, backend, prefetch_depth=1)
 
     def _plan(self, blocks: list[nn.Module]) -> None:
@@ -274,7 +274,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _issue(self, i: int, stream) -> None:
         if not self.shard:
             return super()._issue(i, stream)
-        self._gather_header(i, ABORTED if self._aborting else OK)
+        self._gather_header(i, self._header_status(i))
         self._loaded_in_pass = max(self._loaded_in_pass, i)
         for staging, shard, out in self._transfers[i]:
             self.placement.issue([(staging, shard)], stream)
@@ -293,6 +293,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _finish(self, failed: bool) -> None:
         """End of a pass (or of a block called alone): say whether this rank got through, and
         check every header since the last check."""
+        self._drain_loads()
         self._gather_header(END, ABORTED if failed else OK)
         if failed:
             try:
@@ -385,6 +386,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
             return super()._end_pass(failed)
         try:
             if failed:
+                self._drain_loads()  # the stager's loads have set how far this pass got
                 # the others will still load the blocks after the furthest one loaded here
                 for i in range(self._loaded_in_pass + 1, len(self.units)):
                     self._load_aborted(i)
@@ -422,11 +424,25 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
     def _load_aborted(self, i: int) -> None:
         """The load the other ranks run for block ``i``, flagged as aborted by this rank, so that
         they are not left waiting for a partner that never comes."""
-        self._aborting = True
+        self._aborted.add(i)
         try:
             self._load(i)
-        finally:
-            self._aborting = False
+        except BaseException:
+            self._aborted.discard(i)
+            raise
+
+    def _header_status(self, i: int) -> int:
+        """Block ``i``'s header status, read where its load is issued (on the stager thread for
+        staged shards, after ``_load_aborted`` has returned) and consumed there."""
+        if i in self._aborted:
+            self._aborted.discard(i)
+            return ABORTED
+        return OK
+
+    def _drain_loads(self) -> None:
+        """Wait until the stager has issued every load handed to it: their gathers come before
+        any this thread issues next, on every rank alike."""
+        self.placement.drain()
 
     def disable(self) -> None:
         """Collective when sharded: rebuild every block's full weights from the shards on every

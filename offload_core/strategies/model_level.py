@@ -86,6 +86,8 @@ class ModelLevelOffload(Part):
         self._depth = 0  # component forwards in progress
         self._saving: list = []  # per component forward in progress: its SavedParameters, if recording
         self.peak_weight_bytes = 0
+        self._activation_bytes: dict[int, int] = {}  # group -> device bytes its calls took beyond its weights
+        self._measuring: tuple[int, int] | None = None  # (group, memory allocated when it became active)
 
     def _plan(self) -> None:
         self.groups: list[Group] = []
@@ -202,6 +204,7 @@ class ModelLevelOffload(Part):
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
+        self._stop_measuring()
         if self.timeline is not None:
             self.timeline.end_compute(self.backend.current_stream())
         self._active = None
@@ -243,6 +246,7 @@ class ModelLevelOffload(Part):
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
+        self._stop_measuring()
         if self.timeline is not None:  # the active group's compute has all been issued
             self.timeline.end_compute(self.backend.current_stream())
         previous, self._active = self._active, None
@@ -262,6 +266,7 @@ class ModelLevelOffload(Part):
             c.binding.to_device()
         group.state = "active"
         self._active = index
+        self._start_measuring(index)
         if previous is not None:
             self._next[previous] = index
         following = self._next.get(index)
@@ -330,13 +335,31 @@ class ModelLevelOffload(Part):
         group = self.groups[index]
         if index == self._active or group.state != "host":
             return
+        needed = self._activation_bytes.get(self._active)
+        if needed is None:  # the active group's first call: how much its compute takes is not known yet
+            return
         free, total = self.backend.mem_get_info()
-        if group.nbytes <= free - RESERVE_FRACTION * total:
+        if group.nbytes <= free - max(RESERVE_FRACTION * total, needed):
             logger.debug("prefetching %s while %s computes", group.name, self.groups[self._active].name)
             try:
                 self._load(group)
             except torch.OutOfMemoryError:  # only an optimisation: the group loads when it is used
                 logger.debug("no room to prefetch %s after all", group.name)
+
+    def _start_measuring(self, index: int) -> None:
+        """On a group's first use, note the device memory allocated with its weights in place, so
+        that what its compute takes on top (activations, a VAE decode's buffers) is known before
+        anything is prefetched beside it."""
+        if index not in self._activation_bytes:
+            self._measuring = (index, self.backend.memory_allocated())
+
+    def _stop_measuring(self) -> None:
+        """The measured group stops being active: all its compute has been issued, so the peak
+        since it started bounds what it takes (from above: an earlier, higher peak counts too)."""
+        if self._measuring is not None:
+            index, start = self._measuring
+            self._activation_bytes[index] = max(self.backend.max_memory_allocated() - start, 0)
+            self._measuring = None
 
     def _swap_out(self, group: Group) -> None:
         if group.state == "host":

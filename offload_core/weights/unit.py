@@ -29,7 +29,7 @@ from .subclass import Unstreamable, assign_param, flatten, has_storage, like, pl
 
 logger = logging.getLogger(__name__)
 
-ALIGN_BYTES = 64  # region starts aligned for vectorised copies and kernels
+ALIGN_BYTES = 512  # region starts aligned as the CUDA caching allocator aligns blocks: kernels pick by alignment
 #: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
 SOURCE_ATTRIBUTE = "_offload_core_source"
 
