@@ -22,9 +22,9 @@ from offload_core.hostmem import budget, staging
 from offload_core.hostmem.disk import FileSlice
 from offload_core.strategies.layerwise import LayerwiseOffload
 from offload_core.strategies.resident import ResidentModules
-from offload_core.weights import slabs as slabs_module
+from offload_core.hostmem import slabs as slabs_module
 from offload_core.weights import split_units
-from offload_core.weights.slabs import aligned
+from offload_core.hostmem.slabs import aligned
 from offload_core.weights.unit import WeightUnit
 
 from helpers import assert_same_state, chaos_backend, forward, snapshot

@@ -15,7 +15,7 @@ from torch import nn
 import offload_core
 from offload_core import Capability
 from offload_core.discovery import find_blocks
-from offload_core.weights.slabs import SlabAllocator
+from offload_core.hostmem.slabs import SlabAllocator
 from offload_core_fake import StreamRaceError
 
 from helpers import assert_same_state, chaos_backend, device, run, snapshot

@@ -12,8 +12,8 @@ from torch import nn
 
 import offload_core
 from offload_core.weights import WeightUnit, split_units
-from offload_core.weights import slabs as slabs_module
-from offload_core.weights.slabs import SlabAllocator, aligned
+from offload_core.hostmem import slabs as slabs_module
+from offload_core.hostmem.slabs import SlabAllocator, aligned
 from offload_core.weights.unit import ALIGN_BYTES, collect_tensors
 
 MIB = 1 << 20

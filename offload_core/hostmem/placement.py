@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..config import OffloadConfig, OffloadConfigError
-from ..weights.slabs import SlabAllocator, aligned
+from .slabs import SlabAllocator, aligned
 from .budget import AUTO_PINNED_SHARE, physical_memory
 from .disk import SpillFolder, checkpoint_image
 from .staging import BOUNCE_BUFFERS, BounceRing, Stager, Ticket, ring_chunk_bytes

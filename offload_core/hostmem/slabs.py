@@ -34,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-from .unit import ALIGN_BYTES
+from ..weights.unit import ALIGN_BYTES
 
 logger = logging.getLogger(__name__)
 
