@@ -84,6 +84,10 @@ class ModelLevelOffload(Part):
         self._calls = 0  # pipeline calls in progress: groups stay on the device until they end
         self._depth = 0  # component forwards in progress
         self.peak_weight_bytes = 0
+        # swaps run eagerly, also under a compiled root; wrapped here, not at class definition,
+        # because torch.compiler.disable imports torch._dynamo (seconds) with the package
+        self._release = torch.compiler.disable(self._release)
+        self._before_use = torch.compiler.disable(self._before_use)
 
     def _plan(self) -> None:
         self.groups: list[Group] = []
@@ -228,11 +232,9 @@ class ModelLevelOffload(Part):
         if self._depth == 0 and self._calls == 0 and self._active is not None:
             self._release()
 
-    @torch.compiler.disable
     def _release(self) -> None:
         self.release_all()
 
-    @torch.compiler.disable
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
