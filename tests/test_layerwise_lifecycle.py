@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offload_core
-from offload_core import Capability
+from offload_core.testing import SimulatorCapability
 from offload_core.discovery import find_blocks
 from offload_core.hostmem.slabs import SlabAllocator
 from offload_core_fake import StreamRaceError
@@ -79,7 +79,7 @@ def _assert_untouched(model, before, backend, memory_before):
     assert pinned_bytes == memory_before[1], "a pinned buffer leaked"
 
 
-@pytest.mark.requires_capability(Capability.CAPACITY)
+@pytest.mark.requires_capability(SimulatorCapability.CAPACITY)
 def test_device_oom_leaves_the_model_untouched():
     model = mixed_stack()
     before = snapshot(model)
@@ -171,7 +171,7 @@ def test_out_of_order_calls_load_synchronously_and_count_misses():
     handle.disable()
 
 
-@pytest.mark.requires_capability(Capability.SANITIZE)
+@pytest.mark.requires_capability(SimulatorCapability.SANITIZE)
 def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     """The sanitizer sees compute read a slot that the copy stream writes with no event between."""
     model = mixed_stack()
@@ -188,7 +188,7 @@ def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     handle.disable()
 
 
-@pytest.mark.requires_capability(Capability.CHAOS)
+@pytest.mark.requires_capability(SimulatorCapability.CHAOS)
 @pytest.mark.unsanitized("shows that chaos mode alone also sees this read-after-write race")
 def test_removing_the_ready_wait_gives_wrong_output_under_chaos():
     """Proves the suite can see a race: the same run without the compute-waits-copy step fails."""
