@@ -84,10 +84,7 @@ class ModelLevelOffload(Part):
         self._calls = 0  # pipeline calls in progress: groups stay on the device until they end
         self._depth = 0  # component forwards in progress
         self.peak_weight_bytes = 0
-        # swaps run eagerly, also under a compiled root; wrapped here, not at class definition,
-        # because torch.compiler.disable imports torch._dynamo (seconds) with the package
-        self._release = torch.compiler.disable(self._release)
-        self._before_use = torch.compiler.disable(self._before_use)
+        _swaps_run_eagerly()
 
     def _plan(self) -> None:
         self.groups: list[Group] = []
@@ -352,3 +349,13 @@ class ModelLevelOffload(Part):
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
         write_back(self.backend, pairs)
+
+
+@functools.cache
+def _swaps_run_eagerly() -> None:
+    """Swaps run eagerly, also under a compiled root (``torch.compiler.disable``). Wrapped when the
+    first strategy is built, not at class definition: the wrapper imports torch._dynamo (seconds)
+    that ``import offload_core`` should not cost; on the class, not the instance, so that no
+    reference cycle keeps a disabled strategy alive until the next garbage collection."""
+    for name in ("_release", "_before_use"):
+        setattr(ModelLevelOffload, name, torch.compiler.disable(getattr(ModelLevelOffload, name)))
