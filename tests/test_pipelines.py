@@ -10,9 +10,9 @@ import torch
 import offload_core
 from offload_core.pipelines import component_kind, pipeline_modules
 from offload_core.testing import SimulatorCapability
-from offload_core.discovery.support import ROWS
 from offload_core.tiny import build_pipeline
 
+from tools.supported_models import ROWS
 from helpers import chaos_backend, exact_accounting, pipeline_reference
 
 NAMES = [row.tiny_pipeline for row in ROWS if row.model_level]
