@@ -46,6 +46,7 @@ def test_disable_restores_values_dtypes_strides_sharing_and_identity():
     expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     run(model, X)
+    assert any(handle.backend.is_pinned(t.detach()) for t in model.parameters()), "enable offloaded nothing"
     handle.disable()
     assert_same_state(before, snapshot(model))
     assert no_hooks(model)
@@ -114,6 +115,7 @@ def test_first_copies_are_ordered_after_compute_on_reused_device_memory(target):
     scratch.fill_(1.0)  # compute on the default stream touches device memory ...
     del scratch  # ... which is dropped while that compute may still run
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    assert backend.memory_allocated() > 0, "enable put nothing on the device"
     assert torch.equal(run(model, X), expected)
     handle.disable()
 
@@ -245,19 +247,30 @@ def test_a_forward_with_autograd_is_exact_but_warns_once():
 
 
 def test_no_device_allocation_per_forward():
+    """Every forward streams its blocks (copies into the slots allocated at enable) and allocates
+    nothing on the device."""
     model = mixed_stack()
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     backend = handle.backend
     allocated = backend.memory_allocated()
+    assert allocated > 0, "enable put nothing on the device"
+    copies = []
+    copy_async = backend.copy_async
 
     def refuse(*args, **kwargs):
         raise AssertionError("a forward allocated device memory")
 
+    def counted(dst, src, *args, **kwargs):
+        copies.append(src.nbytes)
+        return copy_async(dst, src, *args, **kwargs)
+
     backend.empty_device = refuse
+    backend.copy_async = counted
     for _ in range(3):
         run(model, X)
     assert backend.memory_allocated() == allocated
-    del backend.empty_device
+    assert len(copies) >= 3 * len(model.blocks), "the forwards did not stream their blocks"
+    del backend.empty_device, backend.copy_async
     handle.disable()
 
 
@@ -296,8 +309,11 @@ def test_a_declared_block_attribute_set_to_none_is_skipped():
 def test_state_dict_of_an_offloaded_model_holds_the_true_weights():
     model = mixed_stack()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
     run(model, X)
+    homes = [any(backend.is_pinned(p.detach()) for p in block.parameters()) for block in model.blocks]
+    assert all(homes), "the blocks do not show their pinned homes: not offloaded"
     state = model.state_dict()
     assert state.keys() == expected.keys()
     for key, value in expected.items():
