@@ -143,11 +143,11 @@ def _unsanitized(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from offload_core.plugins import registry
-
     name = config.getoption("backend")
     if name is None:
         return []
+    from offload_core.plugins import registry
+
     info = _info(name)
     modes = [m for m, cap in (("chaos mode", SimulatorCapability.CHAOS), ("race sanitizer", SimulatorCapability.SANITIZE))
              if cap in info.cls.capabilities]
