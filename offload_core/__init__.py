@@ -2,42 +2,55 @@
 
 Weights live in pinned host memory and stream to the device when needed, through a pluggable
 :class:`DeviceBackend`. See ``docs/index.md`` for which strategy to choose.
+
+The public names are imported on first use (PEP 562): ``import offload_core`` alone imports
+neither torch nor diffusers, so that the pytest plugin this package registers, and a command's
+``--help``, cost nothing in a process that does not offload.
 """
 
-from .api import enable_offload
-from .backend import Capability, DeviceBackend, Event, Stream, Waitable
-from .hookspecs import hookimpl
-from .config import OffloadConfig, OffloadConfigError
-from .discovery import BlockDiscoveryError, register_blocks
-from .handle import AlreadyEnabledError, OffloadedModelError, OffloadHandle
-from .strategies.part import RepackError
-from .strategies.distributed import DistributedOffloadError
-from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
-from .pretrained import from_pretrained
-from .weights import UnsupportedTensorError
+from __future__ import annotations
 
-__all__ = [
-    "AlreadyEnabledError",
-    "BackendInfo",
-    "BlockDiscoveryError",
-    "DistributedOffloadError",
-    "OffloadConfig",
-    "OffloadConfigError",
-    "OffloadHandle",
-    "OffloadedModelError",
-    "RepackError",
-    "UnsupportedTensorError",
-    "enable_offload",
-    "from_pretrained",
-    "register_blocks",
-    "BackendNotFoundError",
-    "Capability",
-    "DeviceBackend",
-    "Event",
-    "Stream",
-    "Waitable",
-    "get_backend",
-    "hookimpl",
-    "list_backends",
-]
+import importlib
+from typing import Any
+
+#: public name -> the module that defines it
+_HOMES = {
+    "AlreadyEnabledError": ".handle",
+    "BackendInfo": ".plugins",
+    "BackendNotFoundError": ".plugins",
+    "BlockDiscoveryError": ".discovery",
+    "Capability": ".backend",
+    "DeviceBackend": ".backend",
+    "DistributedOffloadError": ".strategies.distributed",
+    "Event": ".backend",
+    "OffloadConfig": ".config",
+    "OffloadConfigError": ".config",
+    "OffloadHandle": ".handle",
+    "OffloadedModelError": ".handle",
+    "RepackError": ".strategies.part",
+    "Stream": ".backend",
+    "UnsupportedTensorError": ".weights",
+    "Waitable": ".backend",
+    "enable_offload": ".api",
+    "from_pretrained": ".pretrained",
+    "get_backend": ".plugins",
+    "hookimpl": ".hookspecs",
+    "list_backends": ".plugins",
+    "register_blocks": ".discovery",
+}
+
+__all__ = sorted(_HOMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -27,27 +27,16 @@ __all__ = ["DeviceBackend", "Event", "Stream", "Waitable", "Capability"]
 
 
 class Capability:
-    """Names a backend may list in ``capabilities`` so that tests and tools adapt to it. Each
-    one promises the constructor option or attribute named below."""
+    """Names a backend may list in ``capabilities`` for features the library uses. Each one
+    promises the methods named below. (Features of a simulated device that only tests ask for,
+    chaos mode or a race sanitizer, are :class:`offload_core.testing.capabilities.SimulatorCapability`.)"""
 
-    #: ``chaos=True``: queued work is delayed and copy destinations are poisoned until written
-    CHAOS = "chaos"
-    #: ``device_memory=N``: a device-memory cap; exceeding it raises ``torch.OutOfMemoryError``
-    CAPACITY = "capacity"
-    #: ``h2d_bandwidth=B``: a host-to-device copy of n bytes takes at least n / B seconds
-    BANDWIDTH = "bandwidth"
-    #: a ``timeline`` with ``spans()`` and ``clear()`` (copies named "H2D"/"D2H" on their stream,
-    #: host-blocking waits named "wait <stream>" on "default") and ``export_chrome_trace(path)``
-    TRACE = "trace"
     #: ``all_gather_into_tensor`` and ``init_process_group`` work across processes
     COLLECTIVES = "collectives"
     #: ``new_event(timing=True)`` gives an event with ``elapsed_time(end)``: the milliseconds
     #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
     #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
     TIMING = "timing"
-    #: ``sanitize=True``: accesses to the backend's memory from streams that no event orders, and
-    #: buffers dropped while work touching them may still run, raise an error naming both sides
-    SANITIZE = "sanitize"
 
 
 @runtime_checkable

@@ -5,22 +5,17 @@ normalises) its value and the strategies and targets it applies to. So a new opt
 ``__post_init__`` type-checks every value, and :meth:`OffloadConfig.check_applies` rejects an
 option set for a target or strategy it does not apply to (or warns, when another strategy flag
 that would have used it lost to a higher-priority one). Every problem is an
-:class:`OffloadConfigError` that names the option.
-
-The same value parsers serve backend options given as keywords or environment variables
-(:func:`backend_option`), so ``chaos="maybe"`` and ``OFFLOAD_CORE_FAKE_CHAOS=maybe`` are refused
-alike, each error naming the keyword or the variable.
+:class:`OffloadConfigError` that names the option; a backend's own options use :func:`check_value`
+to fail the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import re
 import warnings
 from typing import Any, Callable, Sequence, TypeVar
-
-from .hostmem.budget import Budget, budget, parse_budget
 
 T = TypeVar("T")
 
@@ -37,8 +32,6 @@ TARGETS = ("pipeline", "module")
 TARGET_WORDS = {"pipeline": "a diffusers pipeline", "module": "a bare torch.nn.Module"}
 #: pipeline component groups a strategy can offload
 COMPONENT_GROUPS = ("dit", "text_encoder", "vae")
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
 OPTION = "offload_core.option"
 
 
@@ -56,26 +49,10 @@ def boolean(value: Any) -> bool:
     raise TypeError("expected True or False")
 
 
-def flag(value: Any) -> bool:
-    """True or False, or their words as an environment variable spells them: 1/0, true/false,
-    yes/no, on/off. For backend options, whose keyword and variable are parsed alike."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
-        return value.strip().lower() in TRUE_WORDS
-    raise ValueError(f"expected True or False (in text: {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)})")
-
-
-def count(minimum: int = 0, text: bool = False) -> Callable[[Any], int]:
-    """An integer >= ``minimum``; with ``text``, also a number written out (an environment
-    variable's value; ``1e9`` is accepted when whole)."""
+def count(minimum: int = 0) -> Callable[[Any], int]:
+    """An integer >= ``minimum``."""
 
     def parse(value: Any) -> int:
-        if text and isinstance(value, str):
-            number = float(value)  # ValueError for text that is no number
-            if not (math.isfinite(number) and number.is_integer()):
-                raise ValueError("expected a whole number")
-            value = int(number)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"expected an integer, got {type(value).__name__}")
         if value < minimum:
@@ -83,16 +60,6 @@ def count(minimum: int = 0, text: bool = False) -> Callable[[Any], int]:
         return value
 
     return parse
-
-
-def positive_number(value: Any) -> float:
-    """A finite number > 0 (from text too)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(f"expected a number, got {type(value).__name__}")
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError("must be a finite number > 0")
-    return number
 
 
 def names(choices: Sequence[str] | None = None) -> Callable[[Any], tuple[str, ...]]:
@@ -138,6 +105,78 @@ def _path(value: Any) -> str | os.PathLike:
 
 def _optional(parse: Callable[[Any], T]) -> Callable[[Any], T | None]:
     return lambda value: None if value is None else parse(value)
+
+
+# -- host-memory budgets ---------------------------------------------------------------------
+# A budget is bytes (an ``int``), a string with a unit (``"12GiB"``, ``"512MB"``), a fraction of
+# physical RAM (a ``float`` in (0, 1]), or ``None`` / ``"auto"`` for the documented default. It is
+# parsed with the other options, so a typo fails before anything is touched.
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+class Budget:
+    """A parsed budget: ``nbytes`` or ``fraction`` of RAM, or neither for "auto"."""
+
+    __slots__ = ("nbytes", "fraction")
+
+    def __init__(self, nbytes: int | None = None, fraction: float | None = None) -> None:
+        self.nbytes = nbytes
+        self.fraction = fraction
+
+    @property
+    def auto(self) -> bool:
+        return self.nbytes is None and self.fraction is None
+
+    def resolve(self, physical: int) -> int | None:
+        """Bytes on a machine with ``physical`` bytes of RAM, or None for "auto" (the caller
+        applies its own default)."""
+        if self.nbytes is not None:
+            return self.nbytes
+        if self.fraction is not None:
+            return int(self.fraction * physical)
+        return None
+
+    def __repr__(self) -> str:
+        if self.auto:
+            return "Budget(auto)"
+        return f"Budget({self.nbytes} bytes)" if self.nbytes is not None else f"Budget({self.fraction:g} of RAM)"
+
+
+def budget(value: object) -> object:
+    """The option parser of a budget: ``value`` itself, once :func:`parse_budget` accepts it."""
+    parse_budget(value)
+    return value
+
+
+def parse_budget(value: object) -> Budget:
+    """``value`` as a :class:`Budget`; ``ValueError`` saying what is accepted."""
+    accepted = ("expected bytes (an int >= 0), a size string such as '12GiB' or '512MB', "
+                "a fraction of RAM in (0, 1] such as 0.5, or None / 'auto'")
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return Budget()
+    if isinstance(value, bool):
+        raise ValueError(f"{accepted}; got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{accepted}; got {value!r}")
+        return Budget(nbytes=value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{accepted}; got {value!r} (a float is a fraction of RAM; give bytes as an int)")
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{accepted}; got {value!r}")
+        return Budget(nbytes=int(float(match.group(1)) * _UNITS[unit]))
+    raise ValueError(f"{accepted}; got {type(value).__name__} {value!r}")
 
 
 # -- declaring options ------------------------------------------------------------------------
@@ -281,23 +320,3 @@ def check_value(name: str, value: Any, parse: Callable[[Any], T]) -> T:
         return parse(value)
     except (TypeError, ValueError) as exc:
         raise OffloadConfigError(f"invalid {name}={value!r}: {exc}") from None
-
-
-def from_env(var: str, parse: Callable[[Any], T]) -> T | None:
-    """The environment variable ``var`` parsed, or None when it is unset or empty; a value that
-    does not parse is an :class:`OffloadConfigError` naming the variable."""
-    text = os.environ.get(var)
-    if text is None or not text.strip():
-        return None
-    try:
-        return parse(text)
-    except (TypeError, ValueError) as exc:
-        raise OffloadConfigError(f"invalid environment variable {var}={text!r}: {exc}") from None
-
-
-def backend_option(name: str, value: Any, var: str | None, parse: Callable[[Any], T]) -> T | None:
-    """A backend constructor option: the keyword ``value`` when given, else the environment
-    variable ``var`` (if any); both through the same ``parse``, errors naming whichever was used."""
-    if value is not None:
-        return check_value(name, value, parse)
-    return from_env(var, parse) if var is not None else None

@@ -1,5 +1,5 @@
-"""The checks behind docs/compatibility.md: one function per row of
-``offload_core.compatibility.ROWS``, run once per strategy ("model", "layerwise", "distributed").
+"""The checks behind docs/compatibility.md: one function per row of ``ROWS`` in
+``tools/compatibility.py``, run once per strategy ("model", "layerwise", "distributed").
 
 Each check builds tiny diffusers models in code, applies the feature without offload to get the
 reference, then with offload (on the given backend, in chaos mode) and compares outputs with
@@ -23,12 +23,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 import offload_core
-from offload_core.compatibility import KEPT, REFUSED, YES
 from offload_core.discovery import find_blocks
 from offload_core.tiny import build_transformer
 from offload_core.weights.unit import ALIGN_BYTES
 
 from helpers import assert_same_state, first_tensor, snapshot
+from tools.compatibility import KEPT, REFUSED, YES
 
 OPTIONS = {
     "model": {"enable_cpu_offload": True},

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from offload_core.compatibility import ROWS, cells, render
+from tools.compatibility import ROWS, cells, render
 
 import compat_cases
 from helpers import chaos_backend
@@ -59,5 +59,5 @@ def test_distributed_cells():
 def test_every_row_has_its_check_and_the_doc_is_current():
     assert [row.case for row in ROWS] == list(compat_cases.CASES), "a row without a check, or a check without a row"
     assert DOC.read_text(encoding="utf-8") == render(), (
-        "docs/compatibility.md is stale: run `python -m offload_core.compatibility > docs/compatibility.md`"
+        "docs/compatibility.md is stale: run `python tools/compatibility.py > docs/compatibility.md`"
     )

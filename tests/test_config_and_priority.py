@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -96,15 +97,23 @@ def test_environment_variable_selects_the_backend(flux2, monkeypatch):
 
 
 def test_in_place_changes_to_swapped_weights_are_kept(flux2):
-    handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True, backend=chaos_backend())
+    """A weight changed in place while its group is home (pinned host memory) is what the next
+    swap-in copies to the device, and what the model holds after the group goes home again."""
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True, backend=backend)
     flux2.run(seed=0)
     encoder = flux2.pipe.text_encoder
     weight = next(encoder.parameters())
-    flux2.pipe.text_encoder(torch.zeros(1, 4, dtype=torch.long))  # the encoder group runs, then goes home
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    encoder(tokens)  # the encoder group runs, then goes home
+    assert backend.is_pinned(weight.detach()), "the encoder group did not go home after its call"
     with torch.no_grad():
         weight.add_(1.0)
     expected = weight.detach().clone()
-    flux2.pipe.text_encoder(torch.zeros(1, 4, dtype=torch.long))
+    reference = copy.deepcopy(encoder)  # a plain copy holding the changed weight
+    with torch.no_grad():
+        assert torch.equal(encoder(tokens)[0], reference(tokens)[0])  # the change went to the device
+    assert backend.is_pinned(weight.detach())
     flux2.pipe.transformer.proj_out(torch.zeros(1, flux2.pipe.transformer.proj_out.in_features))  # swaps encoder out
     assert torch.equal(weight.detach(), expected)
     handle.disable()

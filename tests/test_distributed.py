@@ -118,8 +118,9 @@ def _every_supported_row(backend) -> None:
     the DiTs and stand-ins alone."""
     import offload_core
     from helpers import forward
-    from offload_core.discovery.support import ROWS
-    from offload_core.tiny import TRANSFORMERS, build_pipeline, build_standin, build_transformer
+    from offload_core.tiny import TRANSFORMERS, build_pipeline, build_transformer
+    from standins import build_standin
+    from tools.supported_models import ROWS
 
     for row in ROWS:
         if row.tiny_pipeline:

@@ -18,13 +18,14 @@ import torch.multiprocessing as mp
 import offload_core
 from offload_core_fake import StreamRaceError
 from offload_core.discovery import find_blocks
-from offload_core.hostmem import budget, staging
+from offload_core.config import parse_budget
+from offload_core.hostmem import placement, staging
 from offload_core.hostmem.disk import FileSlice
 from offload_core.strategies.layerwise import LayerwiseOffload
 from offload_core.strategies.resident import ResidentModules
-from offload_core.weights import slabs as slabs_module
+from offload_core.hostmem import slabs as slabs_module
 from offload_core.weights import split_units
-from offload_core.weights.slabs import aligned
+from offload_core.hostmem.slabs import aligned
 from offload_core.weights.unit import WeightUnit
 
 from helpers import assert_same_state, chaos_backend, forward, snapshot
@@ -120,14 +121,10 @@ def kib_chunks(monkeypatch):
 # -- options ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, nbytes", [
     (0, 0), (1000, 1000), ("12GiB", 12 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536), ("auto", None),
-    (None, None),
+    (None, None), (0.25, 2**38),
 ])
 def test_budget_forms(value, nbytes):
-    assert budget.parse_budget(value).resolve() == nbytes
-
-
-def test_a_fraction_is_a_share_of_physical_ram():
-    assert budget.parse_budget(0.25).resolve() == int(0.25 * budget.physical_memory())
+    assert parse_budget(value).resolve(physical=2**40) == nbytes
 
 
 @pytest.mark.parametrize("options, match", [
@@ -329,6 +326,24 @@ def test_blocks_beyond_host_memory_are_spilled_and_streamed_from_disk(tmp_path, 
     handle.disable()
     assert_same_state(before, snapshot(model))
     assert not list(tmp_path.rglob("*.safetensors"))
+
+
+def test_a_fraction_of_ram_is_taken_of_the_ram_of_the_machine_that_plans(tmp_path, small_chunks, monkeypatch):
+    """host_memory=0.25 on a machine whose RAM is four times what the resident weights, the bounce
+    ring and the first block take: that block stays in RAM, the others go to disk."""
+    model = mixed_stack()
+    expected = run(model)
+    resident, blocks = unit_bytes(model)
+    ring = staging.BOUNCE_BUFFERS * 64
+    monkeypatch.setattr(placement, "physical_memory", lambda: 4 * (resident + ring + blocks[0]))
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         host_memory=0.25, pinned_memory="1GiB", offload_folder=tmp_path)
+    try:
+        stats = handle.stats()
+        assert (stats["host_bytes"], stats["disk_bytes"]) == (resident + blocks[0], sum(blocks[1:]))
+        assert torch.equal(run(model), expected)
+    finally:
+        handle.disable()
 
 
 def test_a_failed_enable_with_spilled_blocks_restores_them_and_removes_the_files(tmp_path, monkeypatch):

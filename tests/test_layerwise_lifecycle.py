@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import offload_core
-from offload_core import Capability
+from offload_core.testing import SimulatorCapability
 from offload_core.discovery import find_blocks
-from offload_core.weights.slabs import SlabAllocator
+from offload_core.hostmem.slabs import SlabAllocator
 from offload_core_fake import StreamRaceError
 
 from helpers import assert_same_state, chaos_backend, device, run, snapshot
@@ -46,6 +46,7 @@ def test_disable_restores_values_dtypes_strides_sharing_and_identity():
     expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     run(model, X)
+    assert any(handle.backend.is_pinned(t.detach()) for t in model.parameters()), "enable offloaded nothing"
     handle.disable()
     assert_same_state(before, snapshot(model))
     assert no_hooks(model)
@@ -79,7 +80,7 @@ def _assert_untouched(model, before, backend, memory_before):
     assert pinned_bytes == memory_before[1], "a pinned buffer leaked"
 
 
-@pytest.mark.requires_capability(Capability.CAPACITY)
+@pytest.mark.requires_capability(SimulatorCapability.CAPACITY)
 def test_device_oom_leaves_the_model_untouched():
     model = mixed_stack()
     before = snapshot(model)
@@ -114,6 +115,7 @@ def test_first_copies_are_ordered_after_compute_on_reused_device_memory(target):
     scratch.fill_(1.0)  # compute on the default stream touches device memory ...
     del scratch  # ... which is dropped while that compute may still run
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
+    assert backend.memory_allocated() > 0, "enable put nothing on the device"
     assert torch.equal(run(model, X), expected)
     handle.disable()
 
@@ -171,7 +173,7 @@ def test_out_of_order_calls_load_synchronously_and_count_misses():
     handle.disable()
 
 
-@pytest.mark.requires_capability(Capability.SANITIZE)
+@pytest.mark.requires_capability(SimulatorCapability.SANITIZE)
 def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     """The sanitizer sees compute read a slot that the copy stream writes with no event between."""
     model = mixed_stack()
@@ -188,7 +190,7 @@ def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     handle.disable()
 
 
-@pytest.mark.requires_capability(Capability.CHAOS)
+@pytest.mark.requires_capability(SimulatorCapability.CHAOS)
 @pytest.mark.unsanitized("shows that chaos mode alone also sees this read-after-write race")
 def test_removing_the_ready_wait_gives_wrong_output_under_chaos():
     """Proves the suite can see a race: the same run without the compute-waits-copy step fails."""
@@ -244,19 +246,30 @@ def test_a_forward_with_autograd_is_exact_and_silent():
 
 
 def test_no_device_allocation_per_forward():
+    """Every forward streams its blocks (copies into the slots allocated at enable) and allocates
+    nothing on the device."""
     model = mixed_stack()
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
     backend = handle.backend
     allocated = backend.memory_allocated()
+    assert allocated > 0, "enable put nothing on the device"
+    copies = []
+    copy_async = backend.copy_async
 
     def refuse(*args, **kwargs):
         raise AssertionError("a forward allocated device memory")
 
+    def counted(dst, src, *args, **kwargs):
+        copies.append(src.nbytes)
+        return copy_async(dst, src, *args, **kwargs)
+
     backend.empty_device = refuse
+    backend.copy_async = counted
     for _ in range(3):
         run(model, X)
     assert backend.memory_allocated() == allocated
-    del backend.empty_device
+    assert len(copies) >= 3 * len(model.blocks), "the forwards did not stream their blocks"
+    del backend.empty_device, backend.copy_async
     handle.disable()
 
 
@@ -295,8 +308,11 @@ def test_a_declared_block_attribute_set_to_none_is_skipped():
 def test_state_dict_of_an_offloaded_model_holds_the_true_weights():
     model = mixed_stack()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
     run(model, X)
+    homes = [any(backend.is_pinned(p.detach()) for p in block.parameters()) for block in model.blocks]
+    assert all(homes), "the blocks do not show their pinned homes: not offloaded"
     state = model.state_dict()
     assert state.keys() == expected.keys()
     for key, value in expected.items():

@@ -12,8 +12,8 @@ from torch import nn
 
 import offload_core
 from offload_core.weights import WeightUnit, split_units
-from offload_core.weights import slabs as slabs_module
-from offload_core.weights.slabs import SlabAllocator, aligned
+from offload_core.hostmem import slabs as slabs_module
+from offload_core.hostmem.slabs import SlabAllocator, aligned
 from offload_core.weights.unit import ALIGN_BYTES, collect_tensors
 
 MIB = 1 << 20
@@ -79,16 +79,35 @@ def test_pinned_rounding_from_the_environment_and_validated(monkeypatch):
 # -- waste: one pinned buffer per block against slabs --------------------------------------------
 
 
-def test_one_pinned_buffer_per_block_wastes_two_fifths():
-    """What packing did before slabs: each block's buffer its own pinned allocation."""
+def test_slabs_hold_blocks_that_one_pinned_buffer_each_would_hold_at_two_fifths_waste():
+    """The same units packed twice on a power-of-two host allocator: each block in a pinned buffer
+    of its own (what packing did before slabs) holds 1 MiB for every 0.6 MiB block; packed through
+    the slab allocator, the real pinned bytes stay within one slab of the packed bytes."""
     model = Stack(blocks=24)
     backend = pow2_backend()
-    resident, units = split_units(model, [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)])
-    for unit in (resident, *units):
+
+    def units():
+        resident, blocks = split_units(model, [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)])
+        return (resident, *blocks)
+
+    every = units()
+    packed = sum(u.nbytes for u in every)
+    for unit in every:
         unit.pack(backend.empty_pinned)
-    packed = sum(u.nbytes for u in (resident, *units))
-    assert backend.pinned_memory_allocated() / packed > 1.6  # 1 MiB held for every 0.6 MiB block
-    for unit in (resident, *units):
+    assert backend.pinned_memory_allocated() / packed > 1.6
+    for unit in every:
+        unit.unpack()
+    gc.collect()
+    backend.empty_host_cache()
+    assert backend.pinned_memory_allocated() == 0
+    every = units()
+    slabs = SlabAllocator(backend, [n * dtype.itemsize for u in every for dtype, n in u.numel.items()])
+    for unit in every:
+        unit.pack(slabs.allocate)
+    real = backend.pinned_memory_allocated()
+    assert real == slabs.live_bytes and slabs.live_slabs >= 1
+    assert packed <= real < packed + max(s.capacity for s in slabs._slabs)
+    for unit in every:
         unit.unpack()
 
 

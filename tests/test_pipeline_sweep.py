@@ -1,4 +1,4 @@
-"""The sweep: every diffusers pipeline of :data:`offload_core.tiny.sweep.SWEEP` (classes beyond the supported
+"""The sweep: every diffusers pipeline of ``SWEEP`` of ``tests/sweep/`` (classes beyond the supported
 table, and table pipelines in the one-block shapes of diffusers' fast tests) gives, on the fake backend in
 chaos mode, images ``torch.equal`` to no offload with model-level offload, layerwise offload and layerwise
 offload of every component group; no component makes enable fail.
@@ -15,7 +15,7 @@ import offload_core
 from offload_core.pipelines import component_kind, pipeline_modules
 from offload_core.strategies.layerwise import LayerwiseOffload
 from offload_core.strategies.model_level import ModelLevelOffload
-from offload_core.tiny.sweep import SWEEP, build_sweep_pipeline
+from sweep import SWEEP, build_sweep_pipeline
 
 from helpers import chaos_backend
 
@@ -80,6 +80,6 @@ def test_layerwise_every_component_group_equals_no_offload(tiny):
 
 
 def test_the_sweep_covers_at_least_thirty_pipeline_classes_beyond_the_supported_table():
-    from offload_core.discovery.support import beyond_table
+    from tools.supported_models import beyond_table
 
     assert len(beyond_table([spec.cls_name for spec in SWEEP.values()])) >= 30

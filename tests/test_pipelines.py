@@ -9,10 +9,10 @@ import torch
 
 import offload_core
 from offload_core.pipelines import component_kind, pipeline_modules
-from offload_core import Capability
-from offload_core.discovery.support import ROWS
+from offload_core.testing import SimulatorCapability
 from offload_core.tiny import build_pipeline
 
+from tools.supported_models import ROWS
 from helpers import chaos_backend, exact_accounting, pipeline_reference
 
 NAMES = [row.tiny_pipeline for row in ROWS if row.model_level]
@@ -63,7 +63,7 @@ def test_model_level_equals_no_offload(tiny):
     assert torch.equal(pipeline_reference(tiny), tiny.expected)
 
 
-@pytest.mark.requires_capability(Capability.CAPACITY)
+@pytest.mark.requires_capability(SimulatorCapability.CAPACITY)
 def test_model_level_within_a_device_that_fits_only_the_largest_group(tiny):
     """With no room beside the active group, nothing is prefetched: peak <= largest group."""
     probe = offload_core.enable_offload(tiny.pipe, enable_cpu_offload=True, backend=chaos_backend())

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 import offload_core
 from offload_core.labels import label
+from offload_core.testing import SimulatorCapability
 from offload_core_fake import StreamRaceError
 
 N = 256
@@ -297,7 +298,7 @@ def test_the_environment_variable_turns_it_on(monkeypatch):
 
 
 def test_it_is_on_by_default_under_pytest_backend_fake(backend, new_backend):
-    assert offload_core.Capability.SANITIZE in type(backend).capabilities
+    assert SimulatorCapability.SANITIZE in type(backend).capabilities
     assert backend.sanitizer is not None
     assert new_backend().sanitizer is not None
     assert offload_core.get_backend("fake", chaos=True).sanitizer is not None  # built by a test itself

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pathlib
 
-from offload_core.discovery.support import ROWS, render
-from offload_core.tiny import PIPELINES, STANDINS, TRANSFORMERS
+from offload_core.tiny import PIPELINES, TRANSFORMERS
+
+from standins import STANDINS
+from tools.supported_models import ROWS, render
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
 def test_models_doc_is_up_to_date():
     assert DOC.read_text(encoding="utf-8") == render(), (
-        "docs/models.md is stale: run `python -m offload_core.discovery.support > docs/models.md`"
+        "docs/models.md is stale: run `python tools/supported_models.py > docs/models.md`"
     )
 
 

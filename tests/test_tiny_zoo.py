@@ -14,14 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from offload_core.tiny import (  # noqa: E402
-    PIPELINES,
-    STANDINS,
-    TRANSFORMERS,
-    build_pipeline,
-    build_standin,
-    build_transformer,
-)
+from offload_core.tiny import PIPELINES, TRANSFORMERS, build_pipeline, build_transformer  # noqa: E402
+from standins import STANDINS, build_standin  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,10 +16,12 @@ import torch
 
 from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
-from offload_core.config import backend_option, check_value, count, flag, positive_number
+from offload_core.config import check_value, count
+from offload_core.testing.capabilities import SimulatorCapability
 from offload_core.memory_accounting import power_of_two_ceil
 
 from .memory import Pool
+from .options import flag, nbytes, option, positive_number, seconds
 from .sanitizer import Sanitizer, suspended
 from .streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent, _Chaos, pause
 from .trace import Timeline, now_ns
@@ -31,15 +33,6 @@ PINNED_ROUNDING: dict[str, dict] = {
     "exact": {},
     "pow2": {"block_size": power_of_two_ceil, "caches_freed": True},
 }
-
-
-def _seconds(value: Any) -> float:
-    """A delay: a finite number of seconds >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
-    if not (0 <= value < float("inf")):
-        raise ValueError("must be a finite number of seconds >= 0")
-    return float(value)
 
 
 def _rounding(value: Any) -> str:
@@ -113,8 +106,8 @@ class FakeBackend(DeviceBackend):
     is_accelerator = False
     capabilities = frozenset(
         {
-            Capability.CHAOS, Capability.CAPACITY, Capability.BANDWIDTH, Capability.TRACE, Capability.COLLECTIVES,
-            Capability.SANITIZE, Capability.TIMING,
+            SimulatorCapability.CHAOS, SimulatorCapability.CAPACITY, SimulatorCapability.BANDWIDTH,
+            SimulatorCapability.TRACE, SimulatorCapability.SANITIZE, Capability.COLLECTIVES, Capability.TIMING,
         }
     )
 
@@ -132,19 +125,15 @@ class FakeBackend(DeviceBackend):
         inline_copy_bytes: int = 256 * 1024,
         sanitize: bool | None = None,
     ) -> None:
-        # Each option: the keyword, else its environment variable, through one parser, so that a bad
-        # value is an OffloadConfigError naming whichever was given.
-        nbytes = count(0, text=True)
-        chaos = backend_option("chaos", chaos, "OFFLOAD_CORE_FAKE_CHAOS", flag) or False
-        sanitize = backend_option("sanitize", sanitize, "OFFLOAD_CORE_FAKE_SANITIZE", flag) or False
-        device_memory = backend_option("device_memory", device_memory, "OFFLOAD_CORE_FAKE_DEVICE_MEMORY", nbytes)
-        pinned_memory = backend_option("pinned_memory", pinned_memory, "OFFLOAD_CORE_FAKE_PINNED_MEMORY", nbytes)
-        pinned_rounding = backend_option(
-            "pinned_rounding", pinned_rounding, "OFFLOAD_CORE_FAKE_PINNED_ROUNDING", _rounding
-        ) or "exact"
-        device_cache = backend_option("device_cache", device_cache, "OFFLOAD_CORE_FAKE_DEVICE_CACHE", flag) or False
-        h2d_bandwidth = backend_option("h2d_bandwidth", h2d_bandwidth, "OFFLOAD_CORE_FAKE_H2D_BANDWIDTH", positive_number)
-        chaos_delay = check_value("chaos_delay", chaos_delay, _seconds)
+        # Each option: the keyword, else its environment variable (see .options)
+        chaos = option("chaos", chaos, flag) or False
+        sanitize = option("sanitize", sanitize, flag) or False
+        device_memory = option("device_memory", device_memory, nbytes)
+        pinned_memory = option("pinned_memory", pinned_memory, nbytes)
+        pinned_rounding = option("pinned_rounding", pinned_rounding, _rounding) or "exact"
+        device_cache = option("device_cache", device_cache, flag) or False
+        h2d_bandwidth = option("h2d_bandwidth", h2d_bandwidth, positive_number)
+        chaos_delay = check_value("chaos_delay", chaos_delay, seconds)
         seed = check_value("seed", seed, count(0))
         inline_copy_bytes = check_value("inline_copy_bytes", inline_copy_bytes, count(0))
         self.chaos = chaos

@@ -1,10 +1,9 @@
-"""Host-memory budgets: what the user may write for ``pinned_memory=`` / ``host_memory=``, what the
-machine has, and handing freed memory back to the operating system.
+"""The machine's host memory: what it has, the shares of it the "auto" budgets take, and handing
+freed memory back to the operating system.
 
-A budget is bytes (an ``int``), a string with a unit (``"12GiB"``, ``"512MB"``), a fraction of
-physical RAM (a ``float`` in (0, 1]), or ``None`` / ``"auto"`` for the documented default. Parsing
-happens when the options are validated, so a typo fails before anything is touched; fractions are
-turned into bytes when a placement is planned, against the RAM of the machine that runs it.
+What the user may write for ``pinned_memory=`` / ``host_memory=`` is parsed with the other options
+(:class:`offload_core.config.Budget`); a fraction of RAM is turned into bytes here, when a
+placement is planned, against the RAM of the machine that runs it.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import ctypes.util
 import functools
 import logging
 import os
-import re
 
 logger = logging.getLogger(__name__)
 
@@ -25,72 +23,6 @@ AUTO_PINNED_SHARE = 0.5
 #: "auto" host budget of ``from_pretrained``: the share of the memory available when loading
 #: starts that weights may take; the rest of the blocks stream from the checkpoint.
 AUTO_HOST_SHARE = 0.9
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-class Budget:
-    """A parsed budget: ``nbytes`` or ``fraction`` of RAM, or neither for "auto"."""
-
-    __slots__ = ("nbytes", "fraction")
-
-    def __init__(self, nbytes: int | None = None, fraction: float | None = None) -> None:
-        self.nbytes = nbytes
-        self.fraction = fraction
-
-    @property
-    def auto(self) -> bool:
-        return self.nbytes is None and self.fraction is None
-
-    def resolve(self) -> int | None:
-        """Bytes, or None for "auto" (the caller applies its own default)."""
-        if self.nbytes is not None:
-            return self.nbytes
-        if self.fraction is not None:
-            return int(self.fraction * physical_memory())
-        return None
-
-    def __repr__(self) -> str:
-        if self.auto:
-            return "Budget(auto)"
-        return f"Budget({self.nbytes} bytes)" if self.nbytes is not None else f"Budget({self.fraction:g} of RAM)"
-
-
-def budget(value: object) -> object:
-    """The option parser of a budget: ``value`` itself, once :func:`parse_budget` accepts it."""
-    parse_budget(value)
-    return value
-
-
-def parse_budget(value: object) -> Budget:
-    """``value`` as a :class:`Budget`; ``ValueError`` saying what is accepted."""
-    accepted = ("expected bytes (an int >= 0), a size string such as '12GiB' or '512MB', "
-                "a fraction of RAM in (0, 1] such as 0.5, or None / 'auto'")
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return Budget()
-    if isinstance(value, bool):
-        raise ValueError(f"{accepted}; got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{accepted}; got {value!r}")
-        return Budget(nbytes=value)
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"{accepted}; got {value!r} (a float is a fraction of RAM; give bytes as an int)")
-        return Budget(fraction=value)
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{accepted}; got {value!r}")
-        return Budget(nbytes=int(float(match.group(1)) * _UNITS[unit]))
-    raise ValueError(f"{accepted}; got {type(value).__name__} {value!r}")
-
 
 def physical_memory() -> int:
     """Bytes of physical RAM."""

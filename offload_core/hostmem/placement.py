@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..config import OffloadConfig, OffloadConfigError
-from ..weights.slabs import SlabAllocator, aligned
+from .slabs import SlabAllocator, aligned
 from .budget import AUTO_PINNED_SHARE, physical_memory
 from .disk import SpillFolder, checkpoint_image
 from .staging import BOUNCE_BUFFERS, BounceRing, Stager, Ticket, ring_chunk_bytes
@@ -80,8 +80,8 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     have nowhere to be read from."""
     units = [h for part in parts for h in part.host_units()]
     pin = config.pin_memory
-    host = config.host_budget.resolve()
-    pinned = config.pinned_budget.resolve()
+    host = config.host_budget.resolve(physical_memory())
+    pinned = config.pinned_budget.resolve(physical_memory())
     if pinned is None:
         pinned = max(0, int(AUTO_PINNED_SHARE * physical_memory()) - backend.pinned_memory_allocated())
     largest = max((n * d.itemsize for h in units for d, n in h.unit.numel.items()), default=0)
@@ -146,7 +146,7 @@ class Placement:
         self._chunk_bytes = chunk_bytes
         self._pin_memory = pin_memory
         # Pinned homes (and the bounce ring) are cut from slabs planned for all of them at once,
-        # so that the host allocator's rounding wastes nothing (see offload_core.weights.slabs).
+        # so that the host allocator's rounding wastes nothing (see offload_core.hostmem.slabs).
         planned = [b for h in units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
         if chunk_bytes and pin_memory:
             planned += [chunk_bytes] * BOUNCE_BUFFERS

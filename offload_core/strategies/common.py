@@ -79,15 +79,6 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def inputs_to_device(device: torch.device) -> Callable:
-    """A forward pre-hook (with kwargs) that moves a module's tensor inputs to ``device``."""
-
-    def hook(module, args, kwargs):
-        return to_device(args, device), to_device(kwargs, device)
-
-    return hook
-
-
 def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, counters: Counters):
     """Queue ``unit``'s home into the per-dtype buffers ``dst`` on ``stream``: one copy per dtype
     (one per bounce chunk for a home outside pinned memory). Returns the load's ticket (see

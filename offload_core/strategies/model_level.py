@@ -88,6 +88,7 @@ class ModelLevelOffload(Part):
         self.peak_weight_bytes = 0
         self._activation_bytes: dict[int, int] = {}  # group -> device bytes its calls took beyond its weights
         self._measuring: tuple[int, int] | None = None  # (group, memory allocated when it became active)
+        _swaps_run_eagerly()
 
     def _plan(self) -> None:
         self.groups: list[Group] = []
@@ -238,11 +239,9 @@ class ModelLevelOffload(Part):
         if self._depth == 0 and self._calls == 0 and self._active is not None:
             self._release()
 
-    @torch.compiler.disable
     def _release(self) -> None:
         self.release_all()
 
-    @torch.compiler.disable
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
@@ -380,3 +379,13 @@ class ModelLevelOffload(Part):
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
         write_back(self.backend, pairs)
+
+
+@functools.cache
+def _swaps_run_eagerly() -> None:
+    """Swaps run eagerly, also under a compiled root (``torch.compiler.disable``). Wrapped when the
+    first strategy is built, not at class definition: the wrapper imports torch._dynamo (seconds)
+    that ``import offload_core`` should not cost; on the class, not the instance, so that no
+    reference cycle keeps a disabled strategy alive until the next garbage collection."""
+    for name in ("_release", "_before_use"):
+        setattr(ModelLevelOffload, name, torch.compiler.disable(getattr(ModelLevelOffload, name)))

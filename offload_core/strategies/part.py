@@ -164,9 +164,9 @@ def write_back(backend, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     return when the copies have landed. Rare (only when a forward changed weights or buffers), so
     the host waits rather than tracking the copies."""
     stream = backend.current_stream()
-    host_only = backend.device().type != "cpu"
+    device_type = backend.device().type
     for dst, src in pairs:
-        if host_only and dst.device.type == src.device.type == "cpu":
+        if src.device.type != device_type:
             dst.copy_(src)  # a tensor the user put on the host: no device involved
         else:
             backend.copy_async(dst, src, stream)

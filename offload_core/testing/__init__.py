@@ -7,3 +7,7 @@ Run the kit for any registered backend with::
 Each ``test_*.py`` module checks one part of the :class:`offload_core.DeviceBackend` contract;
 ``kit.py`` holds the helpers they share. See ``docs/backends.md``.
 """
+
+from .capabilities import SimulatorCapability
+
+__all__ = ["SimulatorCapability"]

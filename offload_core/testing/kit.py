@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from offload_core import Capability, DeviceBackend, get_backend
+from offload_core import DeviceBackend, get_backend
+from offload_core.testing.capabilities import SimulatorCapability
 
 #: allocators may round a request up (CUDA rounds to 512 bytes); accounting checks allow this much
 ALLOC_SLACK = 4096
@@ -117,7 +118,7 @@ def collect() -> None:
 class SlowWork:
     """Makes a stream busy for a while: a large host-to-device copy.
 
-    On a backend with :data:`Capability.BANDWIDTH` (option ``h2d_bandwidth``) a fresh instance
+    On a backend with :data:`SimulatorCapability.BANDWIDTH` (option ``h2d_bandwidth``) a fresh instance
     with a low bandwidth makes a small copy take :data:`SLOW_SECONDS`; elsewhere the copy is
     :data:`BIG_COPY_BYTES`, which keeps a real link busy for milliseconds, thousands of times
     longer than the host needs to queue and query.
@@ -138,10 +139,10 @@ class SlowWork:
 def slow_backend(name: str, backend: DeviceBackend) -> Iterator[SlowWork]:
     """A backend on which :class:`SlowWork` is slow, with that work ready to enqueue."""
     caps = type(backend).capabilities
-    if Capability.BANDWIDTH in caps:
+    if SimulatorCapability.BANDWIDTH in caps:
         nbytes = 1 << 20
         options: dict[str, Any] = {"h2d_bandwidth": nbytes / SLOW_SECONDS}
-        if Capability.CHAOS in caps:
+        if SimulatorCapability.CHAOS in caps:
             options["chaos"] = True
         instance = get_backend(name, **options)
         try:

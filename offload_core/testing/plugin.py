@@ -5,8 +5,8 @@ Every test suite that uses offload-core, including the conformance kit in this p
 
 * ``backend_name`` — the name given with ``--backend`` (default ``fake``);
 * ``backend`` — one instance for the whole session, in chaos mode when the backend supports it
-  (:data:`offload_core.Capability.CHAOS`) and with its race sanitizer on when it has one
-  (:data:`offload_core.Capability.SANITIZE`), so that a missing wait fails every time;
+  (:data:`SimulatorCapability.CHAOS`) and with its race sanitizer on when it has one
+  (:data:`SimulatorCapability.SANITIZE`), so that a missing wait fails every time;
 * ``new_backend(**options)`` — a factory for extra, independently configured instances of the
   same backend (a capacity, a bandwidth), closed when the test ends; chaos and sanitizer on alike.
 
@@ -14,6 +14,11 @@ With ``--backend=fake`` the sanitizer is on for every fake backend the tests bui
 (``OFFLOAD_CORE_FAKE_SANITIZE=1`` unless the environment sets it), spawned processes included. A
 test that races on purpose, or runs code the sanitizer cannot follow, opts out with
 ``@pytest.mark.unsanitized("why")``.
+
+Installing offload-core registers this plugin for every pytest run on the machine, so without
+``--backend`` it stays out of the way: it imports neither offload_core's strategies nor torch,
+changes no environment variable and prints no header line; its fixtures and markers still work
+(on the fake backend) and import what they need when a test uses them.
 
 Only ``--backend`` selects the backend here: ``OFFLOAD_CORE_BACKEND`` is deliberately ignored, so
 that a stray environment variable cannot silently change what a test run validated.
@@ -23,8 +28,8 @@ Two markers let one test suite run on every backend (``pytest --backend=cuda`` o
 * ``@pytest.mark.fake_only`` — the test needs the fake simulator itself (its options, such as a
   pinned-memory cap or ``pinned_rounding``, or its internals): skipped under any other backend;
 * ``@pytest.mark.requires_capability(*names)`` — the test needs these
-  :class:`~offload_core.Capability` names (``chaos``, ``capacity``, ...): skipped where the
-  selected backend lacks one.
+  :class:`~offload_core.Capability` or :class:`SimulatorCapability` names (``chaos``,
+  ``capacity``, ...): skipped where the selected backend lacks one.
 
 :func:`selected_backend` names the backend of the run, for helpers that build one outside a
 fixture.
@@ -37,6 +42,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from .capabilities import SimulatorCapability
+
 DEFAULT_BACKEND = "fake"
 SANITIZE_ENV = "OFFLOAD_CORE_FAKE_SANITIZE"
 
@@ -46,7 +53,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--backend",
         action="store",
-        default=DEFAULT_BACKEND,
+        default=None,
         metavar="NAME",
         help=f"offload-core backend the tests run on (default: {DEFAULT_BACKEND}); "
         "`offload-core backends` lists the registered names",
@@ -65,6 +72,10 @@ def _info(name: str):
 _selected = DEFAULT_BACKEND
 
 
+def _name(config: pytest.Config) -> str:
+    return config.getoption("backend") or DEFAULT_BACKEND
+
+
 def selected_backend() -> str:
     """The backend name this test run selected with ``--backend`` (``fake`` outside pytest, or
     in a process the run spawned)."""
@@ -80,9 +91,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "unsanitized(reason): run without the race sanitizer (a deliberate race, or code it cannot follow)"
     )
+    name = config.getoption("backend")
+    if name is None:  # not asked for: nothing imported, nothing set
+        return
     # Fail before collection, as a usage error (exit code 4, no traceback), for a name that is
     # unknown or cannot run here: every test would otherwise error on the same cause.
-    name = config.getoption("backend")
     info = _info(name)
     if not info.available:
         reason = info.unavailable_reason()
@@ -93,24 +106,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    name = item.config.getoption("backend")
+    name = _name(item.config)
     if name != "fake" and item.get_closest_marker("fake_only") is not None:
         pytest.skip(f"needs the fake backend, not {name!r}")
-    capabilities = _info(name).cls.capabilities
     for marker in item.iter_markers("requires_capability"):
-        missing = [c for c in marker.args if c not in capabilities]
+        missing = [c for c in marker.args if c not in _info(name).cls.capabilities]
         if missing:
             pytest.skip(f"backend {name!r} lacks capability {', '.join(missing)}")
 
 
 def _defaults(cls: type) -> dict[str, Any]:
     """The options that make a backend strict: chaos and the sanitizer, where it has them."""
-    from offload_core import Capability
-
     options: dict[str, Any] = {}
-    if Capability.CHAOS in cls.capabilities:
+    if SimulatorCapability.CHAOS in cls.capabilities:
         options["chaos"] = True
-    if Capability.SANITIZE in cls.capabilities:
+    if SimulatorCapability.SANITIZE in cls.capabilities:
         options["sanitize"] = True
     return options
 
@@ -133,12 +143,13 @@ def _unsanitized(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from offload_core import Capability
+    name = config.getoption("backend")
+    if name is None:
+        return []
     from offload_core.plugins import registry
 
-    name = config.getoption("backend")
     info = _info(name)
-    modes = [m for m, cap in (("chaos mode", Capability.CHAOS), ("race sanitizer", Capability.SANITIZE))
+    modes = [m for m, cap in (("chaos mode", SimulatorCapability.CHAOS), ("race sanitizer", SimulatorCapability.SANITIZE))
              if cap in info.cls.capabilities]
     mode = f" ({', '.join(modes)})" if modes else ""
     caps = ", ".join(sorted(info.cls.capabilities)) or "none"
@@ -150,8 +161,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.fixture(scope="session")
 def backend_name(pytestconfig: pytest.Config) -> str:
-    """The backend name selected with ``--backend``."""
-    return pytestconfig.getoption("backend")
+    """The backend name selected with ``--backend`` (default ``fake``)."""
+    return _name(pytestconfig)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from offload_core import Capability, get_backend
+from offload_core.testing import SimulatorCapability
 from offload_core.testing import kit
 
 WORLD = 2
@@ -51,6 +52,6 @@ def test_all_gather_on_a_side_stream_across_two_ranks(backend, backend_name):
         pytest.skip(f"backend {backend_name!r} has no {Capability.COLLECTIVES!r} capability")
     if backend.device_count() < WORLD:
         pytest.skip(f"backend {backend_name!r} has {backend.device_count()} device(s); the test needs {WORLD}")
-    chaos = Capability.CHAOS in type(backend).capabilities
+    chaos = SimulatorCapability.CHAOS in type(backend).capabilities
     init_method = f"tcp://127.0.0.1:{kit.free_port()}"
     kit.spawn_ranks(_rank, WORLD, (backend_name, chaos, init_method))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_core import Capability
+from offload_core.testing import SimulatorCapability
 from offload_core.testing import kit
 
 MIB = 1 << 20
@@ -104,8 +104,8 @@ def test_mem_get_info_free_is_what_new_allocations_can_get(backend):
 def test_capacity_raises_out_of_memory(backend, new_backend):
     """With ``device_memory`` set, an allocation past it raises ``torch.OutOfMemoryError`` (what
     callers catch on real devices), accounts nothing, and fits again once memory is freed."""
-    if Capability.CAPACITY not in type(backend).capabilities:
-        pytest.skip(f"backend {backend.name!r} has no {Capability.CAPACITY!r} capability")
+    if SimulatorCapability.CAPACITY not in type(backend).capabilities:
+        pytest.skip(f"backend {backend.name!r} has no {SimulatorCapability.CAPACITY!r} capability")
     capacity = 4 * MIB
     b = new_backend(device_memory=capacity)
     assert b.mem_get_info()[1] == capacity

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .encoders import seeded
-from .transformers import TinySpec, _CONFIGS, _input_generator, _inputs_sdxl_unet
+from offload_core.tiny.encoders import seeded
+from offload_core.tiny.transformers import TinySpec, _CONFIGS, _input_generator, _inputs_sdxl_unet
 
 # --------------------------------------------------------------------------------------------------------------
 # Shared pieces
@@ -503,7 +503,7 @@ def _sdxl_unet_cls() -> type:
     )
 
 
-def __getattr__(name: str):  # PEP 562: `from offload_core.tiny.standins import SDXLUNet2DConditionModel`
+def __getattr__(name: str):  # PEP 562: `from standins import SDXLUNet2DConditionModel`
     if name == "SDXLUNet2DConditionModel":
         return _sdxl_unet_cls()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import encoders as enc
-from .. import tokenizers as tok
-from ..pipelines import PipelineSpec, TinyPipeline, _call, _finish, _seeded_components
+from offload_core.tiny import encoders as enc
+from offload_core.tiny import tokenizers as tok
+from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _seeded_components
 
 
 def _vae(latent_channels: int = 4):

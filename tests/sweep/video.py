@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import encoders as enc
-from .. import tokenizers as tok
-from ..pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
+from offload_core.tiny import encoders as enc
+from offload_core.tiny import tokenizers as tok
+from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
 
 
 def _video_call(size: int, frames: int, **settings: Any) -> dict[str, Any]:

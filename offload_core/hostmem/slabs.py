@@ -34,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-from .unit import ALIGN_BYTES
+from ..weights.unit import ALIGN_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,6 @@ class SlabAllocator:
         self._lock = threading.RLock()  # a slab's finalizer may run inside allocate()
         self.live_bytes = 0  # real pinned bytes of the slabs still alive
         self.live_slabs = 0
-
-    @classmethod
-    def for_units(cls, backend, units, **options) -> "SlabAllocator":
-        """An allocator planned for packing ``units`` (one request per unit and dtype)."""
-        return cls(backend, [n * dtype.itemsize for u in units for dtype, n in u.numel.items()], **options)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat pinned tensor of ``numel`` elements: a view into a slab."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import encoders as enc
-from .. import tokenizers as tok
-from ..pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
+from offload_core.tiny import encoders as enc
+from offload_core.tiny import tokenizers as tok
+from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
 
 CROSS_DIM = 16  # the CLIP text width, the UNets' cross-attention width
 
@@ -161,7 +161,7 @@ def _animatediff(seed: int) -> TinyPipeline:
 
 
 def _sdxl_components(seed: int, **unet_overrides: Any) -> dict[str, Any]:
-    from ..transformers import build_dit
+    from offload_core.tiny.transformers import build_dit
 
     tokenizer, tokenizer_2 = tok.clip_tokenizer(), tok.clip_tokenizer()
     return {

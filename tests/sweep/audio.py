@@ -7,9 +7,9 @@ output is a waveform, not an image.
 
 from __future__ import annotations
 
-from .. import encoders as enc
-from .. import tokenizers as tok
-from ..pipelines import PipelineSpec, TinyPipeline, _finish, _seeded_components
+from offload_core.tiny import encoders as enc
+from offload_core.tiny import tokenizers as tok
+from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _finish, _seeded_components
 
 
 def _stable_audio(seed: int) -> TinyPipeline:
