@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from offload_core import cli
-from offload_core.cli_run import STRATEGIES, run_pipeline
-from offload_core.cli_run import loading
-from offload_core.cli_run.arguments import DEFAULT_PIPELINE, EMBEDDED, MAX_STEPS
+from offload_core.cli_run import STRATEGIES, loading
+from offload_core.cli_run.arguments import DEFAULT_PIPELINE, MAX_STEPS, embedded
+from offload_core.cli_run.command import run_pipeline
 from offload_core.cli_run.report import render
 from offload_core.overlap import copy_overlap
 from offload_core.plugins import ENV_BACKEND, registry
@@ -307,7 +307,9 @@ def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
     unwritable = "/proc/offload-core-test.png"
     return [
         (["--pipeline", "nope"], "unknown pipeline 'nope'"),
-        (["--model", str(tmp / "missing")], "no such file or directory"),
+        (["--model", str(tmp / "missing")], "no such file or directory; --model takes a local diffusers folder"),
+        (["--model", "black-forest-labs/FLUX.2-dev"],
+         "huggingface-cli download black-forest-labs/FLUX.2-dev --local-dir FLUX.2-dev, then --model FLUX.2-dev"),
         (["--model", str(tmp / "empty")], "model_index.json"),
         (["--model", str(bogus)], "names 'NoSuchPipeline', which is not a diffusers pipeline class"),
         (["--model", str(bad_part)], "component 'vae' the class diffusers.NoSuchVAE, which cannot be imported"),
@@ -329,6 +331,8 @@ def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
         (["--output", str(tmp / "a-directory.png")], "is a directory"),
         (["--output", unwritable], "cannot write in '/proc'"),
         (["--trace", str(tmp / "same.png"), "--timeline", str(tmp / "same.png")], "must name different files"),
+        (["--output", str(tmp / "v.png"), "--timeline", str(tmp / "v_0000.png")],
+         "--timeline '%s' has the name of a frame of --output" % (tmp / "v_0000.png")),
         (["--pipeline", "sd3", "--model", str(saved)], "not allowed with argument"),
     ]
 
@@ -398,6 +402,25 @@ def test_a_failed_write_leaves_no_file_behind(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_rename_puts_back_what_was_there(capsys, tmp_path, monkeypatch):
+    """The last rename fails: the files renamed before it are taken back and the file one of them
+    replaced is restored, so the folder is as it was before the run."""
+    old_trace = tmp_path / "t.json"
+    old_trace.write_text("the previous run's trace")
+    real_replace = os.replace
+
+    def failing_replace(source, target):
+        if Path(target).name == "x.png":
+            raise OSError("Input/output error")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    code, out, err = main(capsys, "--pipeline", "sd3", "--trace", str(old_trace), "--output", str(tmp_path / "x.png"),
+                          "--json")
+    assert (code, out, err) == (1, "", "offload-core: error: OSError: Input/output error\n")
+    assert list(tmp_path.iterdir()) == [old_trace] and old_trace.read_text() == "the previous run's trace"
+
+
 def test_a_failing_run_is_one_line_and_exit_1_and_debug_adds_the_traceback(capsys, monkeypatch):
     import offload_core.tiny
 
@@ -414,10 +437,10 @@ def test_a_failing_run_is_one_line_and_exit_1_and_debug_adds_the_traceback(capsy
 def test_pipeline_list(capsys):
     code, out, _ = main(capsys, "--pipeline", "list")
     assert code == 0
-    assert [line.split()[:2] for line in out.splitlines()] == [[n, s.cls_name] for n, s in EMBEDDED.items()]
-    assert DEFAULT_PIPELINE in EMBEDDED and set(PIPELINES) < set(EMBEDDED)
+    assert [line.split()[:2] for line in out.splitlines()] == [[n, s.cls_name] for n, s in embedded().items()]
+    assert DEFAULT_PIPELINE in embedded() and set(PIPELINES) < set(embedded())
     code, out, _ = main(capsys, "--pipeline", "list", "--json")
-    assert [row["name"] for row in json.loads(out)] == list(EMBEDDED)
+    assert [row["name"] for row in json.loads(out)] == list(embedded())
 
 
 def test_console_script_prints_the_table(tmp_path):

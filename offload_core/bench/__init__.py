@@ -1,16 +1,24 @@
 """Benchmarks behind ``offload-core bench``: every figure is a ratio measured in one run, the
 variants interleaved (docs/benchmarks.md). Timed tests would be flaky; these report, and the targets are
-printed beside the measurements."""
+printed beside the measurements. The sections' modules (torch, diffusers) are imported when a
+section runs, so that ``offload-core bench --help`` answers at once."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Callable
 
-from .hostmem import host_memory
-from .layerwise import copies_per_block, overhead_per_block, step_ratio
-from .pipeline import strategies_side_by_side
-from .sanitizer import sanitizer_cost
+
+def _section(module: str, function: str, **arguments: Callable[[bool], Any]) -> Callable[[bool], dict[str, Any]]:
+    """A section that imports ``module`` when it runs and calls ``function`` with ``arguments``,
+    each computed from ``quick``."""
+
+    def run(quick: bool) -> dict[str, Any]:
+        call = getattr(importlib.import_module(module, __name__), function)
+        return call(**{name: value(quick) for name, value in arguments.items()})
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,15 +31,19 @@ class Headline:
     target: float | None  # the figure must be <= target; None: reported only
 
 
+def _pick(quick: Any, full: Any) -> Callable[[bool], Any]:
+    return lambda quick_run: quick if quick_run else full
+
+
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "layerwise_overhead": lambda quick: overhead_per_block(layers=32, repeats=5 if quick else 30),
-    "layerwise_compute": lambda quick: step_ratio(d=256 if quick else 1024, repeats=3 if quick else 8),
-    "layerwise_bandwidth": lambda quick: step_ratio(d=256 if quick else 1024, copy_to_compute=0.8,
-                                                    repeats=3 if quick else 8),
-    "copies_per_block": lambda quick: copies_per_block(),
-    "strategies": lambda quick: strategies_side_by_side(repeats=2 if quick else 5),
-    "sanitizer": lambda quick: sanitizer_cost(repeats=2 if quick else 5),
-    "host_memory": host_memory,
+    "layerwise_overhead": _section(".layerwise", "overhead_per_block", layers=_pick(32, 32), repeats=_pick(5, 30)),
+    "layerwise_compute": _section(".layerwise", "step_ratio", d=_pick(256, 1024), repeats=_pick(3, 8)),
+    "layerwise_bandwidth": _section(".layerwise", "step_ratio", d=_pick(256, 1024), copy_to_compute=_pick(0.8, 0.8),
+                                    repeats=_pick(3, 8)),
+    "copies_per_block": _section(".layerwise", "copies_per_block"),
+    "strategies": _section(".pipeline", "strategies_side_by_side", repeats=_pick(2, 5)),
+    "sanitizer": _section(".sanitizer", "sanitizer_cost", repeats=_pick(2, 5)),
+    "host_memory": _section(".hostmem", "host_memory", quick=_pick(True, False)),
 }
 
 HEADLINES = [

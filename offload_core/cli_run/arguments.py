@@ -10,18 +10,20 @@ line, exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import inspect
+import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..backend import DeviceBackend
 from ..cli_common import UsageError, available_backend, check_writable
-from ..tiny import DEMOS, PIPELINES
+
+if TYPE_CHECKING:
+    from ..backend import DeviceBackend
+    from ..tiny import PipelineSpec
 
 STRATEGIES = ("none", "model", "layerwise")
-#: every pipeline ``--pipeline`` can build, the demos first
-EMBEDDED = {**DEMOS, **PIPELINES}
 DEFAULT_PIPELINE = "flux2-deep"
 #: command-line flag (argparse dest) -> the pipeline ``__call__`` parameter it sets
 CALL_PARAMETERS = {
@@ -65,6 +67,15 @@ one PNG per frame: FILE_0000.png, FILE_0001.png, ... next to FILE.png. Files are
 the run succeeded, all or none.
 
 Exit status: 0 done, 1 the run failed (one line; --debug for the traceback), 2 bad input."""
+
+
+@functools.cache
+def embedded() -> dict[str, PipelineSpec]:
+    """Every pipeline ``--pipeline`` can build, the demos first (imported when needed: the
+    parser alone must not import torch)."""
+    from ..tiny import DEMOS, PIPELINES
+
+    return {**DEMOS, **PIPELINES}
 
 
 def _count(minimum: int, maximum: int) -> Callable[[str], int]:
@@ -125,8 +136,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
     """Every check that needs no model. ``backend``: an instance replacing ``--backend``."""
-    if args.pipeline is not None and args.pipeline not in EMBEDDED:
-        raise UsageError(f"unknown pipeline {args.pipeline!r}; embedded pipelines: {', '.join(EMBEDDED)}")
+    if args.pipeline is not None and args.pipeline not in embedded():
+        raise UsageError(f"unknown pipeline {args.pipeline!r}; embedded pipelines: {', '.join(embedded())}")
     if args.strategy == "none":
         for flag in OFFLOAD_FLAGS:
             if getattr(args, flag) is not None:
@@ -142,10 +153,31 @@ def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
     paths = [Path(p).resolve() for p in files.values()]
     if len(set(paths)) < len(paths):
         raise UsageError(f"{', '.join('--' + f for f in files)} must name different files")
+    if "output" in files:
+        _check_no_frame_name(files)
     if args.timeline is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError('--timeline needs matplotlib, which is not installed: pip install "offload-core[plot]"')
     if args.strategy != "none" and backend is None:
         available_backend(args.backend)
+
+
+def frame_path(output: Path, index: int) -> Path:
+    """Where frame ``index`` of a video (or of several images) is written for ``--output FILE.png``."""
+    return output.with_name(f"{output.stem}_{index:04d}{output.suffix}")
+
+
+def _check_no_frame_name(files: dict[str, str]) -> None:
+    """No other output file may take a name a frame of ``--output`` could get (how many frames
+    there are is known only after the run)."""
+    output = Path(files["output"]).resolve()
+    frame_name = re.compile(re.escape(output.stem) + r"_\d{4}" + re.escape(output.suffix) + "$")
+    for flag, value in files.items():
+        path = Path(value).resolve()
+        if flag != "output" and path.parent == output.parent and frame_name.match(path.name):
+            raise UsageError(
+                f"--{flag} {value!r} has the name of a frame of --output {files['output']!r} (a video or several "
+                f"images are written as {frame_path(Path(files['output']), 0).name}, ...); choose another name"
+            )
 
 
 def check_applies(cls: type, overrides: dict[str, Any]) -> None:

@@ -124,7 +124,7 @@ def _logging(args: argparse.Namespace) -> Iterator[None]:
 
 
 def pipeline_list() -> list[dict[str, str]]:
-    return [{"name": n, "class": s.cls_name, "description": s.description} for n, s in arguments.EMBEDDED.items()]
+    return [{"name": n, "class": s.cls_name, "description": s.description} for n, s in arguments.embedded().items()]
 
 
 def _render_pipeline_list() -> str:
