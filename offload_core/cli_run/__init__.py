@@ -27,8 +27,8 @@ def add_run(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a pipeline once with offloading and report memory, transfers and overlap",
-        description="Run a diffusion pipeline once with CPU offloading and report wall time per step,\n"
-        "device memory with and without offload, bytes moved, prefetch misses and copy/compute overlap.",
+        description="Run a diffusion pipeline once with CPU offloading and report the time per denoising step,\n"
+        "the device memory saved, bytes moved, prefetch misses and copy/compute overlap.",
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -34,7 +34,7 @@ CALL_PARAMETERS = {
     "prompt": "prompt",
 }
 #: flags that only mean something when offloading is on
-OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth")
+OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth", "compare")
 #: largest accepted values: past them a request is a typo, and a run would exhaust memory before
 #: saying anything (2**31 steps: the scheduler's timestep table alone does)
 MAX_STEPS = 1000
@@ -53,14 +53,18 @@ model's own defaults.
 Strategies: 'none' runs the pipeline as loaded, without offload (the reference output and time);
 'model' swaps whole components (enable_cpu_offload); 'layerwise' streams the DiT block by block
 (enable_layerwise_offload). Offloading is enabled before the clock starts; the report times the
-one call, counts the copies made during it (and since enable), and ends with a one-line verdict.
-'overlap' is the share of host-to-device copy time during which compute did not wait for a copy,
-read from the timeline the strategies record (n/a on a backend without device timing).
+one call and each denoising step (from the pipeline's callback_on_step_end; the first step
+apart), gives the device memory saved, counts the copies made during the call (prefetches for a
+step that never came apart), and ends with a one-line verdict. On a simulator backend (fake)
+the times are the simulator's, and the report says so. 'overlap' is the share of host-to-device
+copy time during which compute did not wait for a copy, read from the timeline the strategies
+record (n/a on a backend without device timing). --compare then runs the same call without
+offload, every weight on the device, and prints the cost ratio and whether the outputs are equal.
 
 --trace FILE.json writes that timeline as Chrome trace JSON (open it in Perfetto): per-block
 compute on the 'compute' lane, copies on the 'copy' lanes, waits for copies, host waits and
-prefetch misses. --timeline FILE.png draws the same lanes (needs matplotlib: pip install
-"offload-core[plot]").
+prefetch misses. --timeline FILE.png draws the same lanes, the step boundaries and the device
+memory (needs matplotlib: pip install "offload-core[plot]").
 
 --output FILE.png writes an image output to FILE.png; a video (or several images) is written as
 one PNG per frame: FILE_0000.png, FILE_0001.png, ... next to FILE.png. Files are written only when
@@ -123,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE.json", help="write the call's timeline as Chrome trace JSON")
     parser.add_argument("--timeline", metavar="FILE.png", help="draw the call's timeline as a PNG (needs matplotlib)")
     parser.add_argument("--output", metavar="FILE.png", help="save the output as PNG (video: FILE_0000.png, ...)")
+    parser.add_argument("--compare", action="store_true", default=None,
+                        help="then run the same call without offload and print the cost ratio and whether the "
+                        "outputs are equal")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object; no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="log offload_core at INFO level on stderr")
     parser.add_argument("--debug", action="store_true", help="log at DEBUG level; print the traceback of a failure")

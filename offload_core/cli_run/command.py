@@ -37,7 +37,8 @@ from ..cli_common import UsageError, Writer, columns, write_all
 from ..config import OffloadConfigError
 from ..timeline import Timeline
 from . import arguments, loading, outputs
-from .report import make_report, render, weight_bytes
+from .clock import MemorySampler, StepClock
+from .report import Measured, make_report, render, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ class RunResult:
     handle: Any
     pipe: Any
     timeline: Timeline | None
+    measured: Measured
 
     def close(self) -> None:
-        if self.handle is not None:
+        if self.handle is not None and self.handle.enabled:
             self.handle.disable()
 
 
@@ -89,8 +91,8 @@ def _run_command(args: argparse.Namespace) -> int:
         if args.timeline:
             from .drawing import draw_timeline
 
-            title = f"{result.report['pipeline']}: {result.report['verdict']}"
-            writers.append((Path(args.timeline), lambda to: draw_timeline(result.timeline, to, title)))
+            writers.append((Path(args.timeline), lambda to: draw_timeline(result.timeline, to, result.report,
+                                                                          result.measured)))
         images = outputs.png_writers(result.output, Path(args.output)) if args.output else []
         written = write_all([*writers, *images])
     finally:
@@ -148,23 +150,58 @@ def run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None = None)
     plan_bytes = weight_bytes(target.pipe)  # before enable rebinds the weights
 
     handle = _enable(target.pipe, args, backend)
+    clock = StepClock()
     try:
         before = handle.stats() if handle is not None else {}
         logger.info("calling %s (%s, seed %d)", target.label, args.strategy, args.seed)
-        with _traced(handle) as timeline:
+        with _traced(handle) as timeline, _sampled(handle) as memory, clock.attached(target.pipe) as callback:
+            origin_ns = time.perf_counter_ns()  # the timeline's zero, as near as the host sees it
             start = time.perf_counter()
-            output = _call(target, overrides, args.seed)
+            output = _call(target, {**overrides, **callback}, args.seed)
             if handle is not None:
                 handle.backend.synchronize()
             wall = time.perf_counter() - start
         _check_output_size(target, overrides, output)
         settings = {**target.defaults, **overrides}
-        report = make_report(args, target, handle, output, wall, settings, timeline, plan_bytes, before)
+        measured = Measured(wall, clock.step_seconds(), [(t - origin_ns) / 1e6 for t in clock.step_ends_ns],
+                            [((t - origin_ns) / 1e6, b) for t, b in memory.samples] if memory else [])
+        report = make_report(args, target, handle, output, measured, settings, timeline, plan_bytes, before)
+        if args.compare:
+            handle.disable()
+            report["compare"] = compare(target, overrides, args.seed, handle.backend, output, wall)
     except BaseException:
-        if handle is not None:
+        if handle is not None and handle.enabled:
             handle.disable()
         raise
-    return RunResult(report=report, output=output, handle=handle, pipe=target.pipe, timeline=timeline)
+    return RunResult(report=report, output=output, handle=handle, pipe=target.pipe, timeline=timeline,
+                     measured=measured)
+
+
+def compare(target: loading.Target, overrides: dict[str, Any], seed: int, backend: DeviceBackend,
+            offloaded: torch.Tensor, offloaded_s: float) -> dict[str, Any]:
+    """The same call without offload, every weight on the backend's device (after the offloaded
+    one, which ran first and cold): its time, the offloaded call's cost ratio, whether the
+    outputs are equal."""
+    try:
+        target.pipe.to(backend.device())
+        start = time.perf_counter()
+        resident = _call(target, overrides, seed)
+        backend.synchronize()
+        seconds = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        return {"call_s_without_offload": None, "cost_ratio": None, "same_output": None,
+                "note": "without offload the pipeline does not fit in device memory"}
+    return {"call_s_without_offload": seconds, "cost_ratio": offloaded_s / seconds,
+            "same_output": bool(torch.equal(resident.cpu(), offloaded.cpu())), "note": None}
+
+
+@contextlib.contextmanager
+def _sampled(handle: Any) -> Iterator[MemorySampler | None]:
+    if handle is None:
+        yield None
+        return
+    with MemorySampler(handle.backend) as sampler:
+        yield sampler
 
 
 @contextlib.contextmanager
