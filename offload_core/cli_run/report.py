@@ -187,7 +187,8 @@ def render(report: dict[str, Any]) -> str:
                       f"({_bytes(r['unused_prefetch_bytes'])})")
         moved += f"; {_bytes(r['h2d_bytes'])} in {r['h2d_copies']} copies since enable"
     if r["step_s"] is not None:
-        step = f"{_seconds(r['step_s'])} (median of steps 2-{len(r['step_times_s'])}), first step {_seconds(r['first_step_s'])}"
+        later = "step 2" if len(r["step_times_s"]) == 2 else f"median of steps 2-{len(r['step_times_s'])}"
+        step = f"{_seconds(r['step_s'])} ({later}), first step {_seconds(r['first_step_s'])}"
     elif r["first_step_s"] is not None:
         step = f"{_seconds(r['first_step_s'])} (one step)"
     else:
