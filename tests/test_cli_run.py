@@ -87,7 +87,11 @@ def parse(*argv: str):
     return cli.build_parser().parse_args(["run", *argv])
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+#: one process each; distributed runs under torchrun in tests/test_cli_distributed.py
+SINGLE_PROCESS = [s for s in STRATEGIES if s != "distributed"]
+
+
+@pytest.mark.parametrize("strategy", SINGLE_PROCESS)
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_every_pipeline_and_strategy(name, strategy, capsys, reference):
     argv = ["--pipeline", name, "--strategy", strategy, "--steps", STEPS, "--seed", str(SEED), "--json"]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..backend import DeviceBackend
     from ..tiny import PipelineSpec
 
-STRATEGIES = ("none", "model", "layerwise")
+STRATEGIES = ("none", "model", "layerwise", "distributed")
 DEFAULT_PIPELINE = "flux2-deep"
 #: command-line flag (argparse dest) -> the pipeline ``__call__`` parameter it sets
 CALL_PARAMETERS = {
@@ -52,7 +52,10 @@ model's own defaults.
 
 Strategies: 'none' runs the pipeline as loaded, without offload (the reference output and time);
 'model' swaps whole components (enable_cpu_offload); 'layerwise' streams the DiT block by block
-(enable_layerwise_offload). Offloading is enabled before the clock starts; the report times the
+(enable_layerwise_offload); 'distributed' streams it over several ranks, each holding 1/N of
+the blocks (enable_distributed_layerwise_offload), one process per rank started by torchrun:
+  torchrun --nproc-per-node 2 -m offload_core run --strategy distributed
+every rank's output is checked equal, and rank 0 reports and writes the files. Offloading is enabled before the clock starts; the report times the
 one call and each denoising step (from the pipeline's callback_on_step_end; the first step
 apart), gives the device memory saved, counts the copies made during the call (prefetches for a
 step that never came apart), and ends with a one-line verdict. On a simulator backend (fake)
@@ -151,6 +154,10 @@ def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
                 raise UsageError(f"{_flag(flag)} does not apply to --strategy none (no offload, no backend)")
     elif args.prefetch_depth is not None and args.strategy != "layerwise":
         raise UsageError(f"--prefetch-depth applies to --strategy layerwise only, not {args.strategy!r}")
+    if args.strategy == "distributed":
+        from .ranks import check_launched
+
+        check_launched()
     files = {flag: getattr(args, flag) for flag in ("output", "trace", "timeline") if getattr(args, flag) is not None}
     for flag in ("output", "timeline"):
         if flag in files and Path(files[flag]).suffix.lower() != ".png":

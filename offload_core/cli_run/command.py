@@ -36,7 +36,7 @@ from ..backend import DeviceBackend
 from ..cli_common import UsageError, Writer, columns, write_all
 from ..config import OffloadConfigError
 from ..timeline import Timeline
-from . import arguments, loading, outputs
+from . import arguments, loading, outputs, ranks
 from .clock import MemorySampler, StepClock
 from .report import Measured, make_report, render, weight_bytes
 
@@ -55,6 +55,7 @@ class RunResult:
     pipe: Any
     timeline: Timeline | None
     measured: Measured
+    rank: int = 0  # this process's rank, for --strategy distributed
 
     def close(self) -> None:
         if self.handle is not None and self.handle.enabled:
@@ -84,6 +85,9 @@ def _run_command(args: argparse.Namespace) -> int:
         print(json.dumps(pipeline_list(), indent=2) if args.json else _render_pipeline_list())
         return 0
     result = run_pipeline(args)
+    if result.rank != 0:  # rank 0 reports and writes the files
+        result.close()
+        return 0
     try:
         writers: list[Writer] = []
         if args.trace:
@@ -141,12 +145,27 @@ def run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None = None)
     arguments.check(args, backend)
     if args.strategy != "none" and backend is None:
         backend = _backend(args.backend)
+    if args.strategy != "distributed":
+        return _run_pipeline(args, backend)
+    with ranks.process_group(backend):
+        result = _run_pipeline(args, backend)
+        try:
+            result.report["ranks"] = ranks.check_outputs_equal(result.output)
+        except BaseException:
+            result.close()
+            raise
+        result.rank = ranks.rank()
+        result.close()  # disable is collective: every rank does it while the process group lives
+        return result
+
+
+def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> RunResult:
     overrides = arguments.overrides(args)
     arguments.check_applies(loading.pipeline_class(args), overrides)
     target = loading.load(args)
     arguments.check_applies(type(target.pipe), overrides)
     loading.check_size(target.pipe, overrides)
-    target.pipe.set_progress_bar_config(disable=args.json)
+    target.pipe.set_progress_bar_config(disable=args.json or ranks.rank() != 0)
     plan_bytes = weight_bytes(target.pipe)  # before enable rebinds the weights
 
     handle = _enable(target.pipe, args, backend)
@@ -261,6 +280,8 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     options: dict[str, Any] = {"backend": backend}
     if args.strategy == "model":
         options["enable_cpu_offload"] = True
+    elif args.strategy == "distributed":
+        options["enable_distributed_layerwise_offload"] = True
     else:
         options["enable_layerwise_offload"] = True
         options["prefetch_depth"] = args.prefetch_depth or 1

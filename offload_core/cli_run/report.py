@@ -122,6 +122,7 @@ def make_report(
         "timeline": None,
         "output_files": [],
         "compare": None,
+        "ranks": None,
     }
     report["verdict"] = verdict(report)
     return report
@@ -170,6 +171,8 @@ def render(report: dict[str, Any]) -> str:
     r = report
     size = f"{r['width']} x {r['height']}" + (f", {r['frames']} frames" if r["frames"] is not None else "")
     strategy = r["strategy"] + (f" (prefetch depth {r['prefetch_depth']})" if r["prefetch_depth"] else "")
+    if r["ranks"] is not None:
+        strategy += f" ({r['ranks']} ranks, their outputs equal)"
     simulated = f"; {simulated_words(r)}" if r["simulated"] else ""
     overlap = "n/a"
     if r["overlap"] is not None:
