@@ -11,7 +11,8 @@ How each fenced block is treated, by its language:
 - ``toml``: parses.
 - ``console`` (a transcript: ``$ command`` lines, then their output) and a block marked with
   ``<!-- snippet: checked, not run: WHY -->`` on the line before its fence: not run; each
-  ``offload-core`` command is parsed by the real parser (so every subcommand and flag exists),
+  ``offload-core`` command (also one torchrun starts) is parsed by the real parser (so every
+  subcommand and flag exists),
   and each call in Python code of an ``offload_core`` function binds to its signature.
 - other fences (``text``, none) are output or diagrams, not code.
 
@@ -161,7 +162,7 @@ def commands(code: str) -> list[list[str]]:
     for line in code.splitlines():
         if line.startswith("$ "):
             line = line[2:]
-        elif line.strip() and not line.startswith(("offload-core", "python", "pip", "pytest")):
+        elif line.strip() and not line.startswith(("offload-core", "python", "pip", "pytest", "torchrun", "#")):
             continue  # a transcript's output
         for part in line.split("&&"):
             words = shlex.split(part, comments=True)
@@ -171,9 +172,12 @@ def commands(code: str) -> list[list[str]]:
 
 
 def offload_core_argv(words: list[str]) -> list[str] | None:
-    """The arguments of an ``offload-core`` command (or ``python -m offload_core``), else None."""
+    """The arguments of an ``offload-core`` command (or ``python -m offload_core``, or torchrun
+    starting it), else None."""
     if words[0] == "offload-core":
         return words[1:]
+    if words[0] == "torchrun" and "offload_core" in words:
+        return words[words.index("offload_core") + 1:]
     if words[:3] in (["python", "-m", "offload_core"], ["python3", "-m", "offload_core"]):
         return words[3:]
     return None
