@@ -3,54 +3,69 @@
 Weights live in pinned host memory and stream to the device when needed, through a pluggable
 :class:`DeviceBackend`. See ``docs/index.md`` for which strategy to choose.
 
-The public names are imported on first use (PEP 562): ``import offload_core`` alone imports
-neither torch nor diffusers, so that the pytest plugin this package registers, and a command's
-``--help``, cost nothing in a process that does not offload.
+The names below are imported when first used, not with the package (PEP 562): ``import
+offload_core`` alone imports neither torch nor diffusers, so that the pytest plugin this package
+registers, ``offload-core --help`` and ``--version`` cost nothing in a process that does not
+offload; ``import offload_core`` costs what the first name used costs.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: public name -> the module that defines it
-_HOMES = {
-    "AlreadyEnabledError": ".handle",
-    "BackendInfo": ".plugins",
-    "BackendNotFoundError": ".plugins",
-    "BlockDiscoveryError": ".discovery",
+__version__ = "0.1.0"
+
+#: public name -> the submodule defining it
+_EXPORTS = {
+    "enable_offload": ".api",
     "Capability": ".backend",
     "DeviceBackend": ".backend",
-    "DistributedOffloadError": ".strategies.distributed",
     "Event": ".backend",
+    "Stream": ".backend",
+    "Waitable": ".backend",
+    "hookimpl": ".hookspecs",
     "OffloadConfig": ".config",
     "OffloadConfigError": ".config",
-    "OffloadHandle": ".handle",
-    "OffloadedModelError": ".handle",
-    "RepackError": ".strategies.part",
-    "Stream": ".backend",
-    "UnsupportedTensorError": ".weights",
-    "Waitable": ".backend",
-    "enable_offload": ".api",
-    "from_pretrained": ".pretrained",
-    "get_backend": ".plugins",
-    "hookimpl": ".hookspecs",
-    "list_backends": ".plugins",
+    "BlockDiscoveryError": ".discovery",
     "register_blocks": ".discovery",
+    "AlreadyEnabledError": ".handle",
+    "OffloadedModelError": ".handle",
+    "OffloadHandle": ".handle",
+    "RepackError": ".strategies.part",
+    "DistributedOffloadError": ".strategies.distributed",
+    "BackendInfo": ".plugins",
+    "BackendNotFoundError": ".plugins",
+    "get_backend": ".plugins",
+    "list_backends": ".plugins",
+    "from_pretrained": ".pretrained",
+    "UnsupportedTensorError": ".weights",
 }
 
-__all__ = sorted(_HOMES)
-__version__ = "0.1.0"
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # what IDEs and type checkers see
+    from .api import enable_offload
+    from .backend import Capability, DeviceBackend, Event, Stream, Waitable
+    from .config import OffloadConfig, OffloadConfigError
+    from .discovery import BlockDiscoveryError, register_blocks
+    from .handle import AlreadyEnabledError, OffloadedModelError, OffloadHandle
+    from .hookspecs import hookimpl
+    from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
+    from .pretrained import from_pretrained
+    from .strategies.distributed import DistributedOffloadError
+    from .strategies.part import RepackError
+    from .weights import UnsupportedTensorError
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # later lookups skip this function
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+    return sorted([*globals(), *_EXPORTS])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
 from . import ownership
+from .backend import DeviceBackend
 from .config import OffloadConfig, OffloadConfigError
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
@@ -23,25 +26,59 @@ from .strategies.model_level import ModelLevelOffload
 from .strategies.part import attach
 from .strategies.resident import ResidentModules
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 logger = logging.getLogger(__name__)
 
 
-def enable_offload(target: Any, config: OffloadConfig | None = None, **options: Any) -> OffloadHandle:
+def enable_offload(
+    target: Any,
+    config: OffloadConfig | None = None,
+    *,
+    enable_cpu_offload: bool = False,
+    enable_layerwise_offload: bool = False,
+    enable_distributed_layerwise_offload: bool = False,
+    backend: str | DeviceBackend | None = None,
+    pin_memory: bool = True,
+    prefetch_depth: int = 1,
+    process_group: ProcessGroup | None = None,
+    shard_host_weights: bool = True,
+    components: Sequence[str] | None = None,
+    blocks: Sequence[str] | None = None,
+    pinned_memory: int | float | str | None = None,
+    host_memory: int | float | str | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    **unknown: Any,
+) -> OffloadHandle:
     """Turn on offloading for a diffusers pipeline or any ``torch.nn.Module``.
 
-    Options are the fields of :class:`OffloadConfig`, given as keywords or as ``config=``
-    (not both). ``enable`` is a transaction: on any error the target is left as it was. What an
-    offloaded model does when it is changed, shared or fails is in ``docs/design.md``.
+    The options are the fields of :class:`OffloadConfig` (documented there and in
+    ``docs/index.md``), given as keywords or as ``config=`` (not both: a keyword left at its
+    default counts as not given). One strategy flag selects the strategy (distributed >
+    layerwise > model-level); an option the selected strategy does not use is an error, and a
+    name that is no option is an :class:`OffloadConfigError` listing the valid ones.
+
+    ``enable`` is a transaction: on any error the target is left as it was. What an offloaded
+    model does when it is changed, shared or fails is in ``docs/design.md``.
     """
     kind = "pipeline" if is_pipeline(target) else "module" if isinstance(target, nn.Module) else None
     if kind is None:
         raise OffloadConfigError(
             f"target must be a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}"
         )
-    config = resolve_config(config, options)
+    config = resolve_config(config, given_options(locals(), unknown))
     config.warn_ignored()
     config.check_applies(kind)
     return enable_checked(target, kind, config)
+
+
+def given_options(arguments: dict[str, Any], unknown: dict[str, Any]) -> dict[str, Any]:
+    """The options of a call's keyword-only ``arguments`` (its ``locals()``) that differ from
+    their defaults (an identical object), and the ``unknown`` names, which the config refuses."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+    given = {name: arguments[name] for name, default in defaults.items() if arguments[name] is not default}
+    return {**given, **unknown}
 
 
 def resolve_config(config: OffloadConfig | None, options: dict[str, Any]) -> OffloadConfig:

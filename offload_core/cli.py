@@ -5,6 +5,9 @@ Each subcommand is one ``add_<name>(subparsers)`` function that builds its parse
 ``bench``, ``check-backend NAME``) can live in its own module: write its ``add_`` function there
 and append it to :data:`SUBCOMMANDS`; nothing else here changes.
 
+Building the parser imports neither torch nor diffusers (each subcommand imports what it needs
+when it runs), so ``--help``, ``--version`` and usage errors answer at once.
+
 Error contract: bad input (an unknown option or command, a backend name nobody registered) is one
 line on stderr and exit status 2, never a traceback, because these commands run in scripts and CI
 logs where a traceback hides the one line that matters. A ``run`` function raises
@@ -17,13 +20,15 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from . import plugins
 from .cli_bench import add_bench
 from .cli_check import add_check_backend
 from .cli_common import UsageError, columns
 from .cli_run import add_run
+
+if TYPE_CHECKING:
+    from . import plugins
 
 PROG = "offload-core"
 
@@ -47,6 +52,8 @@ def _kind(info: plugins.BackendInfo) -> str:
 
 def backends_report() -> dict[str, Any]:
     """Everything ``offload-core backends`` shows, as plain data (the ``--json`` document)."""
+    from . import plugins
+
     registry = plugins.registry()
     rows = []
     for info in plugins.list_backends():

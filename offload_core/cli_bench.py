@@ -1,48 +1,62 @@
-"""``offload-core bench``: the benchmarks of docs/benchmarks.md as a table of ratios, or JSON."""
+"""``offload-core bench``: the benchmarks of docs/benchmarks.md as a table of ratios with their
+spreads and a status, or JSON, with how busy the machine was; ``--check`` makes a missed or
+unreliable figure a failure (exit 1)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from . import bench
+from .bench.load import LoadMeter, describe
 from .cli_common import check_writable, columns, write_all
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
+def _fmt(value: Any, spread: float | None) -> str:
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    return text + (f" ± {spread:.3f}" if spread is not None else "")
 
 
-def render(results: dict[str, Any]) -> str:
+def render(results: dict[str, Any], load: dict[str, Any]) -> str:
     rows = bench.headline_rows(results)
-    header = ("figure", "measured", "target", "")
+    header = ("figure", "measured ± spread", "target", "status")
     cells = [
-        (r["figure"], _fmt(r["value"]), "-" if r["target"] is None else f"<= {r['target']:g}",
-         "" if r["meets_target"] is None else ("ok" if r["meets_target"] else "MISSED"))
+        (r["figure"], _fmt(r["value"], r["spread"]), "-" if r["target"] is None else f"<= {r['target']:g}", r["status"])
         for r in rows
     ]
-    lines = columns([header, *cells])
+    lines = [describe(load), "", *columns([header, *cells])]
     if "layerwise_overhead" in results:
         o = results["layerwise_overhead"]
         lines.append(
             f"\nper-block overhead: ours {o['ours_overhead_per_block_s'] * 1e6:.1f} us, diffusers group offloading "
-            f"{o['diffusers_overhead_per_block_s'] * 1e6:.1f} us ({o['blocks']}-block tiny WanTransformer3DModel)"
+            f"{o['diffusers_overhead_per_block_s'] * 1e6:.1f} us ({o['blocks']}-block tiny WanTransformer3DModel; "
+            f"thread CPU time outside the block forwards, medians of {o['passes']} passes)"
         )
+    lines.append("\nspread: half the interquartile range of the per-repetition ratios; status \"unreliable (machine "
+                 "busy)\": the spread is wider than the distance to the target, or the figure is below its physical "
+                 "limit by more than its spread")
     return "\n".join(lines)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.out:
         check_writable("--out", args.out)  # before minutes of benchmarks, not after
+    meter = LoadMeter()
     results = bench.run(args.only, quick=args.quick)
-    document = {"results": results, "headlines": bench.headline_rows(results), "quick": args.quick}
+    load = meter.figures()
+    rows = bench.headline_rows(results)
+    document = {"results": results, "headlines": rows, "quick": args.quick, "load": load}
     if args.out:
         write_all([(Path(args.out), lambda to: to.write_text(json.dumps(document, indent=2), encoding="utf-8"))])
-    print(json.dumps(document, indent=2) if args.json else render(results))
+    print(json.dumps(document, indent=2) if args.json else render(results, load))
+    failures = bench.failed(rows)
+    if args.check and failures:
+        print(f"offload-core: bench --check: {len(failures)} figure(s) missed or unreliable: "
+              + "; ".join(f"{r['figure'].strip()} ({r['status']})" for r in failures), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -51,11 +65,14 @@ def add_bench(subparsers: Any) -> None:
         "bench",
         help="run the benchmarks and print a table of ratios",
         description="Run the offloading benchmarks (docs/benchmarks.md) on the fake backend. Every figure is a "
-        "ratio measured in one run with the variants interleaved.",
+        "ratio measured in one run with the variants interleaved, shown with its spread over the repetitions and "
+        "the machine's load; a figure the run cannot vouch for is 'unreliable (machine busy)', never 'ok'.",
     )
     parser.add_argument("--only", nargs="+", choices=list(bench.SECTIONS), metavar="SECTION",
                         help=f"run only these sections: {', '.join(bench.SECTIONS)}")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller stack (for smoke tests)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--out", metavar="FILE.json", help="also write the results as JSON to this file")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when a figure misses its target or is unreliable (CI use)")
     parser.set_defaults(run=run_bench)

@@ -8,12 +8,14 @@ the interpreter must still leave this command alive to report it. Output is stre
 since the kit takes tens of seconds and a hang must be visible.
 
 The exit status is pytest's own (0 conforms, 1 failures, others: pytest could not run the kit), so
-CI can use the command directly; only an unknown or unavailable name is refused up front (2).
+CI can use the command directly; an unknown or unavailable name, and pytest missing, are refused
+up front (2).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -22,7 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .cli_common import available_backend
+from .cli_common import UsageError, available_backend
 
 KIT = "offload_core.testing"
 #: outcome words on pytest's final summary line ("3 failed, 40 passed, 2 skipped in 20.1s")
@@ -35,8 +37,8 @@ def add_check_backend(subparsers: Any) -> None:
         help="run the backend conformance kit against a registered backend",
         description="Run the offload-core backend conformance kit against the registered backend NAME "
         f"('python -m pytest --backend=NAME --pyargs {KIT}'), stream its output, and summarise whether "
-        "the backend conforms. Exit status: pytest's (0: conforms, 1: tests failed); 2: unknown or "
-        "unavailable backend.",
+        "the backend conforms (needs pytest: pip install \"offload-core[test]\"). Exit status: pytest's "
+        "(0: conforms, 1: tests failed); 2: unknown or unavailable backend, or pytest missing.",
     )
     parser.add_argument("name", metavar="NAME", help="a registered backend (see 'offload-core backends')")
     parser.set_defaults(run=run_check_backend)
@@ -47,6 +49,9 @@ def kit_command(name: str) -> list[str]:
 
 
 def run_check_backend(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("pytest") is None:
+        raise UsageError("check-backend runs the conformance kit with pytest, which is not installed: "
+                         'pip install "offload-core[test]"')
     available_backend(args.name)
     command = kit_command(args.name)
     print("$ " + shlex.join(command), flush=True)

@@ -7,9 +7,10 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from . import plugins
+if TYPE_CHECKING:
+    from . import plugins
 
 #: (final path, function writing the file to the path it is given)
 Writer = tuple[Path, Callable[[Path], None]]
@@ -22,6 +23,8 @@ class UsageError(Exception):
 def available_backend(name: str | None) -> plugins.BackendInfo:
     """The backend ``name`` (None: the one selection picks), or a UsageError saying why it cannot
     be used here; checked before any model is built or process started."""
+    from . import plugins
+
     registry = plugins.registry()
     try:
         info = registry.info(name) if name is not None else registry.resolve(None)[0]
@@ -58,22 +61,40 @@ def check_writable(flag: str, value: str) -> None:
 
 
 def write_all(writers: Sequence[Writer]) -> list[Path]:
-    """Run every writer into a temporary file beside its target, then rename them all into place;
-    on any failure remove the temporary files and re-raise. Returns the final paths. So a failure
-    (a full disk, an image that cannot be encoded) leaves no partial file, and no file of a run
-    whose other files could not be written."""
-    staged: list[tuple[Path, Path]] = []
+    """Write every file, all of them or none: each writer writes a temporary file beside its
+    target; once all have been written they are renamed into place, a file they replace first
+    moved aside. On any failure (a full disk, an image that cannot be encoded, a rename refused)
+    the renamed files are taken back, the replaced ones restored, the temporary ones removed, and
+    the error re-raised. Returns the final paths."""
+    finals = [final for final, _ in writers]
+    if len({f.resolve() for f in finals}) < len(finals):
+        raise ValueError(f"two outputs name the same file: {', '.join(map(str, finals))}")
+    # names of this process only (the targets are distinct), created with the usual mode
+    staged = [(final.with_name(f".{final.name}.{os.getpid()}.tmp"), final) for final in finals]
+    done: list[tuple[Path, Path | None]] = []  # (final, where the file it replaced was moved)
     try:
-        for final, write in writers:
-            # a name of this process only (the targets are distinct), created with the usual mode
-            temporary = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-            staged.append((temporary, final))
+        for (temporary, _), (_, write) in zip(staged, writers):
             write(temporary)
         for temporary, final in staged:
+            aside = None
+            if final.exists():
+                aside = final.with_name(f".{final.name}.{os.getpid()}.old")
+                os.replace(final, aside)
+            done.append((final, aside))
             os.replace(temporary, final)
     except BaseException:
+        for final, aside in reversed(done):
+            with contextlib.suppress(OSError):
+                if aside is not None:
+                    os.replace(aside, final)
+                else:
+                    final.unlink()
         for temporary, _ in staged:
             with contextlib.suppress(OSError):
                 temporary.unlink()
         raise
-    return [final for _, final in staged]
+    for _, aside in done:
+        if aside is not None:
+            with contextlib.suppress(OSError):
+                aside.unlink()
+    return finals

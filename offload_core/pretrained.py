@@ -23,17 +23,21 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .api import enable_checked, resolve_config
+from .api import enable_checked, given_options, resolve_config
+from .backend import DeviceBackend
 from .config import OffloadConfig, OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
 from .hostmem.disk import read_index
 from .weights.unit import SOURCE_ATTRIBUTE
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +45,39 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 
-def from_pretrained(path: str | os.PathLike, *, torch_dtype: Any = None, **options: Any) -> OffloadHandle:
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    torch_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
+    enable_cpu_offload: bool = False,
+    enable_layerwise_offload: bool = False,
+    enable_distributed_layerwise_offload: bool = False,
+    backend: str | DeviceBackend | None = None,
+    pin_memory: bool = True,
+    prefetch_depth: int = 1,
+    process_group: ProcessGroup | None = None,
+    shard_host_weights: bool = True,
+    components: Sequence[str] | None = None,
+    blocks: Sequence[str] | None = None,
+    pinned_memory: int | float | str | None = None,
+    host_memory: int | float | str | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    **replaced_components: Any,
+) -> OffloadHandle:
     """Load the diffusers pipeline (a folder with ``model_index.json``) or single model (a folder
     with ``config.json``) at ``path`` and turn offloading on, weights read from the checkpoint
-    straight into their offloaded homes. ``options`` are those of :func:`enable_offload`;
+    straight into their offloaded homes. The options are :func:`enable_offload`'s;
     ``handle.target`` is the loaded pipeline or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
-    (or ``"default"``) to dtype. For a pipeline, a keyword naming one of its components replaces
-    that component, as in diffusers (``text_encoder=None`` loads no text encoder: pass
-    ``prompt_embeds`` to the pipeline). With ``host_memory`` left to "auto", weights may use up
-    to 90 % of the memory available when loading starts; the blocks beyond it stay on disk and are
-    read from the checkpoint when they run. See ``docs/bigger-than-ram.md``.
+    (or ``"default"``) to dtype. For a pipeline, ``replaced_components``: a keyword naming one of
+    its components replaces that component, as in diffusers (``text_encoder=None`` loads no text
+    encoder: pass ``prompt_embeds`` to the pipeline); any other name is refused. With
+    ``host_memory`` left to "auto", weights may use up to 90 % of the memory available when
+    loading starts; the blocks beyond it stay on disk and are read from the checkpoint when they
+    run. See ``docs/bigger-than-ram.md``.
     """
+    options = given_options(locals(), replaced_components)
     folder = os.fspath(path)
     index = _model_index(folder)
     fields = {f.name for f in dataclasses.fields(OffloadConfig)}

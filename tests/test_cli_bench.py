@@ -1,10 +1,16 @@
-"""offload-core bench: the table and the JSON carry the measured ratios beside their targets."""
+"""offload-core bench: the table and the JSON carry the measured ratios with their spreads beside
+their targets, never "ok" for a figure the run cannot vouch for, and --check fails on one."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from offload_core import bench, cli
+from offload_core.bench import UNRELIABLE, status
+from offload_core.bench.load import LoadMeter
+from offload_core.bench.timing import ratio, spread
 
 
 def test_bench_json_reports_copies_per_block(tmp_path, capsys):
@@ -18,7 +24,8 @@ def test_bench_json_reports_copies_per_block(tmp_path, capsys):
     assert results["fp32_copies_per_block"] == results["fp32_dtypes_per_block"] == 1.0
     assert results["fp32+bf16_copies_per_block"] == results["fp32+bf16_dtypes_per_block"] > 1.0
     rows = {r["figure"]: r for r in printed["headlines"]}
-    assert all(r["meets_target"] for r in rows.values())
+    assert all(r["status"] == "ok" and r["spread"] is None for r in rows.values())
+    assert set(printed["load"]) == {"cores", "load_average_start", "load_average_end", "cpu_steal_fraction"}
 
 
 def test_bench_table_flags_a_missed_target(capsys, monkeypatch):
@@ -28,6 +35,56 @@ def test_bench_table_flags_a_missed_target(capsys, monkeypatch):
     assert cli.main(["bench", "--only", "copies_per_block"]) == 0
     table = capsys.readouterr().out
     assert "MISSED" in table and "2.000" in table
+    assert table.startswith("machine: ") and "load average" in table and "CPU steal" in table
+    assert cli.main(["bench", "--only", "copies_per_block", "--check"]) == 1
+    assert "1 figure(s) missed or unreliable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "value, spread, target, floor, expected",
+    [
+        (0.20, 0.02, 0.35, 0.0, "ok"),
+        (0.45, 0.02, 0.35, 0.0, "MISSED"),
+        (0.30, 0.10, 0.35, 0.0, UNRELIABLE),  # the spread reaches past the target
+        (-0.32, 0.05, 0.35, 0.0, UNRELIABLE),  # a negative overhead
+        (0.93, 0.02, None, 1.0, UNRELIABLE),  # offloaded faster than resident beyond the noise
+        (0.98, 0.05, None, 1.0, ""),  # within the noise of the limit: reported
+        (float("nan"), 0.0, 1.0, None, UNRELIABLE),
+    ],
+)
+def test_status_never_says_ok_for_a_figure_it_cannot_vouch_for(value, spread, target, floor, expected):
+    assert status(value, spread, target, floor) == expected
+
+
+def test_bench_check_fails_on_an_unreliable_figure(capsys, monkeypatch):
+    monkeypatch.setitem(bench.SECTIONS, "layerwise_overhead", lambda quick: {
+        "ratio_ours_to_diffusers": -0.32, "spread": {"ratio_ours_to_diffusers": 0.05},
+        "ours_overhead_per_block_s": -1e-4, "diffusers_overhead_per_block_s": 3e-4, "blocks": 32, "passes": 200,
+    })
+    assert cli.main(["bench", "--only", "layerwise_overhead"]) == 0
+    table = capsys.readouterr().out
+    assert "-0.320 ± 0.050" in table and UNRELIABLE in table and " ok" not in table
+    assert cli.main(["bench", "--only", "layerwise_overhead", "--check"]) == 1
+
+
+def test_ratios_and_spreads_are_per_repetition():
+    assert ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0]) == (2.0, 0.25)  # ratios 2, 2, 3: median 2, IQR 0.5
+    assert spread([1.0]) == 0.0
+
+
+def test_the_load_meter_reads_proc_stat():
+    figures = LoadMeter().figures()
+    assert figures["cores"] >= 1 and figures["load_average_start"] >= 0
+    assert figures["cpu_steal_fraction"] is None or 0.0 <= figures["cpu_steal_fraction"] <= 1.0
+
+
+def test_the_overhead_figure_is_thread_cpu_time_outside_the_blocks(capsys):
+    """The quick run: the overhead per block is positive for both libraries and the ratio comes
+    with its spread."""
+    assert cli.main(["bench", "--only", "layerwise_overhead", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"]["layerwise_overhead"]
+    assert result["passes"] == 20 and result["diffusers_overhead_per_block_s"] > 0
+    assert result["spread"]["ratio_ours_to_diffusers"] >= 0
 
 
 def test_unknown_section_is_a_usage_error(capsys):
@@ -40,7 +97,7 @@ def test_bench_reports_what_the_sanitizer_costs(capsys):
     results = json.loads(capsys.readouterr().out)["results"]["sanitizer"]
     times = results["seconds_per_call"]
     assert times["sanitized"] > 0 and times["unsanitized"] > 0
-    assert results["sanitized_to_unsanitized"] == times["sanitized"] / times["unsanitized"]
+    assert results["sanitized_to_unsanitized"] > 0 and results["spread"]["sanitized_to_unsanitized"] >= 0
 
 
 def test_an_unwritable_out_is_bad_input_before_any_benchmark_runs(tmp_path, capsys, monkeypatch):

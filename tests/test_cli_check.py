@@ -25,6 +25,23 @@ def test_the_fake_backend_conforms(capsys):
     assert f"{tally['passed']} passed, 0 failed, {tally.get('skipped', 0)} skipped" in verdict
 
 
+def test_without_pytest_it_is_one_line_naming_the_test_extra(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else find_spec(name, *a))
+    monkeypatch.setattr(subprocess, "Popen", _no_child)
+    assert cli.main(["check-backend", "fake"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("offload-core: error: check-backend runs the conformance kit with pytest") and \
+        'pip install "offload-core[test]"' in err
+
+
+def _no_child(*args, **kwargs):
+    raise AssertionError("the kit was started without pytest")
+
+
 def test_unknown_backend_is_refused_before_anything_runs(capsys, monkeypatch):
     def no_child(*args, **kwargs):
         raise AssertionError("the kit was started for an unknown backend")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
+import time
 import re
 import subprocess
 import sys
@@ -18,9 +20,9 @@ import pytest
 import torch
 
 from offload_core import cli
-from offload_core.cli_run import STRATEGIES, run_pipeline
-from offload_core.cli_run import loading
-from offload_core.cli_run.arguments import DEFAULT_PIPELINE, EMBEDDED, MAX_STEPS
+from offload_core.cli_run import STRATEGIES, loading
+from offload_core.cli_run.arguments import DEFAULT_PIPELINE, MAX_STEPS, embedded
+from offload_core.cli_run.command import run_pipeline
 from offload_core.cli_run.report import render
 from offload_core.overlap import copy_overlap
 from offload_core.plugins import ENV_BACKEND, registry
@@ -85,7 +87,11 @@ def parse(*argv: str):
     return cli.build_parser().parse_args(["run", *argv])
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+#: one process each; distributed runs under torchrun in tests/test_cli_distributed.py
+SINGLE_PROCESS = [s for s in STRATEGIES if s != "distributed"]
+
+
+@pytest.mark.parametrize("strategy", SINGLE_PROCESS)
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_every_pipeline_and_strategy(name, strategy, capsys, reference):
     argv = ["--pipeline", name, "--strategy", strategy, "--steps", STEPS, "--seed", str(SEED), "--json"]
@@ -101,7 +107,9 @@ def test_every_pipeline_and_strategy(name, strategy, capsys, reference):
         assert torch.equal(result.output, expected)
         assert {k: printed[k] for k in STABLE_FIELDS} == {k: report[k] for k in STABLE_FIELDS}
         assert report["steps"] == int(STEPS)
-        assert report["wall_time_per_step_s"] == pytest.approx(report["wall_time_s"] / int(STEPS))
+        steps = report["step_times_s"]
+        assert len(steps) == int(STEPS) and all(t > 0 for t in steps) and sum(steps) < report["wall_time_s"]
+        assert (report["first_step_s"], report["step_s"]) == (steps[0], statistics.median(steps[1:]))
         assert report["output_shape"] == list(expected.shape)
         assert [report["height"], report["width"]] == list(expected.shape[-2:])
         assert report["frames"] == (expected.shape[1] if expected.dim() == 5 else None)
@@ -152,11 +160,13 @@ def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tm
     assert code == 0
     report = json.loads(out)
     assert report["pipeline"] == DEFAULT_PIPELINE and report["strategy"] == "layerwise"
-    assert report["device_peak_fraction"] == report["device_peak_bytes"] / report["device_bytes_without_offload"]
-    assert report["device_peak_fraction"] < 0.4
+    saved = report["device_bytes_without_offload"] - report["device_peak_bytes"]
+    assert report["device_saved_bytes"] == saved
+    assert report["device_saved_fraction"] == saved / report["device_bytes_without_offload"] > 0.6
     table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in render(report).splitlines())
     assert table["verdict"] == report["verdict"]
-    assert report["verdict"].startswith(f"device peak {report['device_peak_fraction']:.0%} of all weights resident")
+    assert report["verdict"].startswith(f"device memory {report['device_saved_fraction']:.0%} lower (")
+    assert table["device memory saved"].endswith(f"({report['device_saved_fraction']:.0%})")
     assert re.search(r"copies \d+% hidden behind compute", report["verdict"])
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -174,6 +184,83 @@ def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tm
 
     image = Image.open(picture)
     assert image.format == "PNG" and image.size[0] >= 600
+
+
+def test_step_times_come_from_the_denoising_loop_not_the_call(monkeypatch):
+    """Prompt encoding made slow: the call's time grows by it, each step's time does not."""
+    import diffusers
+
+    encode = diffusers.Flux2Pipeline.encode_prompt
+
+    def slow_encode(self, *args, **kwargs):
+        time.sleep(0.3)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.Flux2Pipeline, "encode_prompt", slow_encode)
+    result = run_pipeline(parse("--pipeline", "flux2", "--steps", "3", "--json"), backend=chaos_backend())
+    try:
+        report = result.report
+        assert report["wall_time_s"] > 0.3 and len(report["step_times_s"]) == 3
+        assert max(report["step_times_s"]) < 0.3 and report["step_s"] < report["wall_time_s"] / 3
+        assert len(result.measured.step_ends_ms) == 3 and result.measured.memory_ms
+    finally:
+        result.close()
+
+
+def test_prefetches_for_a_step_that_never_comes_are_counted_apart():
+    """Each copy the report counts as used loads a unit that computed after it; the others are
+    the unused ones, and both add up to the call's copies."""
+    result = run_pipeline(parse("--pipeline", "flux2", "--steps", "2", "--json"), backend=chaos_backend())
+    try:
+        report, spans = result.report, result.timeline.spans()
+        copies = [s for s in spans if s.kind == "copy"]
+        used = [c for c in copies if any(s.kind == "compute" and s.name == c.name[len("load "):]
+                                         and s.start_ns > c.start_ns for s in spans)]
+        assert report["unused_prefetch_copies"] == len(copies) - len(used)
+        assert report["unused_prefetch_bytes"] == sum(c.nbytes for c in copies) - sum(c.nbytes for c in used)
+        assert len(copies) == report["call_h2d_copies"]
+    finally:
+        result.close()
+
+
+def test_unused_prefetches_are_found_in_a_timeline():
+    from offload_core.cli_run.report import unused_prefetches
+    from offload_core.timeline import Span
+
+    class Recorded:
+        def spans(self):
+            return [Span("copy", "load b0", "copy", 0, 1, 10), Span("compute", "b0", "compute", 2, 3, 0),
+                    Span("copy", "load b1", "copy", 2, 3, 20), Span("compute", "b1", "compute", 4, 5, 0),
+                    Span("copy", "load b0", "copy", 4, 5, 10)]  # b0 again, for a forward that never comes
+
+    assert unused_prefetches(Recorded()) == (1, 10)
+
+
+def test_times_from_the_fake_say_they_are_simulated_and_compare_runs_without_offload(capsys):
+    code, out, _ = main(capsys, "--pipeline", "flux2", "--steps", STEPS, "--compare")
+    assert code == 0
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
+    for row in ("time per step", "call", "without offload", "verdict"):
+        assert table[row].endswith("simulated on the CPU (fake backend)"), row
+    assert table["backend"] == "fake (a simulator on the CPU)"
+    assert re.fullmatch(r"call \S+ ms; offloaded / without: \d+\.\d\dx; same output: yes; .*", table["without offload"])
+    code, out, _ = main(capsys, "--pipeline", "flux2", "--steps", STEPS, "--compare", "--json")
+    compare = json.loads(out)["compare"]
+    assert compare["same_output"] is True
+    assert compare["cost_ratio"] == pytest.approx(json.loads(out)["wall_time_s"] / compare["call_s_without_offload"])
+
+
+def test_an_accelerator_backend_is_not_called_simulated():
+    from offload_core_fake import FakeBackend
+
+    class Accelerator(FakeBackend):
+        is_accelerator = True
+
+    result = run_pipeline(parse("--pipeline", "flux2", "--json"), backend=Accelerator())
+    try:
+        assert result.report["simulated"] is False and "simulated" not in render(result.report)
+    finally:
+        result.close()
 
 
 def test_trace_has_a_copy_lane_per_copy_stream(capsys, tmp_path):
@@ -202,7 +289,7 @@ def test_a_backend_without_timing_events_reports_the_overlap_as_unknown():
     try:
         report = result.report
         assert report["device_timed"] is False and report["overlap"] is None and report["copy_time_s"] is None
-        assert report["verdict"].endswith("copy overlap unknown (fake has no device timing)")
+        assert "copy overlap unknown (fake has no device timing)" in report["verdict"]
         assert {s.kind for s in result.timeline.spans()} == {"compute", "wait", "copy"}
     finally:
         result.close()
@@ -307,7 +394,9 @@ def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
     unwritable = "/proc/offload-core-test.png"
     return [
         (["--pipeline", "nope"], "unknown pipeline 'nope'"),
-        (["--model", str(tmp / "missing")], "no such file or directory"),
+        (["--model", str(tmp / "missing")], "no such file or directory; --model takes a local diffusers folder"),
+        (["--model", "black-forest-labs/FLUX.2-dev"],
+         "huggingface-cli download black-forest-labs/FLUX.2-dev --local-dir FLUX.2-dev, then --model FLUX.2-dev"),
         (["--model", str(tmp / "empty")], "model_index.json"),
         (["--model", str(bogus)], "names 'NoSuchPipeline', which is not a diffusers pipeline class"),
         (["--model", str(bad_part)], "component 'vae' the class diffusers.NoSuchVAE, which cannot be imported"),
@@ -322,6 +411,7 @@ def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
         (["--strategy", "none", "--backend", "fake"], "--backend does not apply to --strategy none"),
         (["--strategy", "none", "--timeline", str(tmp / "t.png")], "--timeline does not apply to --strategy none"),
         (["--strategy", "model", "--prefetch-depth", "2"], "--prefetch-depth applies to --strategy layerwise"),
+        (["--strategy", "none", "--compare"], "--compare does not apply to --strategy none"),
         (["--output", str(tmp / "x.jpg")], "--output must name a .png file"),
         (["--timeline", str(tmp / "x.svg")], "--timeline must name a .png file"),
         (["--trace", str(tmp / "no" / "t.json")], "does not exist"),
@@ -329,6 +419,8 @@ def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
         (["--output", str(tmp / "a-directory.png")], "is a directory"),
         (["--output", unwritable], "cannot write in '/proc'"),
         (["--trace", str(tmp / "same.png"), "--timeline", str(tmp / "same.png")], "must name different files"),
+        (["--output", str(tmp / "v.png"), "--timeline", str(tmp / "v_0000.png")],
+         "--timeline '%s' has the name of a frame of --output" % (tmp / "v_0000.png")),
         (["--pipeline", "sd3", "--model", str(saved)], "not allowed with argument"),
     ]
 
@@ -398,6 +490,25 @@ def test_a_failed_write_leaves_no_file_behind(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_rename_puts_back_what_was_there(capsys, tmp_path, monkeypatch):
+    """The last rename fails: the files renamed before it are taken back and the file one of them
+    replaced is restored, so the folder is as it was before the run."""
+    old_trace = tmp_path / "t.json"
+    old_trace.write_text("the previous run's trace")
+    real_replace = os.replace
+
+    def failing_replace(source, target):
+        if Path(target).name == "x.png":
+            raise OSError("Input/output error")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    code, out, err = main(capsys, "--pipeline", "sd3", "--trace", str(old_trace), "--output", str(tmp_path / "x.png"),
+                          "--json")
+    assert (code, out, err) == (1, "", "offload-core: error: OSError: Input/output error\n")
+    assert list(tmp_path.iterdir()) == [old_trace] and old_trace.read_text() == "the previous run's trace"
+
+
 def test_a_failing_run_is_one_line_and_exit_1_and_debug_adds_the_traceback(capsys, monkeypatch):
     import offload_core.tiny
 
@@ -414,10 +525,10 @@ def test_a_failing_run_is_one_line_and_exit_1_and_debug_adds_the_traceback(capsy
 def test_pipeline_list(capsys):
     code, out, _ = main(capsys, "--pipeline", "list")
     assert code == 0
-    assert [line.split()[:2] for line in out.splitlines()] == [[n, s.cls_name] for n, s in EMBEDDED.items()]
-    assert DEFAULT_PIPELINE in EMBEDDED and set(PIPELINES) < set(EMBEDDED)
+    assert [line.split()[:2] for line in out.splitlines()] == [[n, s.cls_name] for n, s in embedded().items()]
+    assert DEFAULT_PIPELINE in embedded() and set(PIPELINES) < set(embedded())
     code, out, _ = main(capsys, "--pipeline", "list", "--json")
-    assert [row["name"] for row in json.loads(out)] == list(EMBEDDED)
+    assert [row["name"] for row in json.loads(out)] == list(embedded())
 
 
 def test_console_script_prints_the_table(tmp_path):
@@ -431,5 +542,5 @@ def test_console_script_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stderr
     table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in done.stdout.splitlines())
     assert table["pipeline"] == "sd3 (StableDiffusion3Pipeline)"
-    assert table["strategy"].startswith("layerwise") and table["backend"] == "fake" and table["steps"] == STEPS
+    assert table["strategy"].startswith("layerwise") and table["backend"] == "fake (a simulator on the CPU)" and table["steps"] == STEPS
     assert table["prefetch misses"] == "0" and table["overlap (copy hidden)"].endswith(")")

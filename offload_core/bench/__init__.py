@@ -1,16 +1,25 @@
 """Benchmarks behind ``offload-core bench``: every figure is a ratio measured in one run, the
-variants interleaved (docs/benchmarks.md). Timed tests would be flaky; these report, and the targets are
-printed beside the measurements."""
+variants interleaved, with its spread over the repetitions (docs/benchmarks.md). Timed tests
+would be flaky; these report, and the targets are printed beside the measurements, with a status
+that never says "ok" for a figure the run cannot vouch for (:func:`status`). The sections' modules (torch, diffusers) are imported when a
+section runs, so that ``offload-core bench --help`` answers at once."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Callable
 
-from .hostmem import host_memory
-from .layerwise import copies_per_block, overhead_per_block, step_ratio
-from .pipeline import strategies_side_by_side
-from .sanitizer import sanitizer_cost
+
+def _section(module: str, function: str, **arguments: Callable[[bool], Any]) -> Callable[[bool], dict[str, Any]]:
+    """A section that imports ``module`` when it runs and calls ``function`` with ``arguments``,
+    each computed from ``quick``."""
+
+    def run(quick: bool) -> dict[str, Any]:
+        call = getattr(importlib.import_module(module, __name__), function)
+        return call(**{name: value(quick) for name, value in arguments.items()})
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,34 +30,60 @@ class Headline:
     section: str
     key: str
     target: float | None  # the figure must be <= target; None: reported only
+    floor: float | None = None  # a physical lower limit: below it beyond the spread, the timing is broken
+
+
+UNRELIABLE = "unreliable (machine busy)"
+
+
+def status(value: float, spread: float, target: float | None, floor: float | None) -> str:
+    """"ok", "MISSED", :data:`UNRELIABLE`, or "" (reported only, and plausible).
+
+    Unreliable: a figure below its physical limit by more than its spread (a negative overhead,
+    an offloaded run faster than the resident one), or one whose spread is larger than its
+    distance to the target (it cannot say which side of the target it is on)."""
+    if value != value:  # NaN: a denominator that vanished
+        return UNRELIABLE
+    if floor is not None and value + spread < floor:
+        return UNRELIABLE
+    if target is None:
+        return ""
+    if spread > abs(value - target):
+        return UNRELIABLE
+    return "ok" if value <= target else "MISSED"
+
+
+def _pick(quick: Any, full: Any) -> Callable[[bool], Any]:
+    return lambda quick_run: quick if quick_run else full
 
 
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "layerwise_overhead": lambda quick: overhead_per_block(layers=32, repeats=5 if quick else 30),
-    "layerwise_compute": lambda quick: step_ratio(d=256 if quick else 1024, repeats=3 if quick else 8),
-    "layerwise_bandwidth": lambda quick: step_ratio(d=256 if quick else 1024, copy_to_compute=0.8,
-                                                    repeats=3 if quick else 8),
-    "copies_per_block": lambda quick: copies_per_block(),
-    "strategies": lambda quick: strategies_side_by_side(repeats=2 if quick else 5),
-    "sanitizer": lambda quick: sanitizer_cost(repeats=2 if quick else 5),
-    "host_memory": host_memory,
+    "layerwise_overhead": _section(".layerwise", "overhead_per_block", layers=_pick(32, 32), repeats=_pick(20, 200)),
+    "layerwise_compute": _section(".layerwise", "step_ratio", d=_pick(256, 1024), repeats=_pick(3, 8)),
+    "layerwise_bandwidth": _section(".layerwise", "step_ratio", d=_pick(256, 1024), copy_to_compute=_pick(0.8, 0.8),
+                                    repeats=_pick(3, 8)),
+    "copies_per_block": _section(".layerwise", "copies_per_block"),
+    "strategies": _section(".pipeline", "strategies_side_by_side", repeats=_pick(2, 5)),
+    "sanitizer": _section(".sanitizer", "sanitizer_cost", repeats=_pick(2, 5)),
+    "host_memory": _section(".hostmem", "host_memory", quick=_pick(True, False)),
 }
 
 HEADLINES = [
     # each block's tensors switch between slot and host views around its forward (two assignments
     # per tensor; see docs/benchmarks.md): well under diffusers' hooks, above the 0.10 of before
     Headline("layerwise overhead per block, ours / diffusers group offloading", "layerwise_overhead",
-             "ratio_ours_to_diffusers", 0.35),
-    Headline("layerwise step time / resident, compute-heavy stack", "layerwise_compute", "ratio", 1.15),
-    Headline("same, copy = 0.8 x compute (bandwidth model)", "layerwise_bandwidth", "ratio", 1.10),
+             "ratio_ours_to_diffusers", 0.35, floor=0.0),
+    Headline("layerwise step time / resident, compute-heavy stack", "layerwise_compute", "ratio", 1.15, floor=1.0),
+    Headline("same, copy = 0.8 x compute (bandwidth model)", "layerwise_bandwidth", "ratio", 1.10, floor=1.0),
     Headline("copies per block per forward (fp32 blocks: 1 dtype)", "copies_per_block", "fp32_copies_per_block", 1.0),
     Headline("copies per block per forward (fp32+bf16: 1.5 dtypes)", "copies_per_block",
              "fp32+bf16_copies_per_block", 1.5),
     Headline("model-level swap cost per call, overlapped / synchronous", "strategies",
-             "overlapped_to_sync_swap_cost", 1.0),
-    Headline("layerwise pipeline call / resident (bandwidth model)", "strategies", "ratio_to_resident.layerwise", None),
+             "overlapped_to_sync_swap_cost", 1.0, floor=0.0),
+    Headline("layerwise pipeline call / resident (bandwidth model)", "strategies", "ratio_to_resident.layerwise", None,
+             floor=1.0),
     Headline("fake backend: layerwise pipeline call, race sanitizer on / off", "sanitizer", "sanitized_to_unsanitized",
-             None),
+             None, floor=1.0),
     Headline("host peak / model: load with from_pretrained", "host_memory", "load", None),
     Headline("  same / its bound, 1.15 x model + 1 GB", "host_memory", "load_over_bound", 1.0),
     Headline("host peak / model: enable on a built model", "host_memory", "enable_built", None),
@@ -70,6 +105,8 @@ def run(sections: list[str] | None = None, quick: bool = False) -> dict[str, Any
 
 
 def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per headline of the sections that ran: value, spread (None for a figure measured
+    once: memory, counts), target and status."""
     rows = []
     for h in HEADLINES:
         if h.section not in results:
@@ -77,13 +114,20 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         value: Any = results[h.section]
         for part in h.key.split("."):
             value = value[part]
+        spread = results[h.section].get("spread", {}).get(h.key)
         rows.append({
             "figure": h.label,
             "value": value,
+            "spread": spread,
             "target": h.target,
-            "meets_target": None if h.target is None else bool(value <= h.target),
+            "status": status(value, spread or 0.0, h.target, h.floor),
         })
     return rows
 
 
-__all__ = ["HEADLINES", "SECTIONS", "headline_rows", "run"]
+def failed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows ``bench --check`` fails on: a missed target, or a figure it cannot vouch for."""
+    return [r for r in rows if r["status"] in ("MISSED", UNRELIABLE)]
+
+
+__all__ = ["HEADLINES", "SECTIONS", "UNRELIABLE", "failed", "headline_rows", "run", "status"]

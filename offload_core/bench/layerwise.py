@@ -5,7 +5,10 @@ copies per block per forward."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -13,7 +16,7 @@ from torch import nn
 
 from ..api import enable_offload
 from ..plugins import get_backend
-from .timing import interleaved
+from .timing import interleaved, ratio
 
 logger = logging.getLogger(__name__)
 
@@ -63,44 +66,85 @@ def tiny_wan(layers: int) -> tuple[nn.Module, dict[str, Any]]:
     return model, inputs
 
 
-def overhead_per_block(layers: int = 32, repeats: int = 30) -> dict[str, float]:
-    """(a) Seconds of framework overhead per block: ours (real copies on the fake device) and
-    diffusers' ``apply_group_offloading`` (block level, onload and offload on the CPU)."""
+class BlockClock:
+    """The calling thread's CPU time spent inside the blocks' own forwards: each block's
+    ``forward`` wrapped (before any offloading is applied, so that an offloading library's work
+    around the forward stays outside)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.inside_ns = 0
+        for block in blocks:
+            block.forward = functools.partial(self._timed, block.forward)
+
+    def _timed(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time_ns()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.inside_ns += time.thread_time_ns() - start
+
+    def outside_ns(self, call: Any) -> int:
+        """Thread CPU time of ``call()`` outside the block forwards."""
+        self.inside_ns = 0
+        start = time.thread_time_ns()
+        call()
+        return time.thread_time_ns() - start - self.inside_ns
+
+
+def overhead_per_block(layers: int = 32, repeats: int = 200) -> dict[str, Any]:
+    """(a) Framework overhead per block, ours (real copies on the fake device) and diffusers'
+    ``apply_group_offloading`` (block level, onload and offload on the CPU): the calling thread's
+    CPU time outside the blocks' own forwards, offloaded minus resident, per block.
+
+    Thread CPU time, not wall time: the figure is tens of microseconds per block, which wall
+    clocks on a shared machine cannot resolve (another process's time slice is thousands of
+    them), while a thread's CPU time does not advance while it is descheduled or waiting. The
+    three variants are interleaved call by call over ``repeats`` passes; the ratio is the median
+    of the per-pass ratios, with its spread."""
     from diffusers.hooks import apply_group_offloading
 
     resident, inputs = tiny_wan(layers)
     ours, theirs = copy.deepcopy(resident), copy.deepcopy(resident)
+    clocks = {name: BlockClock(list(model.blocks)) for name, model in
+              (("resident", resident), ("ours", ours), ("diffusers", theirs))}
     handle = enable_offload(ours, enable_layerwise_offload=True, backend=get_backend("fake", chaos=False))
     cpu = torch.device("cpu")
     apply_group_offloading(theirs, onload_device=cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1)
+    models = {"resident": resident, "ours": ours, "diffusers": theirs}
+    outside: dict[str, list[int]] = {name: [] for name in models}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: intra-op threads add only noise to a per-block figure
     try:
-        times = interleaved(
-            {"resident": lambda: resident(**inputs), "ours": lambda: ours(**inputs), "diffusers": lambda: theirs(**inputs)},
-            repeats,
-            statistic=min,  # per-block costs of tens of microseconds: noise only ever adds
-        )
+        with torch.no_grad():
+            for name, model in models.items():  # warm-up
+                model(**inputs)
+            for _ in range(repeats):
+                for name, model in models.items():
+                    outside[name].append(clocks[name].outside_ns(lambda m=model: m(**inputs)))
     finally:
         torch.set_num_threads(threads)
         handle.disable()
-    ours_block = (times["ours"] - times["resident"]) / layers
-    theirs_block = (times["diffusers"] - times["resident"]) / layers
+    ours_block = [(o - r) / layers / 1e9 for o, r in zip(outside["ours"], outside["resident"])]
+    theirs_block = [(d - r) / layers / 1e9 for d, r in zip(outside["diffusers"], outside["resident"])]
+    value, spread = ratio(ours_block, theirs_block)
     return {
         "blocks": layers,
-        "resident_s": times["resident"],
-        "ours_overhead_per_block_s": ours_block,
-        "diffusers_overhead_per_block_s": theirs_block,
-        "ratio_ours_to_diffusers": ours_block / theirs_block if theirs_block > 0 else float("nan"),
+        "passes": repeats,
+        "resident_outside_blocks_s": statistics.median(outside["resident"]) / 1e9,
+        "ours_overhead_per_block_s": statistics.median(ours_block),
+        "diffusers_overhead_per_block_s": statistics.median(theirs_block),
+        "ratio_ours_to_diffusers": value,
+        "spread": {"ratio_ours_to_diffusers": spread},
     }
 
 
 def step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_to_compute: float | None = None,
-               repeats: int = 8) -> dict[str, float]:
+               repeats: int = 8) -> dict[str, Any]:
     """(b)/(c) Offloaded / resident step time on a compute-heavy stack with one torch thread.
 
     ``copy_to_compute``: when set, the fake device's bandwidth is chosen so that one block's copy
-    takes that fraction of one block's compute time (measured first in this run).
+    takes that fraction of one block's compute time, recalibrated after every resident call from
+    that call's time (so that load during the run changes the copy time with the compute time).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -109,26 +153,36 @@ def step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_to_comput
         resident = MLPStack(blocks, d).eval()
         offloaded = copy.deepcopy(resident)
         x = torch.randn(tokens, d)
-        options: dict[str, Any] = {"chaos": False}
         block_bytes = sum(p.numel() * p.element_size() for p in resident.blocks[0].parameters())
+        backend = get_backend("fake", chaos=False)
+        calibrate = None
         if copy_to_compute is not None:
-            per_block = interleaved({"resident": lambda: resident(x)}, 3)["resident"] / blocks
-            options["h2d_bandwidth"] = block_bytes / (copy_to_compute * per_block)
-        handle = enable_offload(offloaded, enable_layerwise_offload=True, backend=get_backend("fake", **options))
+
+            def calibrate(name: str, seconds: float) -> None:
+                if name == "resident":
+                    backend.h2d_bandwidth = block_bytes / (copy_to_compute * seconds / blocks)
+
+            with torch.no_grad():
+                start = time.perf_counter()
+                resident(x)
+                calibrate("resident", time.perf_counter() - start)
+        handle = enable_offload(offloaded, enable_layerwise_offload=True, backend=backend)
         with handle.frozen():  # successive steps, as a pipeline call runs them
-            times = interleaved({"resident": lambda: resident(x), "offloaded": lambda: offloaded(x)}, repeats)
+            times = interleaved({"resident": lambda: resident(x), "offloaded": lambda: offloaded(x)}, repeats,
+                                after=calibrate)
         misses = handle.stats()["prefetch_misses"]
         handle.disable()
     finally:
         torch.set_num_threads(threads)
-    result = {
+    value, spread = ratio(times["offloaded"], times["resident"])
+    result: dict[str, Any] = {
         "blocks": blocks, "d": d, "tokens": tokens, "block_bytes": block_bytes,
-        "resident_s": times["resident"], "offloaded_s": times["offloaded"],
-        "ratio": times["offloaded"] / times["resident"], "prefetch_misses": misses,
+        "resident_s": statistics.median(times["resident"]), "offloaded_s": statistics.median(times["offloaded"]),
+        "ratio": value, "prefetch_misses": misses, "spread": {"ratio": spread},
     }
     if copy_to_compute is not None:
         result["copy_to_compute"] = copy_to_compute
-        result["h2d_bandwidth_bytes_per_s"] = options["h2d_bandwidth"]
+        result["h2d_bandwidth_bytes_per_s"] = backend.h2d_bandwidth
     return result
 
 

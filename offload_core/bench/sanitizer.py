@@ -8,12 +8,13 @@ sanitizes.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from ..api import enable_offload
 from ..plugins import get_backend
 from ..tiny import build_pipeline
-from .timing import interleaved
+from .timing import interleaved, ratio
 
 
 def sanitizer_cost(pipeline: str = "flux2", repeats: int = 5) -> dict[str, Any]:
@@ -35,8 +36,10 @@ def sanitizer_cost(pipeline: str = "flux2", repeats: int = 5) -> dict[str, Any]:
     finally:
         for handle in handles:
             handle.disable()
+    value, spread = ratio(times["sanitized"], times["unsanitized"])
     return {
         "pipeline": pipeline,
-        "seconds_per_call": times,
-        "sanitized_to_unsanitized": times["sanitized"] / times["unsanitized"],
+        "seconds_per_call": {name: statistics.median(t) for name, t in times.items()},
+        "sanitized_to_unsanitized": value,
+        "spread": {"sanitized_to_unsanitized": spread},
     }

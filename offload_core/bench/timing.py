@@ -1,5 +1,12 @@
 """Interleaved timing: every ratio the benchmarks report comes from one run, with the variants'
-repetitions alternating so that drift (thermal, other load) hits all of them alike."""
+repetitions alternating (A, B, C, A, B, C, ...) so that drift (thermal, other load) hits all of
+them alike, and is reported with its spread over the repetitions.
+
+A ratio is taken per repetition (A's i-th sample over B's i-th, which ran next to each other) and
+summarised by the median of those ratios; its spread is half their interquartile range. On a busy
+machine the spread grows: a figure whose spread is larger than its distance to the target
+cannot say which side of the target it is on (see :func:`offload_core.bench.status`).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +21,13 @@ def interleaved(
     variants: Mapping[str, Callable[[], object]],
     repeats: int,
     warmup: int = 1,
-    statistic: Callable[[list[float]], float] = statistics.median,
-) -> dict[str, float]:
-    """Seconds per call of each variant (``statistic`` of its samples: the median, or ``min`` for
-    small costs where a noisy machine only ever adds time), the calls alternating variant by variant."""
+    clock: Callable[[], float] = time.perf_counter,
+    after: Callable[[str, float], None] | None = None,
+) -> dict[str, list[float]]:
+    """The samples of each variant (seconds per call by ``clock``), the calls alternating variant
+    by variant. ``after(name, sample)`` runs after each timed call, outside the timing: a
+    calibration that must follow the figure it calibrates (a bandwidth derived from the
+    resident time just measured) goes there."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
         for _ in range(warmup):
@@ -25,7 +35,25 @@ def interleaved(
                 fn()
         for _ in range(repeats):
             for name, fn in variants.items():
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistic(values) for name, values in samples.items()}
+                samples[name].append(clock() - start)
+                if after is not None:
+                    after(name, samples[name][-1])
+    return samples
+
+
+def spread(values: list[float]) -> float:
+    """Half the interquartile range (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 2
+
+
+def ratio(numerators: list[float], denominators: list[float]) -> tuple[float, float]:
+    """(median, spread) of the per-repetition ratios."""
+    ratios = [a / b for a, b in zip(numerators, denominators) if b != 0]
+    if not ratios:
+        return float("nan"), float("nan")
+    return statistics.median(ratios), spread(ratios)

@@ -10,18 +10,20 @@ line, exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import inspect
+import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..backend import DeviceBackend
 from ..cli_common import UsageError, available_backend, check_writable
-from ..tiny import DEMOS, PIPELINES
 
-STRATEGIES = ("none", "model", "layerwise")
-#: every pipeline ``--pipeline`` can build, the demos first
-EMBEDDED = {**DEMOS, **PIPELINES}
+if TYPE_CHECKING:
+    from ..backend import DeviceBackend
+    from ..tiny import PipelineSpec
+
+STRATEGIES = ("none", "model", "layerwise", "distributed")
 DEFAULT_PIPELINE = "flux2-deep"
 #: command-line flag (argparse dest) -> the pipeline ``__call__`` parameter it sets
 CALL_PARAMETERS = {
@@ -32,7 +34,7 @@ CALL_PARAMETERS = {
     "prompt": "prompt",
 }
 #: flags that only mean something when offloading is on
-OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth")
+OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth", "compare")
 #: largest accepted values: past them a request is a typo, and a run would exhaust memory before
 #: saying anything (2**31 steps: the scheduler's timestep table alone does)
 MAX_STEPS = 1000
@@ -50,21 +52,37 @@ model's own defaults.
 
 Strategies: 'none' runs the pipeline as loaded, without offload (the reference output and time);
 'model' swaps whole components (enable_cpu_offload); 'layerwise' streams the DiT block by block
-(enable_layerwise_offload). Offloading is enabled before the clock starts; the report times the
-one call, counts the copies made during it (and since enable), and ends with a one-line verdict.
-'overlap' is the share of host-to-device copy time during which compute did not wait for a copy,
-read from the timeline the strategies record (n/a on a backend without device timing).
+(enable_layerwise_offload); 'distributed' streams it over several ranks, each holding 1/N of
+the blocks (enable_distributed_layerwise_offload), one process per rank started by torchrun:
+  torchrun --nproc-per-node 2 -m offload_core run --strategy distributed
+every rank's output is checked equal, and rank 0 reports and writes the files. Offloading is enabled before the clock starts; the report times the
+one call and each denoising step (from the pipeline's callback_on_step_end; the first step
+apart), gives the device memory saved, counts the copies made during the call (prefetches for a
+step that never came apart), and ends with a one-line verdict. On a simulator backend (fake)
+the times are the simulator's, and the report says so. 'overlap' is the share of host-to-device
+copy time during which compute did not wait for a copy, read from the timeline the strategies
+record (n/a on a backend without device timing). --compare then runs the same call without
+offload, every weight on the device, and prints the cost ratio and whether the outputs are equal.
 
 --trace FILE.json writes that timeline as Chrome trace JSON (open it in Perfetto): per-block
 compute on the 'compute' lane, copies on the 'copy' lanes, waits for copies, host waits and
-prefetch misses. --timeline FILE.png draws the same lanes (needs matplotlib: pip install
-"offload-core[plot]").
+prefetch misses. --timeline FILE.png draws the same lanes, the step boundaries and the device
+memory (needs matplotlib: pip install "offload-core[plot]").
 
 --output FILE.png writes an image output to FILE.png; a video (or several images) is written as
 one PNG per frame: FILE_0000.png, FILE_0001.png, ... next to FILE.png. Files are written only when
 the run succeeded, all or none.
 
 Exit status: 0 done, 1 the run failed (one line; --debug for the traceback), 2 bad input."""
+
+
+@functools.cache
+def embedded() -> dict[str, PipelineSpec]:
+    """Every pipeline ``--pipeline`` can build, the demos first (imported when needed: the
+    parser alone must not import torch)."""
+    from ..tiny import DEMOS, PIPELINES
+
+    return {**DEMOS, **PIPELINES}
 
 
 def _count(minimum: int, maximum: int) -> Callable[[str], int]:
@@ -112,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE.json", help="write the call's timeline as Chrome trace JSON")
     parser.add_argument("--timeline", metavar="FILE.png", help="draw the call's timeline as a PNG (needs matplotlib)")
     parser.add_argument("--output", metavar="FILE.png", help="save the output as PNG (video: FILE_0000.png, ...)")
+    parser.add_argument("--compare", action="store_true", default=None,
+                        help="then run the same call without offload and print the cost ratio and whether the "
+                        "outputs are equal")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object; no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="log offload_core at INFO level on stderr")
     parser.add_argument("--debug", action="store_true", help="log at DEBUG level; print the traceback of a failure")
@@ -125,14 +146,18 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
     """Every check that needs no model. ``backend``: an instance replacing ``--backend``."""
-    if args.pipeline is not None and args.pipeline not in EMBEDDED:
-        raise UsageError(f"unknown pipeline {args.pipeline!r}; embedded pipelines: {', '.join(EMBEDDED)}")
+    if args.pipeline is not None and args.pipeline not in embedded():
+        raise UsageError(f"unknown pipeline {args.pipeline!r}; embedded pipelines: {', '.join(embedded())}")
     if args.strategy == "none":
         for flag in OFFLOAD_FLAGS:
             if getattr(args, flag) is not None:
                 raise UsageError(f"{_flag(flag)} does not apply to --strategy none (no offload, no backend)")
     elif args.prefetch_depth is not None and args.strategy != "layerwise":
         raise UsageError(f"--prefetch-depth applies to --strategy layerwise only, not {args.strategy!r}")
+    if args.strategy == "distributed":
+        from .ranks import check_launched
+
+        check_launched()
     files = {flag: getattr(args, flag) for flag in ("output", "trace", "timeline") if getattr(args, flag) is not None}
     for flag in ("output", "timeline"):
         if flag in files and Path(files[flag]).suffix.lower() != ".png":
@@ -142,10 +167,31 @@ def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
     paths = [Path(p).resolve() for p in files.values()]
     if len(set(paths)) < len(paths):
         raise UsageError(f"{', '.join('--' + f for f in files)} must name different files")
+    if "output" in files:
+        _check_no_frame_name(files)
     if args.timeline is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError('--timeline needs matplotlib, which is not installed: pip install "offload-core[plot]"')
     if args.strategy != "none" and backend is None:
         available_backend(args.backend)
+
+
+def frame_path(output: Path, index: int) -> Path:
+    """Where frame ``index`` of a video (or of several images) is written for ``--output FILE.png``."""
+    return output.with_name(f"{output.stem}_{index:04d}{output.suffix}")
+
+
+def _check_no_frame_name(files: dict[str, str]) -> None:
+    """No other output file may take a name a frame of ``--output`` could get (how many frames
+    there are is known only after the run)."""
+    output = Path(files["output"]).resolve()
+    frame_name = re.compile(re.escape(output.stem) + r"_\d{4}" + re.escape(output.suffix) + "$")
+    for flag, value in files.items():
+        path = Path(value).resolve()
+        if flag != "output" and path.parent == output.parent and frame_name.match(path.name):
+            raise UsageError(
+                f"--{flag} {value!r} has the name of a frame of --output {files['output']!r} (a video or several "
+                f"images are written as {frame_path(Path(files['output']), 0).name}, ...); choose another name"
+            )
 
 
 def check_applies(cls: type, overrides: dict[str, Any]) -> None:

@@ -36,8 +36,9 @@ from ..backend import DeviceBackend
 from ..cli_common import UsageError, Writer, columns, write_all
 from ..config import OffloadConfigError
 from ..timeline import Timeline
-from . import arguments, loading, outputs
-from .report import make_report, render, weight_bytes
+from . import arguments, loading, outputs, ranks
+from .clock import MemorySampler, StepClock
+from .report import Measured, make_report, render, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,11 @@ class RunResult:
     handle: Any
     pipe: Any
     timeline: Timeline | None
+    measured: Measured
+    rank: int = 0  # this process's rank, for --strategy distributed
 
     def close(self) -> None:
-        if self.handle is not None:
+        if self.handle is not None and self.handle.enabled:
             self.handle.disable()
 
 
@@ -82,6 +85,9 @@ def _run_command(args: argparse.Namespace) -> int:
         print(json.dumps(pipeline_list(), indent=2) if args.json else _render_pipeline_list())
         return 0
     result = run_pipeline(args)
+    if result.rank != 0:  # rank 0 reports and writes the files
+        result.close()
+        return 0
     try:
         writers: list[Writer] = []
         if args.trace:
@@ -89,8 +95,8 @@ def _run_command(args: argparse.Namespace) -> int:
         if args.timeline:
             from .drawing import draw_timeline
 
-            title = f"{result.report['pipeline']}: {result.report['verdict']}"
-            writers.append((Path(args.timeline), lambda to: draw_timeline(result.timeline, to, title)))
+            writers.append((Path(args.timeline), lambda to: draw_timeline(result.timeline, to, result.report,
+                                                                          result.measured)))
         images = outputs.png_writers(result.output, Path(args.output)) if args.output else []
         written = write_all([*writers, *images])
     finally:
@@ -124,7 +130,7 @@ def _logging(args: argparse.Namespace) -> Iterator[None]:
 
 
 def pipeline_list() -> list[dict[str, str]]:
-    return [{"name": n, "class": s.cls_name, "description": s.description} for n, s in arguments.EMBEDDED.items()]
+    return [{"name": n, "class": s.cls_name, "description": s.description} for n, s in arguments.embedded().items()]
 
 
 def _render_pipeline_list() -> str:
@@ -139,32 +145,82 @@ def run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None = None)
     arguments.check(args, backend)
     if args.strategy != "none" and backend is None:
         backend = _backend(args.backend)
+    if args.strategy != "distributed":
+        return _run_pipeline(args, backend)
+    with ranks.process_group(backend):
+        result = _run_pipeline(args, backend)
+        try:
+            result.report["ranks"] = ranks.check_outputs_equal(result.output)
+        except BaseException:
+            result.close()
+            raise
+        result.rank = ranks.rank()
+        result.close()  # disable is collective: every rank does it while the process group lives
+        return result
+
+
+def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> RunResult:
     overrides = arguments.overrides(args)
     arguments.check_applies(loading.pipeline_class(args), overrides)
     target = loading.load(args)
     arguments.check_applies(type(target.pipe), overrides)
     loading.check_size(target.pipe, overrides)
-    target.pipe.set_progress_bar_config(disable=args.json)
+    target.pipe.set_progress_bar_config(disable=args.json or ranks.rank() != 0)
     plan_bytes = weight_bytes(target.pipe)  # before enable rebinds the weights
 
     handle = _enable(target.pipe, args, backend)
+    clock = StepClock()
     try:
         before = handle.stats() if handle is not None else {}
         logger.info("calling %s (%s, seed %d)", target.label, args.strategy, args.seed)
-        with _traced(handle) as timeline:
+        with _traced(handle) as timeline, _sampled(handle) as memory, clock.attached(target.pipe) as callback:
+            origin_ns = time.perf_counter_ns()  # the timeline's zero, as near as the host sees it
             start = time.perf_counter()
-            output = _call(target, overrides, args.seed)
+            output = _call(target, {**overrides, **callback}, args.seed)
             if handle is not None:
                 handle.backend.synchronize()
             wall = time.perf_counter() - start
         _check_output_size(target, overrides, output)
         settings = {**target.defaults, **overrides}
-        report = make_report(args, target, handle, output, wall, settings, timeline, plan_bytes, before)
+        measured = Measured(wall, clock.step_seconds(), [(t - origin_ns) / 1e6 for t in clock.step_ends_ns],
+                            [((t - origin_ns) / 1e6, b) for t, b in memory.samples] if memory else [])
+        report = make_report(args, target, handle, output, measured, settings, timeline, plan_bytes, before)
+        if args.compare:
+            handle.disable()
+            report["compare"] = compare(target, overrides, args.seed, handle.backend, output, wall)
     except BaseException:
-        if handle is not None:
+        if handle is not None and handle.enabled:
             handle.disable()
         raise
-    return RunResult(report=report, output=output, handle=handle, pipe=target.pipe, timeline=timeline)
+    return RunResult(report=report, output=output, handle=handle, pipe=target.pipe, timeline=timeline,
+                     measured=measured)
+
+
+def compare(target: loading.Target, overrides: dict[str, Any], seed: int, backend: DeviceBackend,
+            offloaded: torch.Tensor, offloaded_s: float) -> dict[str, Any]:
+    """The same call without offload, every weight on the backend's device (after the offloaded
+    one, which ran first and cold): its time, the offloaded call's cost ratio, whether the
+    outputs are equal."""
+    try:
+        target.pipe.to(backend.device())
+        start = time.perf_counter()
+        resident = _call(target, overrides, seed)
+        backend.synchronize()
+        seconds = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        return {"call_s_without_offload": None, "cost_ratio": None, "same_output": None,
+                "note": "without offload the pipeline does not fit in device memory"}
+    return {"call_s_without_offload": seconds, "cost_ratio": offloaded_s / seconds,
+            "same_output": bool(torch.equal(resident.cpu(), offloaded.cpu())), "note": None}
+
+
+@contextlib.contextmanager
+def _sampled(handle: Any) -> Iterator[MemorySampler | None]:
+    if handle is None:
+        yield None
+        return
+    with MemorySampler(handle.backend) as sampler:
+        yield sampler
 
 
 @contextlib.contextmanager
@@ -224,6 +280,8 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     options: dict[str, Any] = {"backend": backend}
     if args.strategy == "model":
         options["enable_cpu_offload"] = True
+    elif args.strategy == "distributed":
+        options["enable_distributed_layerwise_offload"] = True
     else:
         options["enable_layerwise_offload"] = True
         options["prefetch_depth"] = args.prefetch_depth or 1

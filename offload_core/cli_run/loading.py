@@ -22,7 +22,7 @@ import torch
 
 from ..cli_common import UsageError
 from ..tiny import as_tensor
-from .arguments import CALL_PARAMETERS, DEFAULT_PIPELINE, EMBEDDED
+from .arguments import CALL_PARAMETERS, DEFAULT_PIPELINE, embedded
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,13 @@ class Target:
 
 def pipeline_class(args: argparse.Namespace) -> type:
     """The pipeline class, known before anything is built or loaded; a folder is checked on the way."""
+    if args.model is not None and not Path(args.model).exists():
+        raise UsageError(missing_model(args.model))
     import diffusers
 
     if args.model is None:
-        return getattr(diffusers, EMBEDDED[args.pipeline or DEFAULT_PIPELINE].cls_name)
+        return getattr(diffusers, embedded()[args.pipeline or DEFAULT_PIPELINE].cls_name)
     folder = Path(args.model)
-    if not folder.exists():
-        raise UsageError(f"--model {args.model!r}: no such file or directory")
     index_file = folder / "model_index.json"
     if not folder.is_dir() or not index_file.is_file():
         raise UsageError(f"--model {args.model!r} is not a diffusers pipeline folder (no model_index.json)")
@@ -67,6 +67,18 @@ def pipeline_class(args: argparse.Namespace) -> type:
     _check_components(args.model, index)
     _check_safetensors(args.model, folder)
     return cls
+
+
+def missing_model(model: str) -> str:
+    """The message for a ``--model`` that names no file: it may be a Hub id, and nothing is
+    downloaded, so say how to get one."""
+    looks_like_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    repo, folder = (model, Path(model).name) if looks_like_id else ("ID", "DIR")
+    return (
+        f"--model {model!r}: no such file or directory; --model takes a local diffusers folder and downloads "
+        f"nothing. For a Hugging Face Hub model: huggingface-cli download {repo} --local-dir {folder}, "
+        f"then --model {folder}"
+    )
 
 
 def _check_components(model: str, index: dict[str, Any]) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from ..cli_common import Writer
+from .arguments import frame_path
+
 
 def frames_of(output: torch.Tensor) -> torch.Tensor:
     """The output as (N, C, H, W) frames: videos (B, F, C, H, W) flattened, channels-last moved."""
@@ -37,7 +39,7 @@ def png_writers(output: torch.Tensor, path: Path) -> list[Writer]:
     if len(pixels) == 1:
         paths = [path]
     else:
-        paths = [path.with_name(f"{path.stem}_{i:04d}{path.suffix}") for i in range(len(pixels))]
+        paths = [frame_path(path, i) for i in range(len(pixels))]
     return [
         (p, lambda to, image=image: Image.fromarray(image).save(to, format="PNG")) for p, image in zip(paths, pixels)
     ]

@@ -1,13 +1,17 @@
 """``offload-core run``'s report: the figures of one call, as a dict, a table, and a verdict.
 
 Figures named after ``stats()`` keys are the handle's totals since enable (which include enable's
-own copies of resident weights); ``call_h2d_*`` are the share of the timed call. The plan a run
-is compared with is every weight resident on the device; the verdict says in one line what
-offloading bought (device peak as a share of that plan) and what it cost (copy time not hidden).
+own copies of resident weights); ``call_h2d_*`` are the share of the timed call. The run is
+compared with every weight resident on the device; the verdict says in one line what offloading
+bought (the device memory saved) and what it cost (copy time not hidden), and, on a simulator,
+that the times are simulated. Copies the strategies made for a block that did not run again
+before the call ended (a prefetch for a step that never comes) are counted apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from typing import Any
 
 import torch
@@ -36,12 +40,36 @@ def weight_bytes(pipe: Any) -> int:
     return total
 
 
+@dataclasses.dataclass
+class Measured:
+    """What the command measured around and inside the call (times in ms since the timeline's start)."""
+
+    wall_s: float
+    step_s: list[float]  # each denoising step's duration, the first from the loop's start
+    step_ends_ms: list[float]
+    memory_ms: list[tuple[float, int]]  # (time, allocated device bytes) samples
+
+
+def unused_prefetches(timeline: Timeline | None) -> tuple[int, int] | None:
+    """(copies, bytes) loading a unit that did not compute after the copy began: prefetches for
+    a forward that never came before the call ended."""
+    if timeline is None:
+        return None
+    last_compute: dict[str, int] = {}
+    for span in timeline.spans():
+        if span.kind == "compute":
+            last_compute[span.name] = max(last_compute.get(span.name, -1), span.start_ns)
+    unused = [s for s in timeline.spans() if s.kind == "copy" and s.name.startswith("load ")
+              and last_compute.get(s.name[len("load "):], -1) < s.start_ns]
+    return len(unused), sum(s.nbytes for s in unused)
+
+
 def make_report(
     args: Any,
     target: Any,
     handle: Any,
     output: torch.Tensor,
-    wall: float,
+    measured: Measured,
     settings: dict[str, Any],
     timeline: Timeline | None,
     plan_bytes: int,
@@ -52,6 +80,8 @@ def make_report(
     stats = handle.stats() if handle is not None else {}
     overlap = timeline_overlap(timeline) if timeline is not None else None
     peak = stats.get("device_peak_bytes")
+    unused = unused_prefetches(timeline)
+    later_steps = measured.step_s[1:]
     report: dict[str, Any] = {
         "pipeline": target.label,
         "pipeline_class": type(target.pipe).__name__,
@@ -65,17 +95,23 @@ def make_report(
         "width": int(frames.shape[-1]),
         "frames": int(output.shape[1]) if output.dim() == 5 else None,
         "output_shape": list(output.shape),
-        "wall_time_s": wall,
-        "wall_time_per_step_s": wall / steps if isinstance(steps, int) and steps > 0 else None,
+        "simulated": handle is not None and not type(handle.backend).is_accelerator,
+        "wall_time_s": measured.wall_s,
+        "step_times_s": measured.step_s,
+        "first_step_s": measured.step_s[0] if measured.step_s else None,
+        "step_s": statistics.median(later_steps) if later_steps else None,
         "device_peak_bytes": peak,
         "device_bytes_without_offload": plan_bytes,
-        "device_peak_fraction": peak / plan_bytes if peak is not None and plan_bytes > 0 else None,
+        "device_saved_bytes": plan_bytes - peak if peak is not None else None,
+        "device_saved_fraction": (plan_bytes - peak) / plan_bytes if peak is not None and plan_bytes > 0 else None,
         "host_bytes": stats.get("host_bytes"),
         "pinned_host_bytes": stats.get("pinned_host_bytes"),
         "h2d_bytes": stats.get("h2d_bytes"),
         "h2d_copies": stats.get("h2d_copies"),
         "call_h2d_bytes": stats["h2d_bytes"] - before["h2d_bytes"] if stats else None,
         "call_h2d_copies": stats["h2d_copies"] - before["h2d_copies"] if stats else None,
+        "unused_prefetch_copies": unused[0] if unused else None,
+        "unused_prefetch_bytes": unused[1] if unused else None,
         "prefetch_misses": stats.get("prefetch_misses"),
         "loads": stats.get("loads"),
         "device_timed": timeline.device_timed if timeline is not None else None,
@@ -85,6 +121,8 @@ def make_report(
         "trace": None,
         "timeline": None,
         "output_files": [],
+        "compare": None,
+        "ranks": None,
     }
     report["verdict"] = verdict(report)
     return report
@@ -94,7 +132,7 @@ def verdict(r: dict[str, Any]) -> str:
     """What offloading bought and cost, in one line."""
     if r["strategy"] == "none":
         return "no offload: every weight is on the device for the whole call"
-    parts = [f"device peak {r['device_peak_fraction']:.0%} of all weights resident"]
+    parts = [f"device memory {r['device_saved_fraction']:.0%} lower ({_bytes(r['device_saved_bytes'])} saved)"]
     if r["overlap"] is not None:
         parts.append(f"copies {r['overlap']:.0%} hidden behind compute")
     elif r["device_timed"] is False:
@@ -103,7 +141,12 @@ def verdict(r: dict[str, Any]) -> str:
         parts.append("no copies during the call")
     if r["prefetch_misses"]:
         parts.append(f"{r['prefetch_misses']} prefetch misses")
-    return ", ".join(parts)
+    text = ", ".join(parts)
+    return text + (f"; {simulated_words(r)}" if r["simulated"] else "")
+
+
+def simulated_words(r: dict[str, Any]) -> str:
+    return f"simulated on the CPU ({r['backend']} backend)"
 
 
 def _bytes(n: int | None) -> str:
@@ -128,6 +171,9 @@ def render(report: dict[str, Any]) -> str:
     r = report
     size = f"{r['width']} x {r['height']}" + (f", {r['frames']} frames" if r["frames"] is not None else "")
     strategy = r["strategy"] + (f" (prefetch depth {r['prefetch_depth']})" if r["prefetch_depth"] else "")
+    if r["ranks"] is not None:
+        strategy += f" ({r['ranks']} ranks, their outputs equal)"
+    simulated = f"; {simulated_words(r)}" if r["simulated"] else ""
     overlap = "n/a"
     if r["overlap"] is not None:
         overlap = (
@@ -136,27 +182,46 @@ def render(report: dict[str, Any]) -> str:
         )
     moved = "n/a"
     if r["h2d_bytes"] is not None:
-        moved = (
-            f"{_bytes(r['call_h2d_bytes'])} in {r['call_h2d_copies']} copies during the call "
-            f"({_bytes(r['h2d_bytes'])} in {r['h2d_copies']} since enable)"
-        )
-    peak = _bytes(r["device_peak_bytes"])
-    if r["device_peak_fraction"] is not None:
-        peak += f" ({r['device_peak_fraction']:.0%} of the plan)"
+        used_copies = r["call_h2d_copies"] - (r["unused_prefetch_copies"] or 0)
+        used_bytes = r["call_h2d_bytes"] - (r["unused_prefetch_bytes"] or 0)
+        moved = f"{_bytes(used_bytes)} in {used_copies} copies used by the call"
+        if r["unused_prefetch_copies"]:
+            moved += (f", {r['unused_prefetch_copies']} more prefetched for a step that never came "
+                      f"({_bytes(r['unused_prefetch_bytes'])})")
+        moved += f"; {_bytes(r['h2d_bytes'])} in {r['h2d_copies']} copies since enable"
+    if r["step_s"] is not None:
+        later = "step 2" if len(r["step_times_s"]) == 2 else f"median of steps 2-{len(r['step_times_s'])}"
+        step = f"{_seconds(r['step_s'])} ({later}), first step {_seconds(r['first_step_s'])}"
+    elif r["first_step_s"] is not None:
+        step = f"{_seconds(r['first_step_s'])} (one step)"
+    else:
+        step = "n/a (the pipeline takes no callback_on_step_end)"
     rows = [
         ("pipeline", f"{r['pipeline']} ({r['pipeline_class']})"),
         ("strategy", strategy),
-        ("backend", r["backend"] or "none (no offload)"),
+        ("backend", (r["backend"] or "none (no offload)") + (" (a simulator on the CPU)" if r["simulated"] else "")),
         ("steps", str(r["steps"]) if r["steps"] is not None else "n/a"),
         ("output size", size),
-        ("wall time per step", f"{_seconds(r['wall_time_per_step_s'])} (call: {_seconds(r['wall_time_s'])})"),
-        ("device peak, with offload", peak),
-        ("device, without offload (plan)", f"{_bytes(r['device_bytes_without_offload'])} (all weights resident)"),
+        ("time per step", step + simulated),
+        ("call", _seconds(r["wall_time_s"]) + " (prompt encoding, the steps, decoding)" + simulated),
+        ("device peak, with offload", _bytes(r["device_peak_bytes"])),
+        ("device, without offload", f"{_bytes(r['device_bytes_without_offload'])} (every weight resident)"),
+    ]
+    if r["device_saved_bytes"] is not None:
+        rows.append(("device memory saved", f"{_bytes(r['device_saved_bytes'])} ({r['device_saved_fraction']:.0%})"))
+    rows += [
         ("pinned host memory", _bytes(r["pinned_host_bytes"])),
         ("moved host -> device", moved),
         ("prefetch misses", "n/a" if r["prefetch_misses"] is None else str(r["prefetch_misses"])),
         ("overlap (copy hidden)", overlap),
     ]
+    if r["compare"] is not None:
+        c = r["compare"]
+        if c["cost_ratio"] is None:
+            rows.append(("without offload", c["note"]))
+        else:
+            rows.append(("without offload", f"call {_seconds(c['call_s_without_offload'])}; offloaded / without: "
+                         f"{c['cost_ratio']:.2f}x; same output: {'yes' if c['same_output'] else 'NO'}" + simulated))
     for key, label in (("trace", "trace"), ("timeline", "timeline")):
         if r[key]:
             rows.append((label, r[key]))

@@ -1,0 +1,96 @@
+"""``offload-core run``'s measurements inside the call: when each denoising step ended, and the
+device memory over time.
+
+The call's wall time divided by its steps is not a step time: it includes the prompt encoding
+and the decoding, which take as long as several steps on a small pipeline. So the steps are
+timed from the denoising loop itself: diffusers pipelines call ``callback_on_step_end`` at the
+end of every step, and the loop starts at the denoiser's first forward. The first step is kept
+apart, since it pays what later steps do not (the first loads, lazy initialisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from typing import Any, Iterator
+
+from torch import nn
+
+#: pipeline components that run once per denoising step (their first forward starts the loop)
+DENOISER_PREFIXES = ("transformer", "unet")
+#: how often the device memory is sampled during the call
+SAMPLE_INTERVAL_S = 0.0005
+
+
+class StepClock:
+    """Host times (``perf_counter_ns``) of the denoising loop's start and of each step's end."""
+
+    def __init__(self) -> None:
+        self.loop_start_ns: int | None = None
+        self.step_ends_ns: list[int] = []
+
+    def on_step_end(self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        self.step_ends_ns.append(time.perf_counter_ns())
+        return callback_kwargs
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if self.loop_start_ns is None:
+            self.loop_start_ns = time.perf_counter_ns()
+
+    @contextlib.contextmanager
+    def attached(self, pipe: Any) -> Iterator[dict[str, Any]]:
+        """Hooks on the pipeline's denoisers while the call runs; yields the call arguments that
+        pass the step callback (none where the pipeline takes no ``callback_on_step_end``)."""
+        if not takes_step_callback(pipe):
+            yield {}
+            return
+        denoisers = [m for name, m in pipe.components.items()
+                     if isinstance(m, nn.Module) and name.startswith(DENOISER_PREFIXES)]
+        hooks = [m.register_forward_pre_hook(self._on_forward) for m in denoisers]
+        try:
+            yield {"callback_on_step_end": self.on_step_end}
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def step_seconds(self) -> list[float]:
+        """Each step's duration: the first from the loop's start, the others from the step before."""
+        if not self.step_ends_ns or self.loop_start_ns is None:
+            return []
+        starts = [self.loop_start_ns, *self.step_ends_ns[:-1]]
+        return [(end - start) / 1e9 for start, end in zip(starts, self.step_ends_ns)]
+
+
+def takes_step_callback(pipe: Any) -> bool:
+    """The pipeline's own ``__call__`` takes ``callback_on_step_end`` (looked up along the class
+    hierarchy: enabling offload may put a subclass with a generic ``__call__`` in front)."""
+    return any("callback_on_step_end" in inspect.signature(cls.__call__).parameters
+               for cls in type(pipe).__mro__ if "__call__" in cls.__dict__)
+
+
+class MemorySampler:
+    """The backend's allocated device memory, sampled by a thread every ``SAMPLE_INTERVAL_S``
+    while the call runs: (host ``perf_counter_ns``, bytes) pairs."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.samples: list[tuple[int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="offload-core-run-memory", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.perf_counter_ns(), self.backend.memory_allocated()))
+            if self._stop.wait(SAMPLE_INTERVAL_S):
+                self.samples.append((time.perf_counter_ns(), self.backend.memory_allocated()))
+                return
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
