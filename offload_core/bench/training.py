@@ -1,11 +1,13 @@
 """Training benchmark (docs/benchmarks.md): a forward and backward through a layerwise-offloaded
 compute-heavy stack against the same resident stack, with the fake's bandwidth set so that one
 block's copy takes 0.8 of one block's forward compute; and the copies per block per training step
-(one in forward and one in backward, per dtype)."""
+(one in forward and one in backward, per dtype, less the blocks still in their slots)."""
 
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ import torch
 from ..api import enable_offload
 from ..plugins import get_backend
 from .layerwise import MLPStack
-from .timing import interleaved
+from .timing import interleaved, ratio
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -25,6 +27,8 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
 
 def training_step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_to_compute: float = 0.8,
                         repeats: int = 8) -> dict[str, Any]:
+    """The bandwidth is recalibrated after every resident forward (timed in the same interleaving),
+    so that load during the run changes copy and compute times alike."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -33,23 +37,36 @@ def training_step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_
         offloaded = copy.deepcopy(resident)
         x = torch.randn(tokens, d)
         block_bytes = sum(p.numel() * p.element_size() for p in resident.blocks[0].parameters())
-        per_block = interleaved({"resident": lambda: resident(x)}, 3)["resident"] / blocks
-        bandwidth = block_bytes / (copy_to_compute * per_block)
-        handle = enable_offload(offloaded, enable_layerwise_offload=True,
-                                backend=get_backend("fake", chaos=False, h2d_bandwidth=bandwidth))
-        _step(offloaded, x)  # the first step: the gradients' memory is allocated
+        backend = get_backend("fake", chaos=False)
+
+        def calibrate(name: str, seconds: float) -> None:
+            if name == "forward":
+                backend.h2d_bandwidth = block_bytes / (copy_to_compute * seconds / blocks)
+
+        with torch.no_grad():
+            start = time.perf_counter()
+            resident(x)
+            calibrate("forward", time.perf_counter() - start)
+        handle = enable_offload(offloaded, enable_layerwise_offload=True, backend=backend)
+        _step(offloaded, x)  # the first step allocates the gradients
         before = handle.stats()
-        times = interleaved({"resident": lambda: _step(resident, x), "offloaded": lambda: _step(offloaded, x)}, repeats)
+        times = interleaved(
+            {"forward": lambda: resident(x), "resident": lambda: _step(resident, x),
+             "offloaded": lambda: _step(offloaded, x)},
+            repeats, after=calibrate,
+        )
         after = handle.stats()
-        steps = repeats + 1  # interleaved's warm-up call included
+        steps = repeats + 1  # the warm-up round included
         dtypes = sum(len(u.numel) for u in handle.parts[0].units) / blocks
         handle.disable()
     finally:
         torch.set_num_threads(threads)
+    value, spread = ratio(times["offloaded"], times["resident"])
     return {
         "blocks": blocks, "d": d, "tokens": tokens, "block_bytes": block_bytes, "copy_to_compute": copy_to_compute,
-        "h2d_bandwidth_bytes_per_s": bandwidth, "resident_s": times["resident"], "offloaded_s": times["offloaded"],
-        "ratio": times["offloaded"] / times["resident"],
+        "h2d_bandwidth_bytes_per_s": backend.h2d_bandwidth,
+        "resident_s": statistics.median(times["resident"]), "offloaded_s": statistics.median(times["offloaded"]),
+        "ratio": value, "spread": {"ratio": spread},
         "copies_per_block_per_step": (after["h2d_copies"] - before["h2d_copies"]) / (steps * blocks),
         "dtypes_per_block": dtypes,
         "prefetch_misses": after["prefetch_misses"] - before["prefetch_misses"],
