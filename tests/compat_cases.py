@@ -11,6 +11,7 @@ on two gloo processes, where the process group is already initialised.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
 from typing import Callable, Iterator
@@ -498,12 +499,67 @@ def accelerate_offload(strategy: str, backend, verdict: str) -> None:
     _check_refused(strategy, backend, verdict, lambda m: cpu_offload(m, execution_device=torch.device("cpu")), "accelerate")
 
 
+# -- training ---------------------------------------------------------------------------------
+def _input_leaves(inputs: dict) -> dict:
+    return {k: v.clone().requires_grad_(True) if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in inputs.items()}
+
+
+def _loss(model: nn.Module, inputs: dict) -> torch.Tensor:
+    return first_tensor(model(**inputs)).float().square().mean()
+
+
+def input_gradients(strategy: str, backend, verdict: str) -> None:
+    expect(verdict, YES)
+    model, inputs = build_transformer("flux2")
+    model.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    expected = _input_leaves(inputs)
+    _loss(reference, expected).backward()
+    with offloaded(model, strategy, backend):
+        for _ in range(2):
+            got = _input_leaves(inputs)
+            _loss(model, got).backward()
+            for k, v in expected.items():
+                if torch.is_tensor(v) and v.grad is not None:
+                    assert torch.equal(got[k].grad, v.grad), f"input gradient {k}, {strategy}"
+
+
+def lora_training(strategy: str, backend, verdict: str) -> None:
+    from peft import LoraConfig
+
+    kind = expect(verdict, YES, REFUSED)
+    model, inputs = build_transformer("flux2")
+    model.requires_grad_(False)
+    torch.manual_seed(0)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"], init_lora_weights="gaussian"))
+    reference = copy.deepcopy(model)
+    with offloaded(model, strategy, backend):
+        if kind == REFUSED:
+            with pytest.raises(offload_core.DistributedOffloadError, match="shard_host_weights=False"):
+                _loss(model, inputs).backward()
+            with torch.no_grad():
+                assert torch.equal(first_tensor(model(**inputs)), first_tensor(reference(**inputs)))
+            return
+        loops = []
+        for m in (model, reference):
+            params = [p for p in m.parameters() if p.requires_grad]
+            loops.append((m, params, torch.optim.AdamW(params, lr=1e-2)))
+        for step in range(2):
+            for m, _, opt in loops:
+                opt.zero_grad()
+                _loss(m, inputs).backward()
+                opt.step()
+            ours, theirs = loops[0][1], loops[1][1]
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"LoRA weights after step {step}, {strategy}"
+
+
 CASES: dict[str, Callable] = {
     fn.__name__: fn
     for fn in (
         compile_regional, compile_whole, compile_whole_fullgraph,
         torchao_int8, torchao_int8_legacy, gguf, quanto_qint8, opaque_subclass,
         first_block_cache, pyramid_attention_broadcast, taylorseer_cache, mag_cache, attention_backend, lora_adapter,
-        layerwise_casting, group_offloading, accelerate_offload,
+        layerwise_casting, group_offloading, accelerate_offload, input_gradients, lora_training,
     )
 }

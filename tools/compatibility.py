@@ -41,6 +41,7 @@ class Row:
 COMPILE = "torch.compile"
 QUANTIZED = "Quantized weights"
 HOOKS = "diffusers hooks"
+TRAINING = "Training and gradients"
 
 ROWS: tuple[Row, ...] = (
     Row("compile_regional", COMPILE,
@@ -87,6 +88,12 @@ ROWS: tuple[Row, ...] = (
         "two offloaders would move the same weights: refused at enable, and the method raises on an offloaded model"),
     Row("accelerate_offload", HOOKS, "accelerate `cpu_offload(model)`",
         REFUSED, REFUSED, REFUSED, "refused at enable, as every accelerate hook"),
+    Row("input_gradients", TRAINING, "`loss.backward()` through a frozen model (guidance, inversion)",
+        YES, YES, YES, "saved weights are reloaded in backward, in reverse order, prefetched"),
+    Row("lora_training", TRAINING, "LoRA training: `add_adapter(...)`, `loss.backward()`, `AdamW.step()`",
+        YES, YES, REFUSED,
+        "the optimizer updates the host copy; distributed with sharded host weights (the default) cannot "
+        "update a shard: backward raises on every rank, naming `shard_host_weights=False`"),
 )
 
 
@@ -122,6 +129,9 @@ processes (gloo) with the block weights sharded over the ranks.
   processes compiling at once, uses Dynamo's `eager` backend.
 - **refused**: `enable_offload`, or for `fullgraph=True` the first compiled call, raises an error
   that names the problem and the model is left as it was.
+- Training rows: **yes** means the input gradients, and the adapter weights after two optimizer
+  steps, are `torch.equal` to those without offload; **refused** means that backward raises an
+  error naming the fix, and the model still runs.
 - **kept on device**: the model runs with equal output, but those tensors are moved to the device
   once instead of being streamed.
 
