@@ -1,7 +1,8 @@
 """Autograd through distributed layerwise offload on 2 real processes (gloo), on real diffusers
-DiTs: input gradients of a frozen model, sharded and replicated, and a LoRA training loop with
-replicated host weights, all equal to the same model without offload bit for bit; a sharded block
-whose weights require grad is refused clearly on every rank, and the ranks stay in step."""
+DiTs: input gradients of a frozen model, sharded and replicated, a LoRA training loop and full
+fine-tuning with replicated host weights, torch.autograd.grad, retain_graph, gradient
+checkpointing and autocast, all equal to the same model without offload bit for bit; a sharded
+block whose weights require grad is refused clearly on every rank, and the ranks stay in step."""
 
 from __future__ import annotations
 
@@ -65,6 +66,51 @@ def _worker(rank: int, port: int) -> None:
                 assert_equal(input_grads(got), input_grads(expected), f"{name} after a refused backward")
             handle.disable()
         _lora_loop(offload_core, backend, peft, name, build_transformer, assert_equal, loss_of)
+    _every_kind(offload_core, backend, build_transformer)
+
+
+def _every_kind(offload_core, backend, build_transformer) -> None:
+    """The other gradient cases on one DiT: sharded and frozen, torch.autograd.grad with
+    retain_graph and two backward passes, gradient checkpointing and autocast; replicated, full
+    fine-tuning with optimizer steps."""
+    from test_autograd import assert_equal, input_grads, leaf_inputs, loss_of, param_grads
+
+    model, inputs = build_transformer("flux2")
+    model.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.enable_gradient_checkpointing()
+        m.train()
+    handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
+    results = []
+    for m in (reference, model):
+        x = leaf_inputs(inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(m, x)
+        first = torch.autograd.grad(loss, [x["hidden_states"]], retain_graph=True)[0]
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append((first, input_grads(x)))
+    assert torch.equal(results[0][0], results[1][0]), "autograd.grad differs"
+    assert_equal(results[1][1], results[0][1], "input gradients after two backward passes")
+    handle.disable()
+
+    model, inputs = build_transformer("flux2")
+    model.requires_grad_(True)
+    reference = copy.deepcopy(model)
+    handle = offload_core.enable_offload(
+        model, enable_distributed_layerwise_offload=True, backend=backend, shard_host_weights=False
+    )
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference)]
+    for step in range(2):
+        for m, opt in zip((model, reference), optimizers):
+            opt.zero_grad()
+            loss_of(m, inputs).backward()
+        assert_equal(param_grads(model), param_grads(reference), f"weight gradients at step {step}")
+        for opt in optimizers:
+            opt.step()
+    handle.disable()
+    assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after training")
 
 
 def _lora_loop(offload_core, backend, peft, name, build_transformer, assert_equal, loss_of) -> None:
