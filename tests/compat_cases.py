@@ -25,9 +25,9 @@ from torch.utils._pytree import tree_map
 
 import offload_core
 from offload_core.discovery import find_blocks
-from offload_core.tiny import build_transformer
 from offload_core.weights.unit import ALIGN_BYTES
 
+from denoisers import build_transformer
 from helpers import assert_same_state, first_tensor, snapshot
 from tools.compatibility import KEPT, REFUSED, YES
 

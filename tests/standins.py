@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload_core.tiny.encoders import seeded
-from offload_core.tiny.transformers import TinySpec, _CONFIGS, _input_generator, _inputs_sdxl_unet
+from offload_core.tiny.transformers import CONFIGS
+
+from denoisers import TinySpec, _input_generator, _inputs_sdxl_unet
 
 # --------------------------------------------------------------------------------------------------------------
 # Shared pieces
@@ -510,7 +512,7 @@ def __getattr__(name: str):  # PEP 562: `from standins import SDXLUNet2DConditio
 
 
 def _build_sdxl_unet(seed: int) -> tuple[nn.Module, dict[str, Any]]:
-    _, config = _CONFIGS["sdxl-unet"]
+    _, config = CONFIGS["sdxl-unet"]
     with seeded(seed):
         model = _sdxl_unet_cls()(**config).eval()
     with torch.no_grad():

@@ -118,7 +118,8 @@ def _every_supported_row(backend) -> None:
     the DiTs and stand-ins alone."""
     import offload_core
     from helpers import forward
-    from offload_core.tiny import TRANSFORMERS, build_pipeline, build_transformer
+    from denoisers import TRANSFORMERS, build_transformer
+    from offload_core.tiny import build_pipeline
     from standins import build_standin
     from tools.supported_models import ROWS
 

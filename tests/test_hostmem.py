@@ -406,7 +406,7 @@ def test_from_pretrained_model_reads_each_tensor_once_into_its_home(tmp_path, mo
     is read exactly once, into the unit's pinned home."""
     from diffusers import WanTransformer3DModel
     from diffusers.models import modeling_utils
-    from offload_core.tiny import build_transformer
+    from denoisers import build_transformer
 
     model, inputs = build_transformer("wan-t2v")
     model.save_pretrained(tmp_path)
@@ -436,7 +436,7 @@ def test_from_pretrained_model_reads_each_tensor_once_into_its_home(tmp_path, mo
 
 def test_from_pretrained_reads_a_sharded_checkpoint_and_streams_its_blocks_from_the_shards(tmp_path):
     from diffusers import WanTransformer3DModel
-    from offload_core.tiny import build_transformer
+    from denoisers import build_transformer
 
     model, inputs = build_transformer("wan-t2v")
     model.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -453,7 +453,7 @@ def test_from_pretrained_reads_a_sharded_checkpoint_and_streams_its_blocks_from_
 
 def test_from_pretrained_leaves_other_weight_formats_to_diffusers(tmp_path):
     from diffusers import WanTransformer3DModel
-    from offload_core.tiny import build_transformer
+    from denoisers import build_transformer
 
     model, inputs = build_transformer("wan-t2v")
     model.save_pretrained(tmp_path, safe_serialization=False)
@@ -558,7 +558,7 @@ def test_the_pipeline_check_does_not_import_diffusers_pipelines():
 
 def test_loading_packing_and_spilling_show_progress_in_bytes(tmp_path, monkeypatch, small_chunks):
     import tqdm.auto
-    from offload_core.tiny import build_transformer
+    from denoisers import build_transformer
 
     bars: list = []
 

@@ -9,10 +9,10 @@ import torch
 import offload_core
 from offload_core.discovery import declared_attrs, find_blocks
 from offload_core.weights.unit import ALIGN_BYTES
-from offload_core.tiny import TRANSFORMERS, build_transformer
 
-from tools.supported_models import ROWS
+from denoisers import TRANSFORMERS, build_transformer
 from standins import STANDINS, build_standin
+from tools.supported_models import ROWS
 from helpers import chaos_backend, exact_accounting, forward
 
 MODELS = [("transformer" if name in TRANSFORMERS else "standin", name) for row in ROWS for name in row.tiny_models]

@@ -3,8 +3,9 @@
 it. The plugin then imports neither torch nor offload_core's modules, sets no environment
 variable and adds no header line; with ``--backend=fake`` it does all three, as this suite needs.
 
-Each case runs pytest in a subprocess on a one-test project outside the repository, whose test
-records what its process looks like when it runs."""
+Each plugin case runs pytest in a subprocess on a one-test project outside the repository, whose
+test records what its process looks like when it runs; the last case imports the library in a
+fresh interpreter. docs/benchmarks.md has the times."""
 
 from __future__ import annotations
 
@@ -60,3 +61,18 @@ def test_with_backend_fake_the_plugin_sets_the_run_up(tmp_path):
     assert seen["torch"] and "offload_core.plugins" in seen["offload_core_modules"]
     assert seen["sanitize"] == "1"
     assert "offload_core backend: fake (chaos mode, race sanitizer)" in stdout
+
+
+def test_importing_the_library_does_not_import_the_compiler():
+    """``import offload_core`` imports none of its modules; the whole library (``enable_offload``)
+    imports torch but not ``torch._dynamo`` (seconds), which model-level offload needs only once a
+    strategy is built."""
+    code = (
+        "import sys, json, offload_core\n"
+        "bare = sorted(m for m in sys.modules if m.startswith('offload_core.') or m == 'torch')\n"
+        "from offload_core import enable_offload\n"
+        "print(json.dumps([bare, 'torch' in sys.modules, 'torch._dynamo' in sys.modules]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [[], True, False]

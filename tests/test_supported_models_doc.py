@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pathlib
 
-from offload_core.tiny import PIPELINES, TRANSFORMERS
+from offload_core.tiny import PIPELINES
 
+from denoisers import TRANSFORMERS
 from standins import STANDINS
 from tools.supported_models import ROWS, render
 

@@ -14,7 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from offload_core.tiny import PIPELINES, TRANSFORMERS, build_pipeline, build_transformer  # noqa: E402
+from offload_core.tiny import PIPELINES, build_pipeline  # noqa: E402
+
+from denoisers import TRANSFORMERS, build_transformer  # noqa: E402
 from standins import STANDINS, build_standin  # noqa: E402
 
 

@@ -4,11 +4,9 @@ the pipelines ``offload-core bench`` times, with no download and no accelerator.
 - :data:`PIPELINES` / :func:`build_pipeline`: real diffusers pipelines of the supported-model table
   (``docs/models.md``) with tiny components; :meth:`TinyPipeline.run` makes one seeded call. :data:`DEMOS`:
   pipelines built to show offloading (the default of ``offload-core run``).
-- :data:`TRANSFORMERS` / :func:`build_transformer`: their denoisers alone, with inputs for one forward pass and
-  the names of the block lists (``nn.ModuleList`` attributes) each class really has in diffusers 0.42.1.
-
-The test suite's own models live beside it: stand-ins for architectures diffusers does not ship
-(``tests/standins.py``) and the pipeline sweep (``tests/sweep/``).
+The test suite's own models live in ``tests/``: the same denoisers alone, with inputs for one forward pass
+(``denoisers.py``), stand-ins for architectures diffusers does not ship (``standins.py``) and the pipeline
+sweep (``sweep/``).
 
 Everything is built in code (tokenizers included), in float32 on the CPU, deterministically from a seed.
 Importing this package imports neither diffusers nor transformers; building a model does.
@@ -19,17 +17,13 @@ changes reduction order). The models are so small that intra-op threads only cos
 """
 
 from .pipelines import DEMOS, PIPELINES, PipelineSpec, TinyPipeline, as_tensor, build_pipeline, run
-from .transformers import TRANSFORMERS, TinySpec, build_transformer
 
 __all__ = [
     "DEMOS",
     "PIPELINES",
-    "TRANSFORMERS",
     "PipelineSpec",
     "TinyPipeline",
-    "TinySpec",
     "as_tensor",
     "build_pipeline",
-    "build_transformer",
     "run",
 ]
