@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.tiny import build_transformer
 
+from denoisers import build_transformer
 from helpers import chaos_backend, exact_accounting, first_tensor
 
 MODELS = ["flux2", "qwen-image", "wan-t2v", "sd3"]

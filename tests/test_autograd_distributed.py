@@ -31,7 +31,7 @@ def _worker(rank: int, port: int) -> None:
     sys.path.insert(0, __file__.rsplit("/", 1)[0])  # tests/ helpers in the spawned process
     torch.set_num_threads(1)
     import offload_core
-    from offload_core.tiny import build_transformer
+    from denoisers import build_transformer
     from test_autograd import assert_equal, input_grads, leaf_inputs, loss_of
 
     backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
