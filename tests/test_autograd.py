@@ -409,3 +409,71 @@ def test_model_level_backward_reads_the_device_copy_the_forward_used():
     assert not any(at_home(t) for t in saved), "backward would read the host copy"
     loss.backward()
     handle.disable()
+
+
+class _SavesWeight(torch.autograd.Function):
+    """A custom op that saves the (quantized) weight object itself for its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return x @ weight.dequantize().t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.dequantize(), None
+
+
+class _QuantizedLayer(torch.nn.Module):
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return x + torch.tanh(_SavesWeight.apply(x, self.linear.weight))
+
+
+class _QuantizedStack(torch.nn.Module):
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        g = torch.Generator().manual_seed(3)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(blocks):
+            linear = torch.nn.Linear(8, 8, bias=False)
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(8, 8, generator=g) * 0.3)
+            quantize_(linear, Int8WeightOnlyConfig(version=2), filter_fn=lambda module, name: True)
+            self.blocks.append(_QuantizedLayer(linear))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_saved_quantized_weight_is_reloaded_part_by_part():
+    """A wrapper subclass saved whole (torchao's ``Int8Tensor``) is packed through its parts: the
+    input gradient equals the one without offload."""
+    pytest.importorskip("torchao")
+    model = _QuantizedStack()
+    model.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    grads = []
+    for m in (reference, model):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+        m(x).square().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert handle.stats()["prefetch_misses"] == 0
+    # what backward reads is the device copy of the weight's parts, not the parameter's host copy
+    out = model(torch.randn(3, 8, requires_grad=True))
+    node = out.grad_fn.next_functions[1][0].next_functions[0][0]  # add <- tanh <- the custom op
+    (saved,) = node.saved_tensors
+    homes = [buf for unit in handle.parts[0].units for buf in unit.host.values()]
+    parts = [getattr(saved, name) for name in saved.__tensor_flatten__()[0]]
+    assert not any(h.data_ptr() <= p.data_ptr() < h.data_ptr() + h.nbytes for p in parts for h in homes)
+    handle.disable()

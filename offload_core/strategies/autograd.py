@@ -9,7 +9,8 @@ holds no weights for backward, only activations. In backward, the first referenc
 sure the block is in its slot again, loaded from its host home (the truth) like in a forward, and
 queues the copies of the blocks whose backward comes next (the reverse of the forward's order), so
 that they overlap this block's backward: every block is copied once per forward and once per
-backward, and device memory stays the slots plus activations.
+backward (less the last blocks of the forward, still in their slots when backward starts), and
+device memory stays the slots plus activations.
 
 Hooks that were already active around the block (non-reentrant gradient checkpointing, the
 user's own ``saved_tensors_hooks``) still see every saved tensor that is not a slot view.
@@ -23,14 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import weakref
 from typing import Any, Callable
 
 import torch
 from torch._C import _autograd
-
-logger = logging.getLogger(__name__)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
@@ -61,15 +60,27 @@ class _Outer:
     unpack: Callable[[Any], torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Wrapped:
+    """A saved wrapper subclass (``__tensor_flatten__``), its parts packed one by one."""
+
+    cls: type
+    context: Any
+    shape: torch.Size
+    stride: tuple[int, ...]
+    parts: dict[str, Any]
+
+
 class SavedSlots:
     """The saved-tensor hooks of one layerwise strategy and the reloads of its backward.
 
     ``strategy`` (held weakly: a graph kept after ``disable`` must not keep the model's device
     memory alive) gives: ``enabled``, ``epoch`` (counts enables), ``slots`` (per slot, a flat
-    buffer per dtype), ``num_slots``, ``depth``, ``lock``, ``units`` and ``load_for_backward(i, miss)``, which loads block ``i`` into its
-    slot after the compute issued so far, and ``wait_ready(i)``, which makes compute wait for it;
-    ``occupant(slot)``, ``versions(i)`` (the version counters of block ``i``'s parameters) and
-    ``end_backward()`` (wait for the copies, forget the slots)."""
+    buffer per dtype), ``num_slots``, ``depth``, ``lock``, ``units``, ``block_names``,
+    ``describe()``, ``load_for_backward(i, miss)``, which loads block ``i`` into its slot after the
+    compute issued so far, ``wait_ready(i)``, which makes compute wait for it, ``occupant(slot)``,
+    ``versions(i)`` (the version counters of block ``i``'s parameters) and ``end_backward()``
+    (wait for the copies, forget the slots)."""
 
     def __init__(self, strategy) -> None:
         self._strategy = weakref.ref(strategy)
@@ -116,7 +127,14 @@ class SavedSlots:
                 self._block = None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        where = self._slot_of.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if is_traceable_wrapper_subclass(t):  # a quantized weight: its parts may view the slot
+            names, context = t.__tensor_flatten__()
+            parts = {name: self._pack(getattr(t, name)) for name in names}
+            return _Wrapped(type(t), context, t.shape, t.stride(), parts)
+        try:
+            where = self._slot_of.get(t.untyped_storage().data_ptr())
+        except RuntimeError:  # no storage (a subclass without one, a sparse layout): not a slot view
+            where = None
         if where is None or t.dtype != where[1]:
             if where is not None:  # a slot view reinterpreted as another dtype: keep a copy of it
                 return t.clone()
@@ -145,6 +163,9 @@ class SavedSlots:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is _Outer:
             return packed.unpack(packed.packed)
+        if type(packed) is _Wrapped:
+            parts = {name: self._unpack(part) for name, part in packed.parts.items()}
+            return packed.cls.__tensor_unflatten__(parts, packed.context, packed.shape, packed.stride)
         if type(packed) is not SlotRef:
             return packed
         strategy = self._strategy()
@@ -160,7 +181,8 @@ class SavedSlots:
             if first:
                 if self._in_backward:  # a backward that raised before its end
                     strategy.end_backward()
-                self._begin_backward(task)
+                if not self._begin_backward(task):
+                    return self._read_outside_backward(strategy, packed)
             i = packed.block
             if i not in self._checked:
                 self._check_versions(strategy, i)
@@ -181,11 +203,28 @@ class SavedSlots:
             )
         self._checked.add(i)
 
-    def _begin_backward(self, task: Any) -> None:
+    def _begin_backward(self, task: Any) -> bool:
+        """Returns False outside a backward (a saved tensor read through ``grad_fn._saved_*``)."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
+        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+            return False
         self._in_backward, self._task = True, task
         self._checked.clear()
         self._cursor = len(self._order) - 1
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
+        return True
+
+    def _read_outside_backward(self, strategy, packed: SlotRef) -> torch.Tensor:
+        """A saved weight read outside a backward: a copy of it, which no later load can change."""
+        i = packed.block
+        slot = i % strategy.num_slots
+        if strategy.occupant(slot) != i:
+            strategy.load_for_backward(i, miss=True)
+        strategy.wait_ready(i)
+        base = strategy.slots[slot][packed.dtype]
+        copy = base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset).clone()
+        strategy.end_backward()
+        return copy
 
     def _prefetch(self, i: int) -> None:
         """Queue the loads of the blocks whose backward follows block ``i``'s (each into a slot
