@@ -20,6 +20,7 @@ from offload_core.tiny import build_pipeline
 
 from contract_models import STRATEGIES, assert_offloaded, assert_same, build, run
 from helpers import chaos_backend
+from stacks import Block, Layer, Stack
 
 
 def _enable(model, strategy, **options):
@@ -259,5 +260,30 @@ def test_closing_the_fake_backend_while_enabled_does_not_hang(strategy):
     assert torch.equal(run(model, 0), run(reference, 0))
     backend.close()
     _same_forwards(model, reference, steps=(1, 2))
+    handle.disable()
+    assert_same(model, reference)
+
+
+def _plain_stack() -> nn.Module:
+    """Blocks whose forward changes nothing (a block on disk refuses buffer changes)."""
+    g = torch.Generator().manual_seed(0)
+    return Stack(8, [Block([Layer(8, torch.float32, i == 1, g)]) for i in range(3)], g).eval()
+
+
+@pytest.mark.parametrize("write", ["zero_", "fill_", "init_constant"])
+def test_a_write_into_a_disk_placeholder_is_refused_and_undone(tmp_path, write):
+    model, reference = _plain_stack(), _plain_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         host_memory=0, offload_folder=tmp_path)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        weight = model.blocks[1].layers[0].weight
+        {"zero_": lambda: weight.zero_(), "fill_": lambda: weight.data.fill_(2.0),
+         "init_constant": lambda: nn.init.constant_(weight, 0.5)}[write]()
+        with pytest.raises(OffloadedModelError, match=r"home on disk.*was undone.*handle.disable\(\)"):
+            model(x)
+        assert weight.isnan().all() and model.blocks[1].layers[0].scale.isnan().all()
+        assert torch.equal(model(x), reference(x))
     handle.disable()
     assert_same(model, reference)
