@@ -287,3 +287,19 @@ def test_a_write_into_a_disk_placeholder_is_refused_and_undone(tmp_path, write):
         assert torch.equal(model(x), reference(x))
     handle.disable()
     assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
+    pytest.importorskip("peft")
+    from test_contract_lora import lora_state_dict
+
+    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
+    for tiny in (ours, theirs):
+        tiny.pipe.load_lora_weights(lora_state_dict(theirs.pipe.transformer, 1), adapter_name="first")
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+
+    def lora(pipe):
+        return {n: p.detach() for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert _saved_bytes(lora(ours.pipe)) == _saved_bytes(lora(theirs.pipe))
+    handle.disable()
