@@ -20,6 +20,7 @@ from offload_core.tiny import build_pipeline
 
 from contract_models import STRATEGIES, assert_offloaded, assert_same, build, run
 from helpers import chaos_backend
+from offload_core_fake import UnseenWriteError
 from stacks import Block, Layer, Stack
 
 
@@ -53,8 +54,7 @@ def test_a_model_pre_hook_that_edits_a_block_weight_is_seen(strategy, edit):
     """The pass begins (layerwise: the first blocks are queued) before the model's own pre-hooks
     run: the block's copy must be checked against the host where it is used."""
     if strategy == "model" and edit is _scale_through_data:
-        pytest.skip("a limit (docs/design.md): model-level swaps the model in before its pre-hooks, and a write "
-                    "through .data into the device copy moves no version counter")
+        pytest.skip("model-level swaps the model in before its pre-hooks: see the sanitizer's test below")
     model, reference = build(), build()
     handle = _enable(model, strategy)
     for x in (model, reference):
@@ -88,6 +88,35 @@ def test_a_forward_that_assigns_weight_data_is_kept(strategy):
     assert_same(model, reference)
     handle.disable()
     assert_same(model, reference)
+
+
+class DataEditing(nn.Module):
+    """A layer whose forward edits its weight in place through ``.data`` (no version counter moves)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        self.inner.weight.data.mul_(0.5)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_in_place_write_through_data_into_device_weights_is_reported_by_the_sanitizer(strategy):
+    """No version counter shows it and it would be lost: under ``pytest --backend=fake`` the race
+    sanitizer reports it where it happens, naming the fix; the model stays usable."""
+    model, reference = build(), build()
+    layer = model.blocks[1].layers[0]
+    model.blocks[1].layers[0] = DataEditing(layer)
+    handle = _enable(model, strategy)
+    with pytest.raises(UnseenWriteError, match=r"(?s)through `.data`.*fix: write through the parameter itself"):
+        run(model, 0)
+    model.blocks[1].layers[0] = layer  # the model keeps working once the forward is fixed
+    run(model, 1)
+    handle.disable()
+    for name, value in reference.named_parameters():  # the unseen write went nowhere
+        assert torch.equal(model.get_parameter(name), value), name
 
 
 # -- inference mode ------------------------------------------------------------------------------
