@@ -332,3 +332,41 @@ def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
         return {n: p.detach() for n, p in pipe.transformer.named_parameters() if "lora_" in n}
     assert _saved_bytes(lora(ours.pipe)) == _saved_bytes(lora(theirs.pipe))
     handle.disable()
+
+
+# -- distributed, on two gloo ranks --------------------------------------------------------------
+def _distributed_cases(rank: int, port: int, shard: bool) -> None:
+    from test_contract_distributed import _model, _run, _setup
+
+    backend = _setup(rank, port)
+    options = {"enable_distributed_layerwise_offload": True, "backend": backend, "shard_host_weights": shard}
+    model, reference = _model(), _model()
+    with torch.inference_mode():  # row 12
+        handle = offload_core.enable_offload(model, **options)
+    assert torch.equal(_run(model, 0), _run(reference, 0))
+    assert not any(p.is_inference() for p in model.parameters())
+    shallow = copy.copy(model)  # row 14
+    assert shallow.blocks is model.blocks and torch.equal(_run(shallow, 1), _run(reference, 1))
+    with pytest.raises(OffloadedModelError, match=r"handle.disable\(\)"):  # row 13: refused across ranks
+        model._apply(lambda t: t.mul_(2))
+    with pytest.raises(Exception, match=r"torch.export cannot trace .*handle.disable\(\)"):  # row 17
+        torch.export.export(model, (torch.randn(3, 8),))
+    if not shard:  # row 11 and 14: a replicated rank holds the whole host copy
+        for x in (model, reference):
+            weight = x.blocks[1].layers[0].weight
+            x.register_forward_pre_hook(lambda module, args, w=weight: setattr(w, "data", w.data * 1.5))
+        assert torch.equal(_run(model, 2), _run(reference, 2))
+        picks = ("blocks.0.layers.0.weight", "embed.bias")
+        assert _saved_bytes({n: p.detach() for n, p in model.named_parameters() if n in picks}) == _saved_bytes(
+            {n: p.detach() for n, p in reference.named_parameters() if n in picks})
+    assert torch.equal(_run(model, 3), _run(reference, 3))
+    del model, handle, shallow  # row 15: dropped without disable() on every rank
+    gc.collect()
+    assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_issue_20_cases_across_ranks(shard):
+    from test_contract_distributed import spawn_bounded
+
+    spawn_bounded(_distributed_cases, shard)
