@@ -4,10 +4,10 @@ from offload_core.hookspecs import hookimpl
 
 from .backend import FakeBackend
 from .memory import FakeOutOfMemoryError
-from .sanitizer import StreamRaceError
+from .sanitizer import StreamRaceError, UnseenWriteError
 from .streams import StreamError
 
-__all__ = ["FakeBackend", "FakeOutOfMemoryError", "StreamError", "StreamRaceError"]
+__all__ = ["FakeBackend", "FakeOutOfMemoryError", "StreamError", "StreamRaceError", "UnseenWriteError"]
 
 
 @hookimpl

@@ -34,8 +34,8 @@ class Pool(AllocationTracker):
         self.label = f"fake {kind}"  # error messages say "fake device out of memory"
         self._spans = Spans()
 
-    def allocate(self, size, dtype, factory=None) -> torch.Tensor:
-        tensor = super().allocate(size, dtype) if factory is None else super().allocate(size, dtype, factory)
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = super().allocate(*args, **kwargs)
         self._spans.add(tensor)
         return tensor
 

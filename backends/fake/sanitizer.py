@@ -52,9 +52,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from offload_core.labels import describe
 
+from offload_core.weights.binding import BIND_HOOKS
+
 from .memory import Spans
 
-__all__ = ["Sanitizer", "StreamRaceError", "paused", "suspended"]
+__all__ = ["Sanitizer", "StreamRaceError", "UnseenWriteError", "paused", "suspended"]
 
 
 class StreamRaceError(RuntimeError):
@@ -125,6 +127,12 @@ class Tracked:
     kind: str  # "device" | "pinned"
     alloc: Clock  # the stream it was allocated on (the host, for pinned memory)
     accesses: list[Access]
+    #: id(parameter) -> (first byte, end byte, weak parameter) of offloaded weights showing this memory
+    weights: dict[int, tuple[int, int, Any]] = dataclasses.field(default_factory=dict)
+
+
+class UnseenWriteError(RuntimeError):
+    """A write into the device copy of an offloaded parameter that no version counter shows."""
 
 
 # storage key -> Tracked, for every sanitized backend in the process (one dispatch mode serves all)
@@ -250,11 +258,80 @@ class _AccessMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if (_DROPPED or _PENDING) and not getattr(_local, "internal", 0):
             _settle()  # a buffer dropped too early: say so at the host's very next operation
+        if _UNSEEN and not getattr(_local, "internal", 0):
+            _report_unseen()
         if _TRACKED and not getattr(_local, "internal", 0):
             hits = _tracked_arguments(func, args, kwargs)
             if hits:
                 _record_op(func, hits)
+                _UNSEEN.extend(_weights_written(func, hits))
         return func(*args, **kwargs)
+
+
+#: writes into offloaded weights whose version counter is checked at the next operation:
+#: (weak parameter, its version before the write, the report if it did not move)
+_UNSEEN: list[tuple[Any, int, str]] = []
+
+
+def _weights_written(func, hits) -> list[tuple[Any, int, str]]:
+    """An entry of :data:`_UNSEEN` for each offloaded weight the op writes."""
+    found = []
+    for t, write, tracked in hits:
+        if not write or not tracked.weights:
+            continue
+        start, end = _extent_bytes(t)
+        shift = _find(t)[1]
+        for first, last, ref in tracked.weights.values():
+            p = ref()
+            if p is not None and first < end + shift and start + shift < last:
+                found.append((ref, p._version, _unseen_report(func, t)))
+    return found
+
+
+def _unseen_report(func, t: torch.Tensor) -> str:
+    return (
+        f"{func} wrote into the device copy of an offloaded weight ({describe(t)}) through a tensor that shares "
+        "none of its parameter's version counter (an in-place write through `.data` inside a forward or hook): "
+        "offloading cannot see it, and it is lost when the weights go home.\n"
+        + "".join(f"        at {f}:{n} in {fn}\n" for f, n, fn in _frames())
+        + "  fix: write through the parameter itself under torch.no_grad() (p.mul_(...), p.copy_(...)), or give "
+        "it new data (p.data = ...); both are kept"
+    )
+
+
+def _report_unseen() -> None:
+    """torch moves the version counter once the op has returned (the parameter's own, or that of
+    a ``detach()``-ed alias, which it shares): by the next operation a write the strategy sees has
+    moved it; one through ``.data`` has not."""
+    entries = _UNSEEN[:]
+    del _UNSEEN[:len(entries)]
+    for ref, version, report in entries:
+        p = ref()
+        if p is not None and p._version == version:
+            raise UnseenWriteError(report)
+
+
+#: id(parameter) -> the tracked storage its device view is watched in (see _on_bind)
+_BOUND: dict[int, Tracked] = {}
+
+
+def _on_bind(params, views) -> None:
+    """``weights.binding.BIND_HOOKS``: watch parameters while they show device views."""
+    if views is None:
+        for p in params:
+            tracked = _BOUND.pop(id(p), None)
+            if tracked is not None:
+                tracked.weights.pop(id(p), None)
+        return
+    if not _TRACKED:
+        return
+    for p, view in zip(params, views):
+        tracked, shift = _find(view)
+        if tracked is None or tracked.kind != "device" or not view.numel():
+            continue
+        start, end = _extent_bytes(view)
+        tracked.weights[id(p)] = (start + shift, end + shift, weakref.ref(p))
+        _BOUND[id(p)] = tracked
 
 
 # Ops that read only a tensor's metadata, never its bytes.
@@ -336,6 +413,8 @@ class Sanitizer:
         self.host = Clock(0, "host")
         self._ghosts: dict[int, dict[tuple[int, bool], Access]] = {}  # alloc clock -> (stream, write) -> latest
         self._collective_clocks: dict[int, Clock] = {}  # issuing stream's clock id -> the library's stream
+        if _on_bind not in BIND_HOOKS:
+            BIND_HOOKS.append(_on_bind)
         install()
 
     # -- clocks ----------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from torch import nn
 
 from ..backend import DeviceBackend
 from ..handle import OffloadedModelError
+from ..hostmem.disk import check_placeholders
 from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..timeline import UNTRACED
 from ..weights import nbytes_of, slot_numel, split_units
@@ -366,6 +367,8 @@ class LayerwiseOffload(Part):
         same way too; any other change, or a module or tensor added (``dirty``), re-packs."""
         structural = self.dirty
         for i in blocks:
+            if self.units[i].image is not None:
+                check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
             if not self._bindings[i].at_home():
                 if not self.units[i].host:
                     raise self._no_ram_home(i)

@@ -18,6 +18,12 @@ from .unit import Owner, WeightUnit
 #: copies each (home view, device tensor) pair home and returns once they have landed
 WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 
+#: called as ``hook(params, device views)`` when a unit's parameters start showing their device
+#: views and ``hook(params, None)`` when they go home. A checker registers here: the fake backend's
+#: race sanitizer reports a write into those device views that no version counter shows (through
+#: ``.data``), which is lost when the unit goes home. Empty outside such tests.
+BIND_HOOKS: list[Callable[[list[torch.nn.Parameter], list[torch.Tensor] | None], None]] = []
+
 
 class Home:
     """A unit's owners and the home views they show outside the device, with a check cheap
@@ -80,6 +86,8 @@ class Binding(Home):
         for p, view in zip(self.params, self.params_device):
             p.data = view
         self._versions = [p._version for p in self.params]
+        for hook in BIND_HOOKS:
+            hook(self.params, self.params_device)
         for owners, tensor in zip(self.composites, self.composites_device):
             for owner in owners:
                 owner.rebind(tensor)
@@ -95,6 +103,8 @@ class Binding(Home):
         Returns True when a buffer was replaced, or a parameter given data, of another shape or
         dtype: that tensor is left in its module (it is the truth) and the unit must be re-packed."""
         params = self.params
+        for hook in BIND_HOOKS:
+            hook(params, None)
         changed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if [p._version for p in params] != self._versions:  # rare: a forward edited a weight in place
             changed = [
