@@ -265,7 +265,7 @@ class Placement:
 
     def _blocking_copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """A copy from a pageable home, waited for here on purpose. A runtime may make such a
-        copy wait for everything queued before it on ``stream`` (torch_npu always does, CUDA
+        copy wait for everything queued before it on ``stream`` (Ascend's runtime always does, CUDA
         may); waiting for it explicitly does so on every backend, on the stager thread rather
         than the thread that issues compute, and the bytes show in ``stats()``."""
         self.backend.copy_async(dst, src, stream)
