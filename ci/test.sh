@@ -2,9 +2,21 @@
 # CI: a fresh virtual environment, the pinned CPU torch, the package with its test extras, then
 # exactly the test command of README.md, then the mutation run that shows every synchronisation
 # in the strategies is covered by a test (7 to 11 minutes on 2 cores; see docs/design.md).
+#
+# Then the oldest torch pyproject.toml declares, run through the GPU check's dry run: a bare
+# virtual environment with only that torch (PyPI's build, whose CUDA libraries import without a
+# GPU; about 2.5 minutes to install here), the same offline install of the carried wheels as on
+# the GPU machine (built for this Python), the conformance kit and the layerwise strategy tests
+# on the fake backend (about 2 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 rm -rf .venv
 python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && pytest --backend=fake
 python ci/mutants.py
+
+OLDEST=$(python -c 'import re, tomllib; print(re.search(r"torch>=([0-9.]+)", " ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))[1])')
+rm -rf .venv-oldest
+python3 -m venv .venv-oldest && .venv-oldest/bin/pip install -q "torch==$OLDEST"
+ci/gpu-wheels.sh --python-version "$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" --dest .whl-dry-run
+ci/gpu-check.sh --dry-run --python .venv-oldest/bin/python --wheels .whl-dry-run --out out/gpu-check-dry-run

@@ -22,6 +22,7 @@ from torch import nn
 
 import offload_core
 from offload_core.hostmem import staging
+from offload_core.hostmem.placement import Placement
 from offload_core.strategies.common import Transaction
 from offload_core.strategies.model_level import RESERVE_FRACTION, ModelLevelOffload
 from offload_core.weights.unit import ALIGN_BYTES
@@ -62,10 +63,24 @@ def _copy_threads(monkeypatch, backend) -> list[tuple[str, bool]]:
     return seen
 
 
+def _waited_for(monkeypatch) -> list[bool]:
+    """Whether the copy stream had run everything queued on it when each blocking copy returned."""
+    done: list[bool] = []
+    blocking_copy = Placement._blocking_copy
+
+    def checked(self, dst, src, stream):
+        blocking_copy(self, dst, src, stream)
+        done.append(stream.query())
+
+    monkeypatch.setattr(Placement, "_blocking_copy", checked)
+    return done
+
+
 def test_pageable_homes_are_copied_blocking_on_the_stager_thread_and_reported(monkeypatch):
     model = _stack()
     expected = [_run(model, X + i) for i in range(3)]
     backend = chaos_backend()
+    waited = _waited_for(monkeypatch)
     seen = _copy_threads(monkeypatch, backend)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend, pin_memory=False)
     seen.clear()  # the resident weights' one copy at enable
@@ -74,11 +89,13 @@ def test_pageable_homes_are_copied_blocking_on_the_stager_thread_and_reported(mo
     stats = handle.stats()
     assert seen and {name for name, _ in seen} == {"offload-core-stager"}, "pageable copies on the compute thread"
     assert stats["blocking_copy_bytes"] == stats["h2d_bytes"] > 0
+    assert waited and all(waited), "a blocking copy returned before its copy had run"
     handle.disable()
 
 
 def test_a_pageable_bounce_ring_copies_blocking_and_reports_it(tmp_path, monkeypatch):
     monkeypatch.setattr(staging, "BOUNCE_CHUNK_BYTES", 64)
+    waited = _waited_for(monkeypatch)
     model = _stack()
     expected = [_run(model, X + i) for i in range(2)]
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
@@ -88,6 +105,7 @@ def test_a_pageable_bounce_ring_copies_blocking_and_reports_it(tmp_path, monkeyp
     stats = handle.stats()
     assert stats["disk_bytes"] > 0 and stats["pinned_host_bytes"] == 0
     assert stats["blocking_copy_bytes"] >= stats["staged_bytes"] > 0
+    assert waited and all(waited), "a copy from a pageable bounce buffer returned before it had run"
     handle.disable()
 
 

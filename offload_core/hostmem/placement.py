@@ -189,7 +189,7 @@ class Placement:
             "staged_bytes": self.ring.staged_bytes if self.ring is not None else 0,
             # copies from pageable memory (homes, or the ring's buffers), each waited for on the
             # stager thread: they cannot overlap compute the way pinned ones do
-            "blocking_copy_bytes": self.blocking_copy_bytes + (self.ring.blocking_bytes if self.ring else 0),
+            "blocking_copy_bytes": self.blocking_copy_bytes,
         }
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -199,8 +199,9 @@ class Placement:
         txn.on_rollback(self.close)
         if self.staging:
             allocate = self._pinned if self._pin_memory else _pageable
-            self.ring = BounceRing(self.backend, allocate, self._chunk_bytes, blocking=not self._pin_memory)
-        if self.bytes[Tier.PAGEABLE]:
+            copy = self.backend.copy_async if self._pin_memory else self._blocking_copy
+            self.ring = BounceRing(self.backend, allocate, self._chunk_bytes, copy=copy)
+        if not self._pin_memory:
             self._copied = self.backend.new_event()
         if self.staging or self.bytes[Tier.PAGEABLE]:
             # the device of this (enabling) thread, so that the stager's work goes to it too
@@ -264,10 +265,11 @@ class Placement:
                 self._blocking_copy(dst, src, stream)
 
     def _blocking_copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-        """A copy from a pageable home, waited for here on purpose. A runtime may make such a
-        copy wait for everything queued before it on ``stream`` (torch_npu always does, CUDA
-        may); waiting for it explicitly does so on every backend, on the stager thread rather
-        than the thread that issues compute, and the bytes show in ``stats()``."""
+        """A copy from pageable memory (a home, or a pageable bounce buffer), waited for here on
+        purpose. A runtime may make such a copy wait for everything queued before it on
+        ``stream`` (Ascend's runtime always does, CUDA may); waiting for it explicitly does so on
+        every backend, on the stager thread rather than the thread that issues compute, and the
+        bytes show in ``stats()``."""
         self.backend.copy_async(dst, src, stream)
         self._copied.record(stream)
         self._copied.synchronize()

@@ -48,18 +48,17 @@ class BounceRing:
     """A few pinned buffers, filled on the host and copied to the device in turn."""
 
     def __init__(self, backend, allocate: Callable[[int, torch.dtype], torch.Tensor], chunk_bytes: int,
-                 count: int = BOUNCE_BUFFERS, blocking: bool = False) -> None:
-        """``blocking``: the buffers are pageable (``pin_memory=False``), so each copy from them
-        is waited for at once, as :meth:`Placement.issue` does for pageable homes."""
+                 count: int = BOUNCE_BUFFERS, copy: Callable | None = None) -> None:
+        """``copy(dst, src, stream)`` issues each chunk's copy: the backend's ``copy_async``, or,
+        for pageable buffers (``pin_memory=False``), the placement's blocking copy."""
         self.backend = backend
-        self.blocking = blocking
+        self.copy = copy if copy is not None else backend.copy_async
         self.chunk_bytes = chunk_bytes
         self.buffers = [allocate(chunk_bytes, torch.uint8) for _ in range(count)]
         self.read_done = [backend.new_event() for _ in range(count)]
         self._used = [False] * count
         self._next = 0
         self.staged_bytes = 0  # written on the stager thread only
-        self.blocking_bytes = 0  # of which copied with the host waiting (pageable buffers)
 
     @property
     def nbytes(self) -> int:
@@ -83,13 +82,10 @@ class BounceRing:
                 self.read_done[k].synchronize()  # the copy that last read buffer k has run
             bounce = self.buffers[k][: count * dtype.itemsize].view(dtype)
             read(start, count, bounce)
-            self.backend.copy_async(dst[start : start + count], bounce, stream)
+            self.copy(dst[start : start + count], bounce, stream)
             self.read_done[k].record(stream)
             self._used[k] = True
             self.staged_bytes += count * dtype.itemsize
-            if self.blocking:
-                self.read_done[k].synchronize()
-                self.blocking_bytes += count * dtype.itemsize
 
 
 class Ticket:

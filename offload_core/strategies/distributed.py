@@ -350,6 +350,7 @@ class DistributedLayerwiseOffload(LayerwiseOffload):
         new values): copy this rank's slice of the slot into its shard. Every rank runs the same
         forward, so every rank updates its own slice alike. The headers are checked first, so that
         values computed on mismatched weights are never kept."""
+        self._drain_loads()  # the stager appends the headers of the loads it issues
         self._check_headers()
         slot = self.slots[i % self.num_slots]
         stream = self.backend.current_stream()

@@ -9,7 +9,8 @@ component, from the host as it is then.
 
 Unlike a synchronous swap, the next group (learned from the order groups ran in before, else the
 pipeline's declared order) is copied early, on a side stream, whenever the device reports room for
-it beside the active group, so the swap overlaps compute.
+it beside the active group and what that group's compute took on its first call, so the swap
+overlaps compute.
 
 Groups stay active for a whole pipeline call and are dropped when it ends; a component called
 outside a pipeline call (a bare module, ``pipe.vae.decode(...)``) is dropped when its outermost
