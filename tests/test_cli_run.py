@@ -208,6 +208,18 @@ def test_step_times_come_from_the_denoising_loop_not_the_call(monkeypatch):
         result.close()
 
 
+def test_without_a_step_callback_the_steps_come_from_the_denoiser_forwards(monkeypatch):
+    from offload_core.cli_run import clock
+
+    monkeypatch.setattr(clock, "takes_step_callback", lambda pipe: False)
+    result = run_pipeline(parse("--pipeline", "flux2", "--steps", "3", "--json"), backend=chaos_backend())
+    try:
+        steps = result.report["step_times_s"]
+        assert len(steps) == 3 and all(t > 0 for t in steps) and sum(steps) < result.report["wall_time_s"]
+    finally:
+        result.close()
+
+
 def test_prefetches_for_a_step_that_never_comes_are_counted_apart():
     """Each copy the report counts as used loads a unit that computed after it; the others are
     the unused ones, and both add up to the call's copies."""
