@@ -42,6 +42,8 @@ no_cuda_build = pytest.mark.skipif(
 )
 no_npu_runtime = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed")
 
+pytestmark = pytest.mark.quick  # the CUDA and NPU backend paths, in the quick subset (pytest -m quick)
+
 
 def run_python(code: str, *, pythonpath: Path | None = None, env: dict[str, str] | None = None) -> dict:
     """Run ``code`` in a fresh interpreter, so no earlier test's imports or device state leak in;

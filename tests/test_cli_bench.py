@@ -12,6 +12,8 @@ from offload_core.bench import UNRELIABLE, status
 from offload_core.bench.load import LoadMeter
 from offload_core.bench.timing import ratio, spread
 
+pytestmark = pytest.mark.quick
+
 
 def test_bench_json_reports_copies_per_block(tmp_path, capsys):
     out = tmp_path / "bench.json"

@@ -10,6 +10,7 @@ from offload_core import cli
 from offload_core.cli_check import counts, summary
 
 
+@pytest.mark.quick
 def test_the_fake_backend_conforms(capsys):
     code = cli.main(["check-backend", "fake"])
     out, _ = capsys.readouterr()

@@ -3,7 +3,11 @@ timing masked): regenerate them with ``python -m offload_core.cli_run.sample``."
 
 from __future__ import annotations
 
+import pytest
+
 from offload_core.cli_run import sample
+
+pytestmark = pytest.mark.quick
 
 
 def test_the_sample_outputs_are_up_to_date():

@@ -92,7 +92,7 @@ SINGLE_PROCESS = [s for s in STRATEGIES if s != "distributed"]
 
 
 @pytest.mark.parametrize("strategy", SINGLE_PROCESS)
-@pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.quick) if n == "flux2" else n for n in PIPELINES])
 def test_every_pipeline_and_strategy(name, strategy, capsys, reference):
     argv = ["--pipeline", name, "--strategy", strategy, "--steps", STEPS, "--seed", str(SEED), "--json"]
     code, out, _ = main(capsys, *argv)
@@ -186,6 +186,7 @@ def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tm
     assert image.format == "PNG" and image.size[0] >= 600
 
 
+@pytest.mark.quick
 def test_step_times_come_from_the_denoising_loop_not_the_call(monkeypatch):
     """Prompt encoding made slow: the call's time grows by it, each step's time does not."""
     import diffusers
@@ -203,6 +204,18 @@ def test_step_times_come_from_the_denoising_loop_not_the_call(monkeypatch):
         assert report["wall_time_s"] > 0.3 and len(report["step_times_s"]) == 3
         assert max(report["step_times_s"]) < 0.3 and report["step_s"] < report["wall_time_s"] / 3
         assert len(result.measured.step_ends_ms) == 3 and result.measured.memory_ms
+    finally:
+        result.close()
+
+
+def test_without_a_step_callback_the_steps_come_from_the_denoiser_forwards(monkeypatch):
+    from offload_core.cli_run import clock
+
+    monkeypatch.setattr(clock, "takes_step_callback", lambda pipe: False)
+    result = run_pipeline(parse("--pipeline", "flux2", "--steps", "3", "--json"), backend=chaos_backend())
+    try:
+        steps = result.report["step_times_s"]
+        assert len(steps) == 3 and all(t > 0 for t in steps) and sum(steps) < result.report["wall_time_s"]
     finally:
         result.close()
 
@@ -236,6 +249,7 @@ def test_unused_prefetches_are_found_in_a_timeline():
     assert unused_prefetches(Recorded()) == (1, 10)
 
 
+@pytest.mark.quick
 def test_times_from_the_fake_say_they_are_simulated_and_compare_runs_without_offload(capsys):
     code, out, _ = main(capsys, "--pipeline", "flux2", "--steps", STEPS, "--compare")
     assert code == 0
@@ -425,6 +439,7 @@ def _bad_inputs(tmp: Path, saved: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.quick
 def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, tmp_path, saved_sd3, monkeypatch):
     cases = _bad_inputs(tmp_path, saved_sd3)
     before = sorted(tmp_path.rglob("*"))
@@ -476,6 +491,7 @@ def test_a_size_the_pipeline_rounds_silently_is_caught_after_the_call(capsys, tm
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.quick
 def test_a_failed_write_leaves_no_file_behind(capsys, tmp_path, monkeypatch):
     """The trace is written before the image fails: neither is left, and the error is one line."""
     from PIL import Image
@@ -490,6 +506,7 @@ def test_a_failed_write_leaves_no_file_behind(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.quick
 def test_a_failed_rename_puts_back_what_was_there(capsys, tmp_path, monkeypatch):
     """The last rename fails: the files renamed before it are taken back and the file one of them
     replaced is restored, so the folder is as it was before the run."""

@@ -55,6 +55,8 @@ TINY = {
     "/models/Wan2.2-T2V-A14B-Diffusers": "wan2.2-t2v",
 }
 
+pytestmark = pytest.mark.quick
+
 
 @dataclass
 class Snippet:

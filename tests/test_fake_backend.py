@@ -21,6 +21,8 @@ from offload_core_fake import FakeBackend, FakeOutOfMemoryError, StreamError
 
 MIB = 1 << 20
 
+pytestmark = pytest.mark.quick  # the fake backend path, in the quick subset (pytest -m quick)
+
 
 @pytest.fixture
 def make():

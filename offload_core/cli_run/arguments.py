@@ -55,10 +55,12 @@ Strategies: 'none' runs the pipeline as loaded, without offload (the reference o
 (enable_layerwise_offload); 'distributed' streams it over several ranks, each holding 1/N of
 the blocks (enable_distributed_layerwise_offload), one process per rank started by torchrun:
   torchrun --nproc-per-node 2 -m offload_core run --strategy distributed
-every rank's output is checked equal, and rank 0 reports and writes the files. Offloading is enabled before the clock starts; the report times the
-one call and each denoising step (from the pipeline's callback_on_step_end; the first step
-apart), gives the device memory saved, counts the copies made during the call (prefetches for a
-step that never came apart), and ends with a one-line verdict. On a simulator backend (fake)
+every rank's output is checked equal, and rank 0 reports and writes the files.
+
+Offloading is enabled before the clock starts; the report times the one call and each
+denoising step (from the pipeline's callback_on_step_end, or its denoiser's forwards; the first
+step apart), gives the device memory saved, counts the copies made during the call (prefetches
+for a step that never came apart), and ends with a one-line verdict. On a simulator backend (fake)
 the times are the simulator's, and the report says so. 'overlap' is the share of host-to-device
 copy time during which compute did not wait for a copy, read from the timeline the strategies
 record (n/a on a backend without device timing). --compare then runs the same call without

@@ -4,8 +4,10 @@ device memory over time.
 The call's wall time divided by its steps is not a step time: it includes the prompt encoding
 and the decoding, which take as long as several steps on a small pipeline. So the steps are
 timed from the denoising loop itself: diffusers pipelines call ``callback_on_step_end`` at the
-end of every step, and the loop starts at the denoiser's first forward. The first step is kept
-apart, since it pays what later steps do not (the first loads, lazy initialisation).
+end of every step, and the loop starts at the denoiser's first forward. A pipeline without that
+callback (LongCat-Image) is timed from its denoisers' forwards, when they divide evenly into the
+steps (each step the same number of forwards). The first step is kept apart, since it pays what
+later steps do not (the first loads, lazy initialisation).
 """
 
 from __future__ import annotations
@@ -30,30 +32,42 @@ class StepClock:
     def __init__(self) -> None:
         self.loop_start_ns: int | None = None
         self.step_ends_ns: list[int] = []
+        self.forwards_ns: list[tuple[int, int]] = []  # (start, end) of each denoiser forward
+        self._forward_start = 0
 
     def on_step_end(self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
         self.step_ends_ns.append(time.perf_counter_ns())
         return callback_kwargs
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_start = time.perf_counter_ns()
         if self.loop_start_ns is None:
-            self.loop_start_ns = time.perf_counter_ns()
+            self.loop_start_ns = self._forward_start
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.forwards_ns.append((self._forward_start, time.perf_counter_ns()))
 
     @contextlib.contextmanager
     def attached(self, pipe: Any) -> Iterator[dict[str, Any]]:
         """Hooks on the pipeline's denoisers while the call runs; yields the call arguments that
         pass the step callback (none where the pipeline takes no ``callback_on_step_end``)."""
-        if not takes_step_callback(pipe):
-            yield {}
-            return
         denoisers = [m for name, m in pipe.components.items()
                      if isinstance(m, nn.Module) and name.startswith(DENOISER_PREFIXES)]
         hooks = [m.register_forward_pre_hook(self._on_forward) for m in denoisers]
+        hooks += [m.register_forward_hook(self._after_forward) for m in denoisers]
         try:
-            yield {"callback_on_step_end": self.on_step_end}
+            yield {"callback_on_step_end": self.on_step_end} if takes_step_callback(pipe) else {}
         finally:
             for hook in hooks:
                 hook.remove()
+
+    def finish(self, steps: Any) -> None:
+        """Without step callbacks, the step ends from the forwards: each step's last forward."""
+        if self.step_ends_ns or not isinstance(steps, int) or steps < 1:
+            return
+        if self.forwards_ns and len(self.forwards_ns) % steps == 0:
+            per_step = len(self.forwards_ns) // steps
+            self.step_ends_ns = [self.forwards_ns[(i + 1) * per_step - 1][1] for i in range(steps)]
 
     def step_seconds(self) -> list[float]:
         """Each step's duration: the first from the loop's start, the others from the step before."""

@@ -182,6 +182,7 @@ def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> Ru
             wall = time.perf_counter() - start
         _check_output_size(target, overrides, output)
         settings = {**target.defaults, **overrides}
+        clock.finish(settings.get("num_inference_steps"))
         measured = Measured(wall, clock.step_seconds(), [(t - origin_ns) / 1e6 for t in clock.step_ends_ns],
                             [((t - origin_ns) / 1e6, b) for t, b in memory.samples] if memory else [])
         report = make_report(args, target, handle, output, measured, settings, timeline, plan_bytes, before)

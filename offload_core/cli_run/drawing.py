@@ -20,9 +20,10 @@ from .report import Measured
 
 COLOURS = {"compute": "#4c72b0", "copy": "#55a868", "wait": "#c44e52"}
 MARKS = {"host wait": ("v", "#8172b2"), "prefetch miss": ("x", "#c44e52")}
+STEP_COLOUR = "#555555"
 WIDTH_PX = 1200
 #: pixels a label character takes at the font size used for block labels
-CHAR_PX = 5.5
+CHAR_PX = 6.5
 
 
 def short_label(name: str) -> str:
@@ -33,6 +34,7 @@ def short_label(name: str) -> str:
 
 def draw_timeline(timeline: Timeline, path: Path, report: dict[str, Any], measured: Measured) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     lanes = timeline.lanes() or ["compute"]
@@ -60,9 +62,11 @@ def draw_timeline(timeline: Timeline, path: Path, report: dict[str, Any], measur
                          zorder=3, label=kind)
     for step, at in enumerate(measured.step_ends_ms, 1):
         for a in (axes, memory):
-            a.axvline(at, color="#555555", linestyle="--", linewidth=0.8)
-        axes.text(at, -0.5 - 0.55, f" step {step} ends (host) ", fontsize=7, va="center", ha="right", color="#555555")
+            a.axvline(at, color=STEP_COLOUR, linestyle="--", linewidth=0.8)
+        axes.text(at, -0.5 - 0.55, f"{step} ", fontsize=7, va="center", ha="right", color=STEP_COLOUR)
     handles = [Patch(color=c, label=k if k != "wait" else "compute waits for a copy") for k, c in COLOURS.items()]
+    if measured.step_ends_ms:
+        handles.append(Line2D([], [], color=STEP_COLOUR, linestyle="--", linewidth=0.8, label="step N ends (host)"))
     axes.legend(handles=[*handles, *axes.get_legend_handles_labels()[0]], loc="upper right", fontsize="small",
                 ncols=5)
     axes.set_yticks(range(len(lanes)), lanes)

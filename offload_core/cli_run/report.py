@@ -195,7 +195,7 @@ def render(report: dict[str, Any]) -> str:
     elif r["first_step_s"] is not None:
         step = f"{_seconds(r['first_step_s'])} (one step)"
     else:
-        step = "n/a (the pipeline takes no callback_on_step_end)"
+        step = "n/a (no callback_on_step_end, and the denoiser's forwards do not divide into the steps)"
     rows = [
         ("pipeline", f"{r['pipeline']} ({r['pipeline_class']})"),
         ("strategy", strategy),
