@@ -247,7 +247,7 @@ def test_snippets_run(page, tiny_folders, tmp_path, monkeypatch, capsys):
         if snippet.language == "toml":
             tomllib.loads(code)
         elif snippet.language == "python":
-            with tiny_calls(tiny_folders), torch.no_grad():
+            with tiny_calls(tiny_folders):
                 try:
                     exec(compile(code, str(snippet), "exec"), namespace)
                 except Exception as exc:

@@ -334,7 +334,7 @@ def test_a_fraction_of_ram_is_taken_of_the_ram_of_the_machine_that_plans(tmp_pat
     model = mixed_stack()
     expected = run(model)
     resident, blocks = unit_bytes(model)
-    ring = staging.BOUNCE_BUFFERS * 64
+    ring = staging.BOUNCE_BUFFERS * aligned(64)  # as it takes pinned memory: each buffer aligned
     monkeypatch.setattr(placement, "physical_memory", lambda: 4 * (resident + ring + blocks[0]))
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          host_memory=0.25, pinned_memory="1GiB", offload_folder=tmp_path)
