@@ -24,22 +24,22 @@ _EXPORTS = {
     "Event": ".backend",
     "Stream": ".backend",
     "Waitable": ".backend",
-    "hookimpl": ".hookspecs",
     "OffloadConfig": ".config",
-    "OffloadConfigError": ".config",
-    "BlockDiscoveryError": ".discovery",
     "register_blocks": ".discovery",
-    "AlreadyEnabledError": ".handle",
-    "OffloadedModelError": ".handle",
+    "AlreadyEnabledError": ".errors",
+    "BackendNotFoundError": ".errors",
+    "BlockDiscoveryError": ".errors",
+    "DistributedOffloadError": ".errors",
+    "OffloadConfigError": ".errors",
+    "OffloadedModelError": ".errors",
+    "RepackError": ".errors",
+    "UnsupportedTensorError": ".errors",
     "OffloadHandle": ".handle",
-    "RepackError": ".strategies.part",
-    "DistributedOffloadError": ".strategies.distributed",
+    "hookimpl": ".hookspecs",
     "BackendInfo": ".plugins",
-    "BackendNotFoundError": ".plugins",
     "get_backend": ".plugins",
     "list_backends": ".plugins",
     "from_pretrained": ".pretrained",
-    "UnsupportedTensorError": ".weights",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -47,16 +47,16 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # what IDEs and type checkers see
     from .api import enable_offload
     from .backend import Capability, DeviceBackend, Event, Stream, Waitable
-    from .config import OffloadConfig, OffloadConfigError
-    from .discovery import BlockDiscoveryError, register_blocks
-    from .handle import AlreadyEnabledError, OffloadedModelError, OffloadHandle
+    from .config import OffloadConfig
+    from .discovery import register_blocks
+    from .errors import (
+        AlreadyEnabledError, BackendNotFoundError, BlockDiscoveryError, DistributedOffloadError, OffloadConfigError,
+        OffloadedModelError, RepackError, UnsupportedTensorError,
+    )
+    from .handle import OffloadHandle
     from .hookspecs import hookimpl
-    from .plugins import BackendInfo, BackendNotFoundError, get_backend, list_backends
+    from .plugins import BackendInfo, get_backend, list_backends
     from .pretrained import from_pretrained
-    from .strategies.distributed import DistributedOffloadError
-    from .strategies.part import RepackError
-    from .weights import UnsupportedTensorError
-
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

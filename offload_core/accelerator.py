@@ -31,19 +31,12 @@ import torch
 
 from . import dist as _dist
 from .backend import Capability, DeviceBackend, Event, Stream
+from .errors import BackendUnavailableError
 from .memory_accounting import AllocationTracker, as_shape, power_of_two_ceil
 
 __all__ = ["AcceleratorBackend", "BackendUnavailableError", "CollectiveWork"]
 
 logger = logging.getLogger(__name__)
-
-
-class BackendUnavailableError(RuntimeError):
-    """An accelerator backend was instantiated in a process where its ``probe()`` is false.
-
-    Raised at construction rather than at first use, so ``get_backend("cuda")`` on a machine
-    without a GPU fails with the reason instead of a vendor error deep inside a strategy.
-    """
 
 
 class CollectiveWork:

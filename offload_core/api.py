@@ -11,11 +11,12 @@ from torch import nn
 
 from . import ownership
 from .backend import DeviceBackend
-from .config import OffloadConfig, OffloadConfigError
+from .config import OffloadConfig
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
+from .errors import AlreadyEnabledError, OffloadConfigError
 from .foreign import refuse_weight_hook_methods, weight_hooks
-from .handle import HANDLE_ATTRIBUTE, AlreadyEnabledError, OffloadHandle
+from .handle import HANDLE_ATTRIBUTE, OffloadHandle
 from .hostmem.placement import plan_placement
 from .pipelines import enable_on_pipeline, is_pipeline
 from .plugins import get_backend

@@ -16,6 +16,8 @@ import os
 import re
 import warnings
 from typing import Any, Callable, Sequence, TypeVar
+from .errors import OffloadConfigError
+
 
 T = TypeVar("T")
 
@@ -33,10 +35,6 @@ TARGET_WORDS = {"pipeline": "a diffusers pipeline", "module": "a bare torch.nn.M
 #: pipeline component groups a strategy can offload
 COMPONENT_GROUPS = ("dit", "text_encoder", "vae")
 OPTION = "offload_core.option"
-
-
-class OffloadConfigError(ValueError):
-    """An offload option is invalid; the message names the option and the accepted values."""
 
 
 # -- value parsers: each takes a value, returns it normalised, or raises ValueError / TypeError ----

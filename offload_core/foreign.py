@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from torch import nn
+from .errors import OffloadConfigError
 
-from .config import OffloadConfigError
 
 #: diffusers hook names (``HookRegistry`` keys) that manage the weights, and what to call them
 DIFFUSERS_WEIGHT_HOOKS = {

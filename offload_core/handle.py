@@ -13,23 +13,13 @@ from torch import nn
 
 from . import ownership
 from .backend import DeviceBackend
+from .errors import AlreadyEnabledError, OffloadedModelError
 from .hostmem.budget import Trimmer
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
 HANDLE_ATTRIBUTE = "_offload_core_handle"
-
-
-class AlreadyEnabledError(RuntimeError):
-    """``enable_offload`` on a target that already has offloading enabled, or that contains, or is
-    contained in, an offloaded model or pipeline; the message names the handle."""
-
-
-class OffloadedModelError(RuntimeError):
-    """An operation an offloaded model refuses before changing anything (moving its weights to
-    another device, changing the structure of a model offloaded across ranks); the message names
-    ``handle.disable()``."""
 
 
 class OffloadHandle:

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from .errors import AlreadyEnabledError
+
 _lock = threading.Lock()
 #: id(module) -> (weak module, weak handle, weak part): nothing here keeps a model alive, so a model
 #: dropped without ``disable()`` is collected with its handle, and the handle's memory goes with it
@@ -89,7 +91,6 @@ def refresh(handle: Any) -> None:
 
 def check_free(modules: Iterable[nn.Module], what: str) -> None:
     """Raise if any of ``modules`` (or a module or parameter inside them) is already offloaded."""
-    from .handle import AlreadyEnabledError
 
     for root in modules:
         for name, module in root.named_modules():

@@ -21,10 +21,11 @@ from typing import Any
 from torch import nn
 
 from .backend import DeviceBackend
-from .config import OffloadConfig, OffloadConfigError
-from .discovery import BlockDiscoveryError, find_blocks
+from .config import OffloadConfig
+from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
-from .handle import OffloadedModelError, OffloadHandle
+from .errors import BlockDiscoveryError, OffloadConfigError, OffloadedModelError
+from .handle import OffloadHandle
 from .hostmem.placement import plan_placement
 from .strategies.common import Transaction
 from .strategies.part import CopyGuard, attach

@@ -29,7 +29,7 @@ import pluggy
 
 from . import hookspecs
 from .backend import DeviceBackend
-from .config import OffloadConfigError
+from .errors import BackendNotFoundError, OffloadConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ ENV_BACKEND = "OFFLOAD_CORE_BACKEND"
 IN_TREE_DISTRIBUTION = "offload-core"
 #: what a backend ``name`` may look like: it is typed on command lines and in environment variables
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-class BackendNotFoundError(OffloadConfigError, LookupError):
-    """A backend name that no plugin registered (or no backend available to auto-detection).
-    An :class:`~offload_core.OffloadConfigError`, as every invalid option is."""
 
 
 def _describe(exc: BaseException) -> str:

@@ -30,7 +30,8 @@ from torch import nn
 
 from .api import enable_checked, given_options, resolve_config
 from .backend import DeviceBackend
-from .config import OffloadConfig, OffloadConfigError
+from .config import OffloadConfig
+from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
 from .hostmem.disk import read_index

@@ -10,7 +10,9 @@ import math
 import os
 from typing import Any, Callable, TypeVar
 
-from offload_core.config import OffloadConfigError, check_value, count
+from offload_core.config import check_value, count
+from offload_core.errors import OffloadConfigError
+
 
 T = TypeVar("T")
 

@@ -34,7 +34,7 @@ import torch
 
 from ..backend import DeviceBackend
 from ..cli_common import UsageError, Writer, columns, write_all
-from ..config import OffloadConfigError
+from ..errors import OffloadConfigError
 from ..timeline import Timeline
 from . import arguments, loading, outputs, ranks
 from .clock import MemorySampler, StepClock

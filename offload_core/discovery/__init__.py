@@ -1,6 +1,7 @@
 """Finding what to offload: block stacks in a model, components in a pipeline."""
 
+from ..errors import BlockDiscoveryError
 from . import known_models  # noqa: F401  (registers the supported-model table)
-from .blocks import BlockDiscoveryError, declared_attrs, find_blocks, register_blocks, registered_blocks
+from .blocks import declared_attrs, find_blocks, register_blocks, registered_blocks
 
 __all__ = ["BlockDiscoveryError", "declared_attrs", "find_blocks", "register_blocks", "registered_blocks"]

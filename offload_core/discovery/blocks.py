@@ -20,6 +20,8 @@ import logging
 from typing import Iterable
 
 from torch import nn
+from ..errors import BlockDiscoveryError
+
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +29,6 @@ CLASS_ATTRIBUTE = "offload_core_blocks"
 FALLBACK_SHARE = 0.2  # a module list joins the fallback pick if it holds this share of the parameters
 
 _registry: dict[str, tuple[str, ...]] = {}
-
-
-class BlockDiscoveryError(ValueError):
-    """No block stack could be found, or a declared one does not exist on the model."""
 
 
 def _key(cls_or_qualname: type | str) -> str:

@@ -18,6 +18,8 @@ from typing import Iterable
 
 import torch
 
+from ..errors import OffloadedModelError
+
 logger = logging.getLogger(__name__)
 
 #: safetensors dtype codes
@@ -271,7 +273,6 @@ def check_placeholders(views: Iterable[torch.Tensor], what: str) -> None:
     with torch.no_grad():
         for base in written:
             base.fill_(_poison(base.dtype))
-    from ..handle import OffloadedModelError
 
     raise OffloadedModelError(
         f"{what} has its home on disk: a write into its tensors outside its forward (zero_(), fill_(), nn.init) "

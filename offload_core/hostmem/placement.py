@@ -27,7 +27,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..config import OffloadConfig, OffloadConfigError
+from ..config import OffloadConfig
+
+from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .budget import AUTO_PINNED_SHARE, physical_memory
 from .disk import SpillFolder, checkpoint_image

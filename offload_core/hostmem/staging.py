@@ -24,6 +24,8 @@ import weakref
 from typing import Callable
 
 import torch
+from ..errors import StagingError
+
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,6 @@ BOUNCE_CHUNK_BYTES = 16 * 2**20
 BOUNCE_BUFFERS = 4
 
 Reader = Callable[[int, int, torch.Tensor], None]  # read(start, count, out): elements into ``out``
-
-
-class StagingError(RuntimeError):
-    """Reading weights into the bounce ring failed on the stager thread."""
 
 
 def ring_chunk_bytes(largest: int) -> int:

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import ExportError
 from .common import to_device
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ _REASON = (
     "For one graph per block use regional compilation (block.compile(fullgraph=True) or "
     "model.compile_repeated_blocks(fullgraph=True)); see docs/compatibility.md"
 )
-
-
-class ExportError(RuntimeError):
-    """``torch.export`` of an offloaded model; the message names ``handle.disable()``."""
 
 
 def compile_disabled(fn: Callable, recursive: bool = True) -> Callable:

@@ -41,6 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..backend import DeviceBackend
+from ..errors import DistributedOffloadError
 from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..labels import label
 from ..weights import nbytes_of
@@ -54,11 +55,6 @@ HEADER = 4
 MAGIC = 0x0FF10AD
 OK, ABORTED = 0, 1
 END = -1
-
-
-class DistributedOffloadError(RuntimeError):
-    """The ranks of a distributed offload disagree (enable failed on a rank, different weights,
-    a gather that paired different blocks, a rank that failed during a forward)."""
 
 
 def _padded(n: int, world: int) -> int:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
-from ..handle import OffloadedModelError
+from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
 from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..timeline import UNTRACED
@@ -532,7 +532,6 @@ class LayerwiseOffload(Part):
         if not self.units[i].host:
             return functools.partial(_refuse_write_back, self._no_ram_home(i))
         return functools.partial(write_back, self.backend)
-
 
 
     # -- autograd (see autograd.py) ------------------------------------------------------------

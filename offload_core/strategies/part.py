@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..errors import OffloadedModelError, RepackError
 from ..weights.unit import region_tensor
 from .calls import CallWrapper
 from .common import Counters, Transaction
@@ -145,7 +146,6 @@ def changed_during_call(part: Part, during: str) -> Exception:
     """The error for a structural change (a new Parameter, a module added) made once a call of
     the model had begun, ``during`` what: the call's blocks are bound already, so it cannot be
     re-packed around them. The part re-packs before the next call."""
-    from ..handle import OffloadedModelError
 
     part.dirty = True
     return OffloadedModelError(
@@ -153,10 +153,6 @@ def changed_during_call(part: Part, during: str) -> Exception:
         "added) after its offloaded forward had begun; make that change before calling the model (the next call "
         "re-packs it), or call handle.disable() first"
     )
-
-
-class RepackError(RuntimeError):
-    """Packing a model again after a structural change failed; that part is no longer offloaded."""
 
 
 def write_back(backend, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

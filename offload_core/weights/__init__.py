@@ -1,6 +1,7 @@
 """Packing groups of tensors into flat per-dtype host buffers, and splitting a model into units."""
 
+from ..errors import UnsupportedTensorError
 from .plan import split_units
-from .unit import UnsupportedTensorError, WeightUnit, nbytes_of, slot_numel
+from .unit import WeightUnit, nbytes_of, slot_numel
 
 __all__ = ["UnsupportedTensorError", "WeightUnit", "nbytes_of", "slot_numel", "split_units"]

@@ -25,11 +25,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..errors import Unstreamable
+
+
 logger = logging.getLogger(__name__)
-
-
-class Unstreamable(TypeError):
-    """A tensor subclass whose memory the packer cannot reach; the message says why."""
 
 
 def is_plain(t: torch.Tensor) -> bool:

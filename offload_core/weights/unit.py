@@ -25,17 +25,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .subclass import Unstreamable, assign_param, flatten, has_storage, like, plain_alias
+from ..errors import Unstreamable, UnsupportedTensorError
+from .subclass import assign_param, flatten, has_storage, like, plain_alias
 
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 512  # region starts aligned as the CUDA caching allocator aligns blocks: kernels pick by alignment
 #: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
 SOURCE_ATTRIBUTE = "_offload_core_source"
-
-
-class UnsupportedTensorError(TypeError):
-    """A tensor the packer cannot move faithfully (a meta or sparse tensor, mixed-dtype aliasing)."""
 
 
 @dataclasses.dataclass(eq=False)
