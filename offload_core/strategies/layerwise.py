@@ -7,15 +7,17 @@ elsewhere) reads and writes the truth, and a copy never computes on another bloc
 
 A model forward is one *pass*. It starts by checking that every block still shows its own host
 buffer (a parameter given new data of the same shape is copied into it; anything else is a
-structural change and the model is re-packed), then queues blocks ``0 .. prefetch_depth`` into
-their slots. Before block ``i`` runs, its wrapper makes sure ``i`` is the occupant of its slot
+structural change and the model is re-packed); when its first block is reached (after the
+model's own pre-hooks, which may have edited weights) it checks again and queues blocks
+``0 .. prefetch_depth`` into their slots. Before block ``i`` runs, its wrapper makes sure ``i`` is the occupant of its slot
 (else loads it synchronously and counts a miss), queues the next ``prefetch_depth`` blocks, makes
 the compute stream wait for ``i``'s ready event and binds ``i`` to its slot; after it, the slot is
 marked free with an event on the compute stream, changes the forward made to the block's tensors
 are copied home, and ``i`` is bound to its host buffer again. A copy into a slot always waits for
 the slot's free event. When the pass ends the host waits for the last queued copy, so host memory
 is never written while a copy still reads it, and nothing stays in a slot across passes: a block is
-loaded afresh in every pass, from the host as it is then.
+loaded afresh in every pass, from the host as it is then. (A pass that saved weights for a backward
+leaves its last blocks in their slots for it; see autograd.py.)
 
 A block called outside a model forward is loaded synchronously (a miss) and dropped after.
 
@@ -161,9 +163,6 @@ class LayerwiseOffload(Part):
         self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
         self._show_placeholders()
-        self.aliases.clear()
-        for unit, buffers in [(self.resident, resident_device), *((u, u.host) for u in self.units if u.host)]:
-            self.aliases.add(unit, buffers)
         self.epoch += 1
         self._bind_slots()
         # the ring's own references to each slot, counted at rest: more, later, means that
@@ -325,7 +324,6 @@ class LayerwiseOffload(Part):
             self._quiesce()
             # what references the homes goes first, so that each is released once its unit is unpacked
             self._transfers = self._images = self._bindings = []
-            self.aliases.clear()
             if self.resident.host:
                 adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
                 write_back(self.backend, [
@@ -337,7 +335,6 @@ class LayerwiseOffload(Part):
             self.enabled = False
 
     def _release(self) -> None:
-        self.aliases.clear()
         self.slots = []
         self._transfers = self._images = []
         self._tickets = {}

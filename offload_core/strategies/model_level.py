@@ -147,10 +147,8 @@ class ModelLevelOffload(Part):
         default_placement(self, txn)
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.placement, txn, "components")
-        self.aliases.clear()
         for c in (c for g in self.groups for c in g.components):
             c.home = Home(c.unit, c.unit.host_views)
-            self.aliases.add(c.unit, c.unit.host)
         self.copy_stream = self.backend.new_stream()
         for group in self.groups:
             group.ready = self.backend.new_event()
@@ -186,7 +184,6 @@ class ModelLevelOffload(Part):
             for c in components:
                 c.home = None  # it references the home, which goes as soon as its unit is unpacked
             unpack_units([c.unit for c in components], self.placement)
-            self.aliases.clear()
             self.enabled = False
 
     def _settle(self) -> None:

@@ -1,13 +1,12 @@
 """What every strategy instance ("part") of a handle shares beyond the transport: the handle's
 lock, instrumentation that can be taken off and put back (plain copies), re-packing after a
-structural change, changes copied home, and state dicts whose tensors look independent."""
+structural change, and changes copied home."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import copyreg
-import functools
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -16,7 +15,6 @@ import torch
 from torch import nn
 
 from ..errors import OffloadedModelError, RepackError
-from ..weights.unit import region_tensor
 from .calls import CallWrapper
 from .common import Counters, Transaction
 
@@ -42,7 +40,6 @@ class Part:
         self.dirty = False  # the structure changed (a module or tensor added): re-pack before use
         self.enabled = False
         self._hooks: list = []
-        self.aliases = StateDictAliases()
         self._no_repack: str | None = None  # inside no_repack(): what would have asked for one
 
     @contextlib.contextmanager
@@ -63,10 +60,9 @@ class Part:
         raise NotImplementedError
 
     def _wrap(self, module: nn.Module, before, after, device: torch.device | None = None) -> None:
-        """Wrap ``module``'s calls (see :class:`CallWrapper`), under the handle's lock; copies and
-        state dicts of the module go through the handle."""
+        """Wrap ``module``'s calls (see :class:`CallWrapper`), under the handle's lock; copies of the
+        module go through the handle."""
         self._hooks.append(CallWrapper(module, before, after, device, self.lock))
-        self._hooks.append(module.register_state_dict_post_hook(functools.partial(StateDictAliases.hook, self.aliases)))
         if self.owner is not None:
             self._hooks.append(CopyGuard(module, self.owner.plain_copy))
 
@@ -233,47 +229,3 @@ def shallow_reduction(obj: Any) -> tuple:
         if key not in BOUND_TO_ORIGINAL and getattr(value, "__self__", None) is not obj
     }
     return copyreg.__newobj__, (type(obj),), state
-
-
-class StateDictAliases:
-    """Gives ``state_dict()`` entries that view a unit's flat buffer a storage of their own: a
-    slice of the buffer's storage spanning just the entry's region, sharing its memory (no copy).
-    To safetensors (which refuses views that do not cover their storage) and ``torch.save`` an
-    offloaded tensor then looks as independent as it was before packing, while the tensors the
-    model computes with stay plain views of the flat buffers, which the fake backend's race
-    sanitizer tracks."""
-
-    def __init__(self) -> None:
-        # (device, storage address) -> [(first byte, end byte, flat buffer, region start, numel)]
-        self._spans: dict[tuple, list[tuple[int, int, torch.Tensor, int, int]]] = {}
-
-    def add(self, unit: Any, buffers: dict[torch.dtype, torch.Tensor]) -> None:
-        for r in unit.regions:
-            flat = buffers[r.dtype]
-            size = flat.element_size()
-            start = (flat.storage_offset() + r.start) * size
-            spans = self._spans.setdefault((flat.device, _storage_address(flat)), [])
-            spans.append((start, start + r.numel * size, flat, r.start, r.numel))
-
-    def clear(self) -> None:
-        self._spans.clear()
-
-    def hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        for key, value in state_dict.items():
-            if key.startswith(prefix) and type(value) is torch.Tensor:  # keep_vars=True: leave Parameters be
-                state_dict[key] = self.alias(value)
-
-    def alias(self, t: torch.Tensor) -> torch.Tensor:
-        spans = self._spans.get((t.device, _storage_address(t))) if t.numel() else None
-        if not spans:
-            return t
-        offset = t.storage_offset() * t.element_size()
-        for start, end, flat, region, numel in spans:
-            if start <= offset < end:
-                elements = (offset - start) // t.element_size()
-                return region_tensor(flat, region, numel).as_strided(t.shape, t.stride(), elements)
-        return t
-
-
-def _storage_address(t: torch.Tensor) -> int:
-    return t.data_ptr() - t.storage_offset() * t.element_size()

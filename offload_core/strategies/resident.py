@@ -57,9 +57,6 @@ class ResidentModules(Part):
             self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))
         stream.synchronize()
         self.device_views = [unit.region_views(buf) for unit, buf in zip(self.units, self.device)]
-        self.aliases.clear()
-        for unit, buf in zip(self.units, self.device):
-            self.aliases.add(unit, buf)
         for unit, views in zip(self.units, self.device_views):
             unit.bind(views)
             txn.on_rollback(lambda unit=unit: unit.bind(unit.host_views))
@@ -91,5 +88,4 @@ class ResidentModules(Part):
                     write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
             unpack_units(list(zip(self.units, self.device_views)), self.placement)
             self.device, self.device_views = [], []
-            self.aliases.clear()
             self.enabled = False
