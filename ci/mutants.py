@@ -50,6 +50,7 @@ WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a
 STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
 STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
 STAGED_RESIDENT = "tests/test_hostmem.py::test_resident_components_are_on_the_device_when_enable_returns"
+STAGED_LAYERWISE_RESIDENT = "tests/test_hostmem.py::test_a_staged_resident_part_is_on_the_device_when_enable_returns"
 STAGED_DISABLE = "tests/test_hostmem.py::test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued"
 TRAINING = "tests/test_autograd.py::test_weight_gradients_and_optimizer_steps_update_the_host_truth"
 NEW_SLOT = "tests/test_autograd.py::test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse"
@@ -111,7 +112,7 @@ MUTANTS = [
     Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
     Mutant("layerwise: the resident copy is issued (by the stager) before its done event", L,
            "self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, "
-           "self.counters))", (STAGED,),
+           "self.counters))", (STAGED_LAYERWISE_RESIDENT,),
            replacement="copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters)"),
     Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
            "self.placement.wait(self._tickets.pop(i, None))", (STAGED,)),

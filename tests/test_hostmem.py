@@ -293,6 +293,27 @@ def test_resident_components_are_on_the_device_when_enable_returns(tiny_wan, kib
         handle.disable()
 
 
+def test_a_staged_resident_part_is_on_the_device_when_enable_returns(small_chunks, monkeypatch):
+    """Layerwise: the weights outside the blocks, with no pinned home, are copied by the stager;
+    enable returns only once that copy was issued and has landed (the stager's tasks of enable are
+    held back until it returned, or half a second has passed, so a missing wait shows every time)."""
+    model = mixed_stack()
+    expected = run(model, X)
+    # a first enable pays the one-time imports (Dynamo), which must not count against the hold
+    offload_core.enable_offload(mixed_stack(), enable_layerwise_offload=True, backend=chaos_backend()).disable()
+    held = HeldTasks(monkeypatch, LayerwiseOffload, "enable")
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         pinned_memory=0)
+    returned = time.monotonic()
+    held.release.set()
+    handle.placement.drain()
+    try:
+        assert held.finished and max(held.finished) < returned
+        assert torch.equal(run(model, X), expected)
+    finally:
+        handle.disable()
+
+
 @pytest.fixture(scope="module")
 def tiny_wan():
     from offload_core.tiny import build_pipeline
