@@ -477,3 +477,30 @@ def test_a_saved_quantized_weight_is_reloaded_part_by_part():
     parts = [getattr(saved, name) for name in saved.__tensor_flatten__()[0]]
     assert not any(h.data_ptr() <= p.data_ptr() < h.data_ptr() + h.nbytes for p in parts for h in homes)
     handle.disable()
+
+
+def test_a_view_a_finished_transfer_lets_go_of_at_synchronize_is_not_a_kept_slot():
+    """A transfer that has finished may still hold a view of its slot until its stream is
+    synchronized (a collective's work object, a stream's last task): before judging a slot kept,
+    the copy stream is synchronized and the slot counted again, so no slot is replaced for it."""
+    model = stack()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    part = handle.parts[0]
+    held = [buffer.view(-1) for buffer in part.slots[0].values()]  # what a finished transfer still holds
+    stream, synchronize = part.copy_stream, part.copy_stream.synchronize
+
+    def synchronize_and_let_go():
+        synchronize()
+        held.clear()
+
+    stream.synchronize = synchronize_and_let_go
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    finally:
+        del stream.synchronize
+    assert not held and handle.stats()["retired_slot_bytes"] == 0
+    handle.disable()
