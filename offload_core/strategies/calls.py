@@ -64,6 +64,13 @@ def compile_disabled(fn: Callable, recursive: bool = True) -> Callable:
     return disable(fn, recursive=recursive)
 
 
+def _exporting() -> bool:
+    """Whether ``torch.export`` is tracing (``torch.compiler.is_exporting``, torch 2.7 and later;
+    on older torch export is not told apart, and fails with torch's own error)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return is_exporting is not None and is_exporting()
+
+
 class CallWrapper:
     """Runs ``before()`` ahead of every call of ``module`` and ``after(failed)`` once it returns or
     raises, holding ``lock``, with the tensor inputs moved to ``device`` when one is given.
@@ -95,7 +102,7 @@ class CallWrapper:
     def _checked_call(self, *args: Any, **kwargs: Any) -> Any:
         """The call, refused while ``torch.export`` traces it (outside the disabled frame, which
         export would reject with a message naming neither offloading nor its fix)."""
-        if torch.compiler.is_exporting():
+        if _exporting():
             raise ExportError(
                 f"torch.export cannot trace {type(self.module).__name__} while it is offloaded: its weights move "
                 "between host and device around every call. Call handle.disable() first, export the plain model, "
