@@ -8,6 +8,7 @@ the device, since an offloaded forward is bit-exact against the same kernels, no
 from __future__ import annotations
 
 import copy
+import socket
 
 import torch
 from torch import nn
@@ -122,3 +123,10 @@ def assert_same_state(before: dict, after: dict) -> None:
         assert dtype == dtype2 and stride == stride2 and grad == grad2 and dev == dev2, name
         assert torch.equal(value, value2), name
     assert before["sharing"] == after["sharing"]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

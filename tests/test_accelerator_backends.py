@@ -34,6 +34,8 @@ from offload_core.plugins import registry
 from offload_core_cuda import CudaBackend
 from offload_core_npu import NpuBackend
 
+from helpers import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 VENDOR_NAMES = ("torch.cuda", "torch.npu", "torch_npu")
 
@@ -838,14 +840,9 @@ def _list_gather_worker(rank: int, port: int) -> None:
 
 
 def test_the_list_fallback_gathers_in_rank_order_with_real_gloo():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_list_gather_worker, args=(port,), nprocs=2, join=True)
+    mp.spawn(_list_gather_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 # -- a thread bound to the rank's device ---------------------------------------------------------

@@ -56,6 +56,20 @@ def assert_equal(got: dict, expected: dict, what: str) -> None:
     assert not wrong, f"{what} differ: {wrong[:5]}"
 
 
+def fine_tune_alike(model, reference, inputs: dict, steps: int) -> None:
+    """SGD with momentum on every weight of both models: the gradients before each step and the
+    weights after the last are equal."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference)]
+    for step in range(steps):
+        for m, opt in zip((model, reference), optimizers):
+            opt.zero_grad()
+            loss_of(m, inputs).backward()
+        assert_equal(param_grads(model), param_grads(reference), f"weight gradients at step {step}")
+        for opt in optimizers:
+            opt.step()
+    assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after training")
+
+
 def enable(model, strategy: str):
     return offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
 
@@ -96,15 +110,7 @@ def test_weight_gradients_and_optimizer_steps_update_the_host_truth(name, strate
     weights after each step equal those without offload."""
     model, reference, inputs = pair(name, trainable=True)
     handle = enable(model, strategy)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference)]
-    for step in range(3):
-        for m, opt in zip((model, reference), optimizers):
-            opt.zero_grad()
-            loss_of(m, inputs).backward()
-        assert_equal(param_grads(model), param_grads(reference), f"weight gradients at step {step}")
-        for opt in optimizers:
-            opt.step()
-    assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after training")
+    fine_tune_alike(model, reference, inputs, steps=3)
     if handle.strategy == "layerwise":
         assert_streamed_twice(handle, steps=3)
     handle.disable()

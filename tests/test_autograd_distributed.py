@@ -7,22 +7,17 @@ block whose weights require grad is refused clearly on every rank, and the ranks
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port
+
 WORLD = 2
 MODELS = ["flux2", "qwen-image", "wan-t2v"]
 
 pytestmark = pytest.mark.fake_only  # the ranks run on the fake backend over gloo
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int) -> None:
@@ -73,7 +68,7 @@ def _every_kind(offload_core, backend, build_transformer) -> None:
     """The other gradient cases on one DiT: sharded and frozen, torch.autograd.grad with
     retain_graph and two backward passes, gradient checkpointing and autocast; replicated, full
     fine-tuning with optimizer steps."""
-    from test_autograd import assert_equal, input_grads, leaf_inputs, loss_of, param_grads
+    from test_autograd import assert_equal, fine_tune_alike, input_grads, leaf_inputs, loss_of
 
     model, inputs = build_transformer("flux2")
     model.requires_grad_(False)
@@ -101,16 +96,9 @@ def _every_kind(offload_core, backend, build_transformer) -> None:
     handle = offload_core.enable_offload(
         model, enable_distributed_layerwise_offload=True, backend=backend, shard_host_weights=False
     )
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference)]
-    for step in range(2):
-        for m, opt in zip((model, reference), optimizers):
-            opt.zero_grad()
-            loss_of(m, inputs).backward()
-        assert_equal(param_grads(model), param_grads(reference), f"weight gradients at step {step}")
-        for opt in optimizers:
-            opt.step()
+    fine_tune_alike(model, reference, inputs, steps=2)
     handle.disable()
-    assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after training")
+    assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after disable")
 
 
 def _lora_loop(offload_core, backend, peft, name, build_transformer, assert_equal, loss_of) -> None:
@@ -138,4 +126,4 @@ def _lora_loop(offload_core, backend, peft, name, build_transformer, assert_equa
 
 
 def test_gradients_through_distributed_offload_on_two_ranks():
-    mp.start_processes(_worker, args=(_free_port(),), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,13 +14,9 @@ import pytest
 
 from offload_core.plugins import ENV_BACKEND
 
+from helpers import free_port
+
 ARGS = ["--pipeline", "flux2", "--steps", "2", "--seed", "3"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -32,7 +27,7 @@ def _env() -> dict[str, str]:
 def test_two_ranks_under_torchrun_report_once_and_match_the_run_without_offload(tmp_path):
     from PIL import Image
 
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     done = subprocess.run(
         [*launch, "-m", "offload_core", "run", *ARGS, "--strategy", "distributed", "--json",
          "--output", str(tmp_path / "streamed.png")],

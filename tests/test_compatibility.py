@@ -5,7 +5,6 @@ distributed column on two gloo processes."""
 from __future__ import annotations
 
 import pathlib
-import socket
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.multiprocessing as mp
 from tools.compatibility import ROWS, cells, render
 
 import compat_cases
-from helpers import chaos_backend
+from helpers import chaos_backend, free_port
 
 #: the table is a statement about the fake backend (chaos mode, its sanitizer, CPU references)
 pytestmark = pytest.mark.fake_only
@@ -27,12 +26,6 @@ SINGLE = cells(("model", "layerwise"))
 @pytest.mark.parametrize("case,strategy,verdict", SINGLE, ids=[f"{c}-{s}" for c, s, _ in SINGLE])
 def test_cell(case, strategy, verdict):
     compat_cases.CASES[case](strategy, chaos_backend(), verdict)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int) -> None:
@@ -53,7 +46,7 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_distributed_cells():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
 def test_every_row_has_its_check_and_the_doc_is_current():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import socket
 import sys
 import time
 
@@ -20,18 +19,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port
+
 WORLD = 2
 SECONDS = 240  # generous for a loaded machine; a hang shows up as a failure, not a stuck suite
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_bounded(fn, *args) -> None:
-    context = mp.spawn(fn, args=(_free_port(), *args), nprocs=WORLD, join=False)
+    context = mp.spawn(fn, args=(free_port(), *args), nprocs=WORLD, join=False)
     deadline = time.monotonic() + SECONDS
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

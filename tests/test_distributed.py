@@ -4,25 +4,19 @@ memory), the timeline of a sharded forward, and a collective disable."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from offload_core.weights.unit import ALIGN_BYTES
 
+from helpers import free_port
+
 WORLD = 2
 D = 32  # wide enough that half the blocks' bytes dwarf alignment and padding
 
 # the ranks run on the fake backend over gloo; a device backend's collectives need one device per rank
 pytestmark = pytest.mark.fake_only
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
@@ -144,11 +138,11 @@ def _every_supported_row(backend) -> None:
 
 @pytest.mark.parametrize("shard", [True, False], ids=["sharded", "replicated"])
 def test_distributed_layerwise_on_two_ranks(shard):
-    mp.spawn(_worker, args=(_free_port(), shard, False), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), shard, False), nprocs=WORLD, join=True)
 
 
 def test_distributed_layerwise_on_every_supported_row():
-    mp.spawn(_worker, args=(_free_port(), True, True), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), True, True), nprocs=WORLD, join=True)
 
 
 def test_distributed_needs_a_process_group():

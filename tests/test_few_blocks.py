@@ -6,7 +6,6 @@ input embeddings), whatever wrapper holds it."""
 from __future__ import annotations
 
 import logging
-import socket
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from offload_core.tiny import build_pipeline
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
 
-from helpers import assert_same_state, chaos_backend, snapshot
+from helpers import assert_same_state, chaos_backend, free_port, snapshot
 from stacks import StackSpec, build_stack
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
@@ -108,10 +107,7 @@ def _one_block_worker(rank: int, port: int) -> None:
 
 
 def test_one_block_distributed_with_sharded_host_weights():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_one_block_worker, args=(port,), nprocs=2, join=True)
+    mp.spawn(_one_block_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 # -- zero blocks -------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ The device-module side (host-cache emptying by each torch's names, ``compiler.di
 from __future__ import annotations
 
 import datetime
-import socket
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from offload_core.strategies.common import Transaction
 from offload_core.strategies.model_level import RESERVE_FRACTION, ModelLevelOffload
 from offload_core.weights.unit import ALIGN_BYTES
 
-from helpers import chaos_backend
+from helpers import chaos_backend, free_port
 from stacks import StackSpec, build_stack
 
 # the fake's own recording (bound_threads) and capacity options: simulator tests
@@ -154,12 +153,6 @@ def test_a_stager_that_cannot_bind_fails_every_load_with_that_error():
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _headers_worker(rank: int, port: int) -> None:
     """Rank 0 fails in block 1 while the stager is still behind with block 2's load: the headers
     each rank gathers, in the order it issues them, must pair up, and rank 0's loads after its
@@ -209,7 +202,7 @@ def _headers_worker(rank: int, port: int) -> None:
 
 
 def test_staged_shards_abort_and_drain_in_the_same_order_on_every_rank():
-    context = mp.spawn(_headers_worker, args=(_free_port(),), nprocs=WORLD, join=False)
+    context = mp.spawn(_headers_worker, args=(free_port(),), nprocs=WORLD, join=False)
     deadline = time.monotonic() + 180
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from offload_core.weights import split_units
 from offload_core.hostmem.slabs import aligned
 from offload_core.weights.unit import WeightUnit
 
-from helpers import assert_same_state, chaos_backend, forward, snapshot
+from helpers import assert_same_state, chaos_backend, forward, free_port, snapshot
 from stacks import StackSpec, build_stack
 
 MIXED = [[torch.float32, torch.bfloat16], [torch.float16], [torch.float32, torch.float32], [torch.bfloat16],
@@ -519,12 +518,6 @@ def test_disable_releases_each_slab_before_unpacking_the_next(monkeypatch):
     assert len(set(pinned)) >= 3 and pinned[-1] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _distributed_worker(rank: int, port: int) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     torch.set_num_threads(1)
@@ -560,7 +553,7 @@ def _distributed_worker(rank: int, port: int) -> None:
 
 
 def test_distributed_enable_holds_one_padded_block_at_a_time_and_stages_shards():
-    mp.spawn(_distributed_worker, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_distributed_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 def test_the_pipeline_check_does_not_import_diffusers_pipelines():

@@ -6,7 +6,6 @@ from the ordering, not from timing."""
 from __future__ import annotations
 
 import gc
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ import offload_core
 from offload_core.labels import label
 from offload_core.testing import SimulatorCapability
 from offload_core_fake import StreamRaceError
+
+from helpers import free_port
 
 N = 256
 
@@ -139,12 +140,6 @@ def test_a_strided_view_spans_the_bytes_it_can_touch(b):
 # -- collectives ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gather_worker(rank: int, port: int, chaos: bool) -> None:
     torch.set_num_threads(1)
     b = offload_core.get_backend("fake", sanitize=True, chaos=chaos, chaos_delay=0.001)
@@ -169,7 +164,7 @@ def _gather_worker(rank: int, port: int, chaos: bool) -> None:
 
 @pytest.mark.parametrize("chaos", [False, True], ids=["plain", "chaos"])
 def test_an_all_gather_output_read_before_its_waitable(chaos):
-    mp.spawn(_gather_worker, args=(_free_port(), chaos), nprocs=2, join=True)
+    mp.spawn(_gather_worker, args=(free_port(), chaos), nprocs=2, join=True)
 
 
 # -- the host --------------------------------------------------------------------------------------
@@ -234,7 +229,6 @@ def test_dropping_a_pinned_buffer_after_queuing_its_copy_is_safe(b, direction):
     b.synchronize()
     if kept is not None:
         assert torch.equal(kept, torch.full((N,), 3.0))
-
 
 
 def test_dropping_buffers_after_the_host_knows_the_copy_is_done(b):

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..api import enable_offload
 from ..plugins import get_backend
-from .timing import interleaved, ratio
+from .timing import bandwidth_calibration, interleaved, ratio
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +157,7 @@ def step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_to_comput
         backend = get_backend("fake", chaos=False)
         calibrate = None
         if copy_to_compute is not None:
-
-            def calibrate(name: str, seconds: float) -> None:
-                if name == "resident":
-                    backend.h2d_bandwidth = block_bytes / (copy_to_compute * seconds / blocks)
-
+            calibrate = bandwidth_calibration(backend, block_bytes, blocks, copy_to_compute, "resident")
             with torch.no_grad():
                 start = time.perf_counter()
                 resident(x)

@@ -57,3 +57,16 @@ def ratio(numerators: list[float], denominators: list[float]) -> tuple[float, fl
     if not ratios:
         return float("nan"), float("nan")
     return statistics.median(ratios), spread(ratios)
+
+
+def bandwidth_calibration(backend, block_bytes: int, blocks: int, copy_to_compute: float,
+                          name: str) -> Callable[[str, float], None]:
+    """An ``after`` for :func:`interleaved`: each call of variant ``name`` (a resident forward)
+    sets the fake backend's bandwidth so that one block's copy takes ``copy_to_compute`` of one
+    block's share of that call, so that load during the run changes copy and compute time alike."""
+
+    def calibrate(variant: str, seconds: float) -> None:
+        if variant == name:
+            backend.h2d_bandwidth = block_bytes / (copy_to_compute * seconds / blocks)
+
+    return calibrate

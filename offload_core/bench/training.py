@@ -15,7 +15,7 @@ import torch
 from ..api import enable_offload
 from ..plugins import get_backend
 from .layerwise import MLPStack
-from .timing import interleaved, ratio
+from .timing import bandwidth_calibration, interleaved, ratio
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -38,11 +38,7 @@ def training_step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_
         x = torch.randn(tokens, d)
         block_bytes = sum(p.numel() * p.element_size() for p in resident.blocks[0].parameters())
         backend = get_backend("fake", chaos=False)
-
-        def calibrate(name: str, seconds: float) -> None:
-            if name == "forward":
-                backend.h2d_bandwidth = block_bytes / (copy_to_compute * seconds / blocks)
-
+        calibrate = bandwidth_calibration(backend, block_bytes, blocks, copy_to_compute, "forward")
         with torch.no_grad():
             start = time.perf_counter()
             resident(x)
