@@ -108,9 +108,9 @@ class SavedSlots:
         }
 
     # -- forward ---------------------------------------------------------------------------------
-    def begin_block(self, i: int) -> None:
-        """Around block ``i``'s forward, when autograd records: saved slot views become
-        references. Paired with :meth:`end_block`."""
+    def begin_block(self) -> None:
+        """Around a block's forward, when autograd records: saved slot views become references.
+        Paired with :meth:`end_block`."""
         self._outer = _outer_hooks(False)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()

@@ -495,7 +495,7 @@ class LayerwiseOffload(Part):
         self._bindings[i].to_device()
         if torch.is_grad_enabled():
             self._hook_gradients(i)
-            self.saved.begin_block(i)
+            self.saved.begin_block()
 
     def wait_ready(self, i: int, reader=None) -> None:
         """Make compute (a trace records the wait), or the stream ``reader``, wait until block
