@@ -1,5 +1,5 @@
 """Autograd through distributed layerwise offload on 2 real processes (gloo), on real diffusers
-DiTs: input gradients of a frozen model, sharded and replicated, a LoRA training loop and full
+DiTs: input gradients of a frozen model, sharded and replicated, a 5-step LoRA training loop and full
 fine-tuning with replicated host weights, torch.autograd.grad, retain_graph, gradient
 checkpointing and autocast, all equal to the same model without offload bit for bit; a sharded
 block whose weights require grad is refused clearly on every rank, and the ranks stay in step."""
@@ -115,7 +115,7 @@ def _lora_loop(offload_core, backend, peft, name, build_transformer, assert_equa
     for m in (model, reference):
         params = {n: p for n, p in m.named_parameters() if p.requires_grad}
         loops.append((m, params, torch.optim.AdamW(params.values(), lr=1e-2)))
-    for step in range(3):
+    for step in range(5):
         for m, params, opt in loops:
             opt.zero_grad()
             loss_of(m, inputs).backward()
