@@ -186,13 +186,9 @@ class SavedSlots:
             i = packed.block
             if i not in self._checked:
                 self._check_versions(strategy, i)
-            slot = i % strategy.num_slots
-            if strategy.occupant(slot) != i:
-                strategy.load_for_backward(i, miss=not first)
+            _ensure_loaded(strategy, i, miss=not first)
             self._prefetch(i)
-            strategy.wait_ready(i)
-            base = strategy.slots[slot][packed.dtype]
-            return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
+            return _view(strategy, packed)
 
     def _check_versions(self, strategy, i: int) -> None:
         if strategy.versions(i) != self._versions.get(i):
@@ -216,13 +212,8 @@ class SavedSlots:
 
     def _read_outside_backward(self, strategy, packed: SlotRef) -> torch.Tensor:
         """A saved weight read outside a backward: a copy of it, which no later load can change."""
-        i = packed.block
-        slot = i % strategy.num_slots
-        if strategy.occupant(slot) != i:
-            strategy.load_for_backward(i, miss=True)
-        strategy.wait_ready(i)
-        base = strategy.slots[slot][packed.dtype]
-        copy = base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset).clone()
+        _ensure_loaded(strategy, packed.block, miss=True)
+        copy = _view(strategy, packed).clone()
         strategy.end_backward()
         return copy
 
@@ -243,8 +234,7 @@ class SavedSlots:
             slot = j % strategy.num_slots
             if slot not in taken:
                 taken.add(slot)
-                if strategy.occupant(slot) != j:
-                    strategy.load_for_backward(j, miss=False)
+                _ensure_loaded(strategy, j, miss=False)
             k -= 1
 
     def forget_backward(self) -> bool:
@@ -264,6 +254,19 @@ class SavedSlots:
         if strategy is not None and strategy.enabled:
             with strategy.lock:
                 strategy.end_backward()
+
+
+def _ensure_loaded(strategy, i: int, miss: bool) -> None:
+    """Block ``i`` in its slot, loaded now unless it is there already."""
+    if strategy.occupant(i % strategy.num_slots) != i:
+        strategy.load_for_backward(i, miss=miss)
+
+
+def _view(strategy, packed: SlotRef) -> torch.Tensor:
+    """The saved tensor again: a view of its block's slot, once compute waits for the block."""
+    strategy.wait_ready(packed.block)
+    base = strategy.slots[packed.block % strategy.num_slots][packed.dtype]
+    return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
 
 
 class SavedParameters:
