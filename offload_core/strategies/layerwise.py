@@ -348,14 +348,16 @@ class LayerwiseOffload(Part):
         self.resident_views = []
         self._queued = False
 
-    def _quiesce(self) -> None:
-        """Wait until no queued copy reads host memory any more; forget what the slots hold."""
+    def _quiesce(self, forget: bool = True) -> None:
+        """Wait until no queued copy reads host memory any more; forget what the slots hold
+        (unless ``forget`` is False: the slots keep blocks a backward will read)."""
         if self._queued:  # the whole stream: a load interrupted half-way recorded no event
             self.placement.drain()  # loads handed to the stager are on the stream first
             self.copy_stream.synchronize()
             self._queued = False
             self._tickets = {}
-        self._occupant = [-1] * self.num_slots
+        if forget:
+            self._occupant = [-1] * self.num_slots
 
     # -- keeping the model and its packing in step ------------------------------------------
     def _reconcile(self, blocks) -> None:
@@ -442,16 +444,12 @@ class LayerwiseOffload(Part):
         if self._passes:
             return
         self._starting = False
-        if failed or not self.saved.recorded:
-            self._quiesce()
-            if not failed and self._frozen:
-                self._load_first()
-            return
-        # a backward comes: it starts with the blocks still in their slots (they cannot have
-        # changed since without their versions showing it, which the backward checks)
-        occupants = self._occupant
-        self._quiesce()
-        self._occupant = occupants
+        # after a forward that saved weights, a backward comes: it starts with the blocks still in
+        # their slots (they cannot change since without their versions showing it, which it checks)
+        backward = not failed and self.saved.recorded
+        self._quiesce(forget=not backward)
+        if not failed and not backward and self._frozen:
+            self._load_first()
 
     def _load_first(self) -> None:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
@@ -481,10 +479,8 @@ class LayerwiseOffload(Part):
         if not in_pass:
             self._reconcile([i])
         if self._occupant[i % self.num_slots] != i:
-            self.counters.prefetch_misses += 1
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
-            if self.timeline is not None:
-                self.timeline.prefetch_miss(self._span_name(i))
+            self._count_miss(i)
             self._load(i)
         if in_pass:
             for j in range(i + 1, min(i + 1 + self.depth, len(self.units))):
@@ -508,6 +504,12 @@ class LayerwiseOffload(Part):
         stream = self.backend.current_stream()
         with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
             self.ready[i].wait(stream)
+
+    def _count_miss(self, i: int) -> None:
+        """Block ``i`` is needed now and no prefetch brought it: its load cannot overlap."""
+        self.counters.prefetch_misses += 1
+        if self.timeline is not None:
+            self.timeline.prefetch_miss(self._span_name(i))
 
     def _span_name(self, i: int) -> str:
         return f"{self.label}.{self.block_names[i]}"
@@ -540,9 +542,7 @@ class LayerwiseOffload(Part):
         slot's last block) is done."""
         self.freed[i % self.num_slots].record(self.backend.current_stream())
         if miss:
-            self.counters.prefetch_misses += 1
-            if self.timeline is not None:
-                self.timeline.prefetch_miss(self._span_name(i))
+            self._count_miss(i)
         self._load(i)
 
     def versions(self, i: int) -> tuple[int, ...]:
