@@ -338,6 +338,7 @@ def _on_bind(params, views) -> None:
 _METADATA_ONLY = {
     "empty_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "zeros_like",
     "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "is_pinned", "_has_compatible_shallow_copy_type",
+    "is_set_to",
 }
 _SCHEMA_CACHE: dict[Any, tuple[tuple[bool, ...], dict[str, bool], bool] | None] = {}
 

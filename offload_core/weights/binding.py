@@ -138,7 +138,7 @@ class Binding(Home):
         parameter, and the returned indices make the unit re-pack around it."""
         kept: set[int] = set()
         for k, (p, device) in enumerate(zip(self.params, self.params_device)):
-            if p.data_ptr() == device.data_ptr() and p.shape == device.shape and p.stride() == device.stride():
+            if p.is_set_to(device):  # one call for memory, offset, shape and strides: the hot path
                 continue
             if p.shape == device.shape and p.dtype == device.dtype:
                 changed[:] = [pair for pair in changed if pair[1] is not device]
