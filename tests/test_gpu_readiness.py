@@ -161,7 +161,7 @@ def _headers_worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     from contract_models import raise_once
 
-    from offload_core.strategies.distributed import ABORTED, END, OK
+    from offload_core.strategies.gather import ABORTED, END, OK
 
     backend = chaos_backend()
     backend.init_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout=datetime.timedelta(seconds=30))
@@ -178,8 +178,8 @@ def _headers_worker(rank: int, port: int) -> None:
                                          pinned_memory=0)
     part = handle.parts[0]
     issued: list[tuple[int, int]] = []
-    gather = part._gather_header
-    part._gather_header = lambda i, status: (issued.append((i, status)), gather(i, status))[1]
+    gather = part.transport._gather_header
+    part.transport._gather_header = lambda i, status: (issued.append((i, status)), gather(i, status))[1]
     assert torch.equal(_run(model, X), expected[0])
     issued.clear()
     if rank == 0:

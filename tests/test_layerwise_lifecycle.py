@@ -186,7 +186,7 @@ def test_removing_the_ready_wait_is_reported_as_a_race_naming_both_lines():
     assert re.search(r"this access: +read by aten\.\w+.* on stream 'default'", report)
     assert re.search(r"at tests/stacks\.py:\d+ in forward", report)  # the compute line
     assert re.search(r"earlier access: +write by copy_async \(H2D\)", report)
-    assert re.search(r"at offload_core/strategies/layerwise\.py:\d+ in _issue", report)  # the copy line
+    assert re.search(r"at offload_core/strategies/transport\.py:\d+ in issue", report)  # the copy line
     handle.disable()
 
 

@@ -50,11 +50,11 @@ def test_layerwise_without_the_slot_free_wait_is_a_reported_race():
     with torch.no_grad():
         assert torch.equal(model(X), expected)  # correct as shipped
     part = handle.parts[0]
-    part.freed = [_Unordered() for _ in part.freed]
+    part.ring.freed = [_Unordered() for _ in part.ring.freed]
     with pytest.raises(StreamRaceError) as race, torch.no_grad():
         model(X)
     report = str(race.value)
-    _assert_names_both_lines(report, r"at offload_core/strategies/layerwise\.py:\d+ in _issue")
+    _assert_names_both_lines(report, r"at offload_core/strategies/transport\.py:\d+ in issue")
     assert re.search(r"in slot \d of layerwise Stack \(block blocks\.\d\)", report), report
     handle.disable()
 

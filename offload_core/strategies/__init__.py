@@ -8,7 +8,7 @@ from torch import nn
 
 from ..backend import DeviceBackend
 from ..config import OffloadConfig
-from .distributed import DistributedLayerwiseOffload
+from .distributed import distributed_part
 from .layerwise import LayerwiseOffload
 
 
@@ -17,7 +17,5 @@ def streaming_part(
 ) -> LayerwiseOffload:
     """The block-streaming strategy ``config`` selects for one model: layerwise or distributed."""
     if config.strategy == "distributed":
-        return DistributedLayerwiseOffload(
-            model, blocks, backend, config.process_group, config.shard_host_weights
-        )
+        return distributed_part(model, blocks, backend, config.process_group, config.shard_host_weights)
     return LayerwiseOffload(model, blocks, backend, config.prefetch_depth)

@@ -149,7 +149,7 @@ class SavedSlots:
                 self._order, self._stale = [], False
             self._order.append(block)
             self._trim()
-        base = strategy.slots[slot][dtype]
+        base = strategy.ring.slots[slot][dtype]
         return SlotRef(strategy.epoch, block, dtype, t.storage_offset() - base.storage_offset(), t.shape, t.stride())
 
     def _trim(self) -> None:
@@ -265,7 +265,7 @@ def _ensure_loaded(strategy, i: int, miss: bool) -> None:
 def _view(strategy, packed: SlotRef) -> torch.Tensor:
     """The saved tensor again: a view of its block's slot, once compute waits for the block."""
     strategy.wait_ready(packed.block)
-    base = strategy.slots[packed.block % strategy.num_slots][packed.dtype]
+    base = strategy.ring.slots[packed.block % strategy.num_slots][packed.dtype]
     return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
 
 

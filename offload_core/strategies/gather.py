@@ -1,0 +1,380 @@
+"""The sharded transport of distributed layerwise offloading: each rank keeps 1/N of every block.
+
+Each block's per-dtype buffer is padded to a multiple of the world size and split into N equal
+shards; rank r keeps shard r in pinned memory. Loading a block copies this rank's shard into a
+small staging buffer, then an all-gather on the copy stream rebuilds the whole block in the slot
+on every rank. Host memory per rank is then the resident part plus 1/N of the blocks.
+
+Every rank must run the same forwards in the same order (the all-gathers are collective). The
+ranks are kept honest rather than trusted:
+
+* Each load first all-gathers a small header (block index, the part's serial number, a status).
+  When a pass ends the host checks every header of the pass: a gather that paired different
+  blocks on different ranks raises :class:`DistributedOffloadError` instead of returning an
+  output computed on mismatched weights.
+* Every pass (and every block called outside a forward, and every backward) ends with one more
+  header, which says whether the rank got through. A rank whose forward fails still issues the
+  gathers of the blocks the others will load in that pass and its end header, marked as aborted,
+  so the other ranks finish the pass, see the abort and raise too, and the ranks stay in step.
+* ``disable`` is collective: it rebuilds the full host weights on every rank, checks every
+  header, and only then gives the weights back; if the ranks are out of step it raises and
+  changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import DistributedOffloadError
+from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
+from ..labels import label
+from ..weights import nbytes_of
+from .common import allocate_device, pack_units
+from .transport import CopyTransport, placeholders
+
+logger = logging.getLogger(__name__)
+
+#: header of one load: magic, the part's serial number, block index (END for the end of a pass), status
+HEADER = 4
+MAGIC = 0x0FF10AD
+OK, ABORTED = 0, 1
+END = -1
+
+
+def padded(n: int, world: int) -> int:
+    return -(-n // world) * world
+
+
+class ShardedGather(CopyTransport):
+    """Loads a block as this rank's shard plus an all-gather; see the module docstring."""
+
+    sharded = True
+
+    def __init__(self, ranks) -> None:
+        super().__init__(ranks)
+        self.world, self.rank, self.group = ranks.world, ranks.rank, ranks.group
+        self.shards: list[dict[torch.dtype, torch.Tensor]] = []
+        self.fingerprints: list[tuple[int, ...]] = []
+        self.serial = -1
+        self._aborted: set[int] = set()  # blocks whose next load carries an aborted header
+        self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
+        self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
+        self._staging: list = []
+        self._header_in = self._header_out = None
+
+    # -- sizes and homes ------------------------------------------------------------------------
+    def slot_shape(self, shape):
+        return {dtype: padded(n, self.world) for dtype, n in shape.items()}
+
+    def _shard_buffers(self, unit) -> tuple[int, ...]:
+        return tuple(padded(n, self.world) // self.world * dtype.itemsize for dtype, n in unit.numel.items())
+
+    def host_units(self) -> list:
+        part = self.part
+        return [HostUnit(part.resident, ONCE, part.resident.nbytes),
+                *(HostUnit(u, STREAM, sum(self._shard_buffers(u)), self._shard_buffers(u)) for u in part.units)]
+
+    def host_bytes(self) -> int:
+        return sum(sum(self._shard_buffers(u)) for u in self.part.units)
+
+    @property
+    def _header_rows(self) -> int:
+        return 2 * (len(self.part.units) + 1)
+
+    def device_bytes(self) -> int:
+        part = self.part
+        staging = part.num_slots * nbytes_of({d: n // self.world for d, n in part.slot_shape.items()})
+        return staging + (2 * (len(part.units) + 1) + self._header_rows * self.world) * HEADER * 8
+
+    def pack(self, txn) -> None:
+        """Keep only this rank's shard of each block, building one block's padded copy at a time;
+        outside their forward the blocks show placeholders. The undo log keeps the original
+        tensors until enable succeeds, so a failure can put them back untouched."""
+        part = self.part
+        pack_units([part.resident], part.placement, txn, "resident weights")
+        self.shards, self.fingerprints = [], []
+        for unit in tqdm(part.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None,
+                         leave=False):
+            txn.on_rollback(functools.partial(_rebind_all, unit.originals()))
+            self.shards.append(self._shard(unit))
+            unit.keep_on(part.backend.device())
+            unit.host_views = placeholders(unit)
+            unit.bind(unit.host_views)
+
+    def _shard(self, unit) -> dict[torch.dtype, torch.Tensor]:
+        """This rank's shard of ``unit``, per dtype, and its fingerprint; the padded copy they are
+        cut from dies on return."""
+        full = unit.take(lambda n, dtype: torch.zeros(padded(n, self.world), dtype=dtype))
+        self.fingerprints.append(fingerprint(full))
+        allocate = self.part.placement.allocator(unit)
+        shards = {}
+        for dtype, buffer in full.items():
+            size = buffer.numel() // self.world
+            shards[dtype] = allocate(size, dtype)
+            shards[dtype].copy_(buffer[self.rank * size : (self.rank + 1) * size])
+        return shards
+
+    def allocate(self) -> None:
+        part = self.part
+        self._staging = [
+            allocate_device(part.backend, {d: n // self.world for d, n in part.slot_shape.items()},
+                            f"all-gather staging buffer {s} of {part.name}")
+            for s in range(part.num_slots)
+        ]
+        self._header_out = part.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
+        self._header_in = part.backend.empty_device((len(part.units) + 1, 2, HEADER), torch.int64)
+        label(self._header_out, f"gathered load headers of {part.name}")
+        label(self._header_in, f"load headers of {part.name}")
+        self._pending, self._loaded_in_pass = [], -1
+
+    def instrument(self) -> list:
+        """A rank can neither produce nor take a full state dict: refused at every module."""
+        part = self.part
+        refuse = functools.partial(_refuse_state_dict, part.describe())
+        modules = {id(m): m for b in part.blocks for m in b.modules()}
+        modules[id(part.model)] = part.model
+        hooks = []
+        for module in modules.values():
+            hooks.append(module.register_state_dict_pre_hook(refuse))
+            hooks.append(module.register_load_state_dict_pre_hook(refuse))
+        return hooks
+
+    def agreed(self, serial: int) -> None:
+        self.serial = serial
+        self.begin()
+
+    def begin(self) -> None:
+        """Write the header rows every load gathers (one per block, then the end of a pass)."""
+        serial = self.serial
+        rows = torch.tensor(
+            [[[MAGIC, serial, i, status] for status in (OK, ABORTED)] for i in [*range(len(self.part.units)), END]],
+            dtype=torch.int64,
+        )
+        stream = self.part.copy_stream
+        self.part.backend.copy_async(self._header_in, rows, stream)  # the gathers follow on this stream
+        stream.synchronize()  # landed before an enable that rolls back drops the buffer
+
+    # -- loads ------------------------------------------------------------------------------------
+    def plan(self, i: int, unit, slot):
+        shards, staging = self.shards[i], self._staging[i % self.part.num_slots]
+        direct = self.part.placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
+        transfers = [
+            (staging[dtype][: shard.numel()], shard if direct else functools.partial(_read_flat, shard),
+             slot[dtype][: shard.numel() * self.world])
+            for dtype, shard in shards.items()
+        ]
+        copies = self.part.placement.copies([(staged, src) for staged, src, _ in transfers])
+        return transfers, copies, sum(s.numel() * s.element_size() for s in shards.values()), None
+
+    def issue(self, plan, stream) -> None:
+        self._gather_header(plan.index, self._header_status(plan.index))
+        self._loaded_in_pass = max(self._loaded_in_pass, plan.index)
+        backend = self.part.backend
+        for staging, shard, out in plan.transfers:
+            self.part.placement.issue([(staging, shard)], stream)
+            backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
+
+    def _gather_header(self, i: int, status: int) -> None:
+        """Queue the all-gather of block ``i``'s header (``END``: the end of a pass)."""
+        if len(self._pending) == self._header_rows:
+            self._check_headers()
+        row, stream = len(self._pending), self.part.copy_stream
+        header, out = self._header_in[i, status], self._header_out[row]
+        gathered = self.part.backend.all_gather_into_tensor(out, header, self.group, stream)
+        gathered.wait(stream)
+        self._pending.append((row, i))
+
+    def _header_status(self, i: int) -> int:
+        """Block ``i``'s header status, read where its load is issued (on the stager thread for
+        staged shards, after ``_load_aborted`` has returned) and consumed there."""
+        if i in self._aborted:
+            self._aborted.discard(i)
+            return ABORTED
+        return OK
+
+    def write_back(self, i: int):
+        return functools.partial(self._write_back_shard, i)
+
+    def _write_back_shard(self, i: int, pairs) -> None:
+        """A forward changed block ``i``'s tensors (a buffer updated in place; the slot holds the
+        new values): copy this rank's slice of the slot into its shard. Every rank runs the same
+        forward, so every rank updates its own slice alike. The headers are checked first, so that
+        values computed on mismatched weights are never kept."""
+        part = self.part
+        part.placement.drain()  # the stager appends the headers of the loads it issues
+        self._check_headers()
+        slot = part.ring.slots[part.plans[i].slot]
+        stream = part.backend.current_stream()
+        for dtype, shard in self.shards[i].items():
+            size = shard.numel()
+            part.backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
+        done = part.backend.new_event()
+        done.record(stream)
+        done.synchronize()
+
+    # -- the ends of passes ---------------------------------------------------------------------
+    def abort_pass(self) -> None:
+        """This rank's forward failed: issue the loads the other ranks still run in this pass
+        (the blocks after the furthest one loaded here), flagged as aborted."""
+        self.part.placement.drain()  # the stager's loads have set how far this pass got
+        for i in range(self._loaded_in_pass + 1, len(self.part.units)):
+            self._aborted.add(i)
+            try:
+                self.part.load(i)
+            except BaseException:
+                self._aborted.discard(i)
+                raise
+
+    def finish(self, failed: bool) -> None:
+        """Say whether this rank got through, and check every header since the last check."""
+        try:
+            self.part.placement.drain()  # their gathers come before this one, on every rank alike
+            self._gather_header(END, ABORTED if failed else OK)
+            if failed:
+                try:
+                    self._check_headers()
+                except DistributedOffloadError as exc:
+                    logger.warning("after this rank's failure: %s", exc)
+            else:
+                self._check_headers()
+        finally:
+            self._loaded_in_pass = -1  # loads queued from here on belong to the next pass
+
+    def _check_headers(self) -> None:
+        """Wait for the queued gathers and compare every rank's header of each: a gather that
+        paired different blocks, or a rank that aborted its pass, is an error here."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        part = self.part
+        seen = torch.empty((len(pending), self.world * HEADER), dtype=torch.int64)
+        part.backend.copy_async(seen, self._header_out[: len(pending)], part.copy_stream)  # after the gathers
+        part.copy_stream.synchronize()
+        part.landed()  # every load queued so far has landed
+        headers = seen.view(len(pending), self.world, HEADER).tolist()
+        for (_, block), row in zip(pending, headers):
+            for rank, header in enumerate(row):
+                if header[:3] != [MAGIC, self.serial, block]:
+                    raise DistributedOffloadError(
+                        f"ranks out of step in {part.describe()}: this rank (rank {self.rank}) was at "
+                        f"{self._label(block)} while rank {rank} was at {self._label_of(header)} in the same gather; "
+                        "the output of this call is discarded (gathers that pair different blocks would mix their "
+                        "weights). Every rank must run the same forwards in the same order"
+                    )
+        for row in headers:
+            for rank, header in enumerate(row):
+                if header[3] == ABORTED:
+                    raise DistributedOffloadError(
+                        f"rank {rank} failed during this forward of {part.describe()}; its output is discarded on "
+                        "every rank. The ranks are still in step: the next forward can run"
+                    )
+
+    def _label(self, block: int) -> str:
+        return "the end of a forward" if block == END else f"block {self.part.block_names[block]}"
+
+    def _label_of(self, header: list[int]) -> str:
+        magic, serial, block, _ = header
+        if magic != MAGIC or serial != self.serial or not END <= block < len(self.part.units):
+            return "another model's gather or unrelated data"
+        return self._label(block)
+
+    # -- changes, training, copies --------------------------------------------------------------
+    def reconcile(self, blocks) -> bool:
+        """A rank holds only shards: any change to a block's tensors is refused."""
+        part = self.part
+        changed = [f"{part.block_names[i]}:{owner.name}" for i in blocks
+                   for _, owner in part.units[i].foreign(part.units[i].host_views)]
+        changed += [f"{part.block_names[i]} (changed in place)" for i in blocks if part.plans[i].binding.touched()]
+        if changed or part.dirty:
+            raise DistributedOffloadError(
+                f"tensors of {part.describe()} were replaced while its blocks are sharded across ranks "
+                f"({', '.join(changed[:4]) or 'a module or tensor was added'}); a rank holds only a shard of "
+                "each block, so changes need the collective handle.disable() first"
+            )
+        return False
+
+    def untrainable(self, i: int) -> Exception:
+        part = self.part
+        return DistributedOffloadError(
+            f"weights of block {part.block_names[i]} of {part.describe()} require grad, but each rank holds only "
+            "a shard of them: freeze them (requires_grad_(False)), or enable with shard_host_weights=False to train them"
+        )
+
+    def truth(self) -> list:
+        raise DistributedOffloadError(
+            "this rank holds only a shard of each block: copying or pickling the model needs the "
+            "collective handle.disable() first, which rebuilds the full weights on every rank"
+        )
+
+    def restore(self) -> None:
+        """Rebuild every block's full weights from the shards on every rank, check that every
+        rank gathered the same blocks, and make them the units' homes. If the ranks are out of
+        step, raises and changes nothing (``disable`` can be called again)."""
+        part = self.part
+        reader = part.backend.new_stream()
+        rebuilt = []
+        try:
+            part.quiesce()
+            self._check_headers()
+            for i, unit in enumerate(part.units):
+                part.load(i)
+                part.wait_ready(i, reader)
+                slot = part.ring.slots[part.plans[i].slot]
+                buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
+                for dtype, buf in buffers.items():
+                    part.backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
+                reader.synchronize()  # later copies into this slot are queued after this: ordered
+                rebuilt.append(buffers)
+            self._check_headers()
+        except Exception as exc:  # a mismatch, or the collective failed or timed out
+            part.landed()
+            self._pending = []
+            raise DistributedOffloadError(
+                f"handle.disable() cannot restore the exact weights of {part.describe()}: rank {self.rank} holds "
+                f"only a shard of each block and rebuilding them with the other ranks failed ({exc}). Nothing was "
+                "changed: the model is still offloaded; call disable() again on every rank once they are in step"
+            ) from exc
+        finally:
+            part.quiesce()
+        for unit, buffers in zip(part.units, rebuilt):
+            unit.host = buffers  # unpacked from here; owners still show their placeholders
+        self.shards = []
+
+    def release(self) -> None:
+        self._staging = []
+        self._header_in = self._header_out = None
+
+
+def fingerprint(buffers: dict[torch.dtype, torch.Tensor]) -> tuple[int, ...]:
+    """A cheap digest of a unit's bytes: sums of its words, and of every other word, per dtype.
+    Two ranks holding different weights for one block get different digests."""
+    digest = []
+    for dtype in sorted(buffers, key=str):
+        raw = buffers[dtype].reshape(-1).view(torch.uint8)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+        digest += [int(words.sum(dtype=torch.int64)), int(words[::2].sum(dtype=torch.int64))]
+    return tuple(digest)
+
+
+def _rebind_all(originals) -> None:
+    for owner, tensor in originals:
+        if owner.param is not None and owner.param.is_meta != tensor.is_meta:
+            owner.replace(torch.nn.Parameter(tensor, requires_grad=owner.param.requires_grad))
+        else:
+            owner.rebind(tensor)
+
+
+def _read_flat(source: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:
+    """A pageable shard read into the bounce ring."""
+    out.copy_(source[start : start + count])
+
+
+def _refuse_state_dict(name: str, module, *args) -> None:
+    raise DistributedOffloadError(
+        f"this rank holds only a shard of each block of {name}: a state dict (saving or loading) needs the "
+        "collective handle.disable() first, which rebuilds the full weights on every rank"
+    )

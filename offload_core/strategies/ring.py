@@ -1,0 +1,119 @@
+"""The slot ring of a streamed model, and the plan of each streamed block.
+
+A :class:`SlotRing` owns a few device slots (each as large as the largest streamed block, one
+flat buffer per dtype), the event that says when each slot's last reader is done, and which block
+each slot holds. Block ``i`` always goes through slot ``i % len(ring)``.
+
+A slot is refilled only when nothing outside the ring references its memory: the ring counts the
+uses of each slot's storages at rest (its own views: bindings, transfers, autograd's index) and,
+before a refill, compares. A tensor that escaped its block (a kept ``detach()``, an output that
+views a weight, a saved tensor) raises the count; the slot's memory is then left to its holder
+and the slot gets new memory, so the holder keeps reading the weights it took.
+
+A :class:`BlockPlan` is what the hot path needs of one block, built at enable and dropped at
+disable, instead of parallel lists indexed by block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ..errors import OffloadedModelError
+from ..weights.binding import Binding
+from .common import allocate_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class BlockPlan:
+    """What loading and binding block ``index`` takes."""
+
+    index: int
+    unit: Any  # its WeightUnit
+    slot: int
+    binding: Binding  # its tensors between their home views and its slot's views
+    transfers: list  # what the transport issues to fill the slot (see transport.py)
+    copies: int  # host-to-device copies per load, for the counters
+    nbytes: int  # bytes per load, for the counters and the timeline
+    image: Any  # its on-disk image when its home is on disk, else None
+    ready: Any  # event recorded once its transfers are queued
+    ticket: Any = None  # the stager's ticket of a pending load
+
+
+class SlotRing:
+    """``count`` device slots of ``shape`` (numel per dtype), their free events and occupants."""
+
+    def __init__(self, backend, shape: dict[torch.dtype, int], count: int, name: Callable[[int], Any]) -> None:
+        self.backend = backend
+        self.shape = shape
+        self._name = name  # slot -> its label in error reports
+        self.slots = [allocate_device(backend, shape, functools.partial(name, s)) for s in range(count)]
+        self.freed = [backend.new_event() for _ in range(count)]
+        self.occupant = [-1] * count
+        self._uses: list[list[tuple[Any, int]]] = [[] for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n * dtype.itemsize for dtype, n in self.shape.items())
+
+    def forget(self) -> None:
+        """No slot holds a block any more (they are refilled before use)."""
+        self.occupant = [-1] * len(self.slots)
+
+    def free_all(self, stream) -> None:
+        """Every slot may be refilled once ``stream``'s work issued so far is done."""
+        for freed in self.freed:
+            freed.record(stream)
+
+    def settle(self, *slots: int) -> None:
+        """Count the uses of ``slots`` (default: all) now, when only the ring's own views
+        reference them."""
+        for s in slots or range(len(self.slots)):
+            self._uses[s] = _uses(self.slots[s])
+
+    def at_rest(self, slot: int) -> bool:
+        return all(_use_count(storage) == uses for storage, uses in self._uses[slot])
+
+    def renew(self, slot: int, copy_stream, holding: str, owner: str) -> bool:
+        """Before ``slot`` is refilled: True if its memory had to be left to a holder outside the
+        ring and the slot now has new memory (the caller re-plans the blocks of this slot)."""
+        if self.at_rest(slot):
+            return False
+        copy_stream.synchronize()  # a finished transfer (a collective's work) may still hold views
+        if self.at_rest(slot):
+            return False
+        try:
+            replacement = allocate_device(self.backend, self.shape, functools.partial(self._name, slot))
+        except torch.OutOfMemoryError as exc:
+            raise OffloadedModelError(
+                f"a tensor viewing the device weights of {holding} of {owner} is still referenced after its "
+                "forward (a kept .detach() or view of a weight, or an output that views one), and there is no "
+                f"device memory for a new slot ({exc}). Keep a .clone() instead of a view, or drop the reference "
+                "before the next blocks run"
+            ) from exc
+        logger.warning(
+            "%s: memory of slot %d (%s) is still referenced outside its block; it stays with its holder and the "
+            "slot gets %.1f MB of new device memory", owner, slot, holding, self.nbytes / 2**20,
+        )
+        # the new memory may have been freed by compute still queued: copy into it after that
+        self.backend.wait_stream(copy_stream, self.backend.current_stream())
+        self.slots[slot] = replacement
+        return True
+
+
+def _use_count(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _uses(slot: dict[torch.dtype, torch.Tensor]) -> list[tuple[Any, int]]:
+    storages = [b.untyped_storage() for b in slot.values() if b.numel()]
+    return [(storage, _use_count(storage)) for storage in storages]
