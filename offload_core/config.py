@@ -147,15 +147,36 @@ class Budget:
 
 
 def budget(value: object) -> object:
-    """The option parser of a budget: ``value`` itself, once :func:`parse_budget` accepts it."""
+    """The option parser of a host budget: ``value`` itself, once :func:`parse_budget` accepts it."""
     parse_budget(value)
     return value
 
 
-def parse_budget(value: object) -> Budget:
-    """``value`` as a :class:`Budget`; ``ValueError`` saying what is accepted."""
+def device_budget(value: object) -> object:
+    """The option parser of ``device_memory``: a budget whose fraction is of the device's memory."""
+    parse_budget(value, of="the device's memory")
+    return value
+
+
+def size(value: object) -> int:
+    """Bytes, or a size string: ``activation_memory``."""
+    parsed = parse_budget(value)
+    if parsed.nbytes is None:
+        raise ValueError(f"expected bytes (an int >= 0) or a size string such as '2GiB', got {value!r}")
+    return parsed.nbytes
+
+
+def resident_blocks(value: object) -> int | str:
+    """How many blocks stay on the device: an int >= 0, or "auto" (as many as the budget allows)."""
+    if value == "auto":
+        return value
+    return count(0)(value)
+
+
+def parse_budget(value: object, of: str = "RAM") -> Budget:
+    """``value`` as a :class:`Budget` (a fraction is ``of`` what); ``ValueError`` saying what is accepted."""
     accepted = ("expected bytes (an int >= 0), a size string such as '12GiB' or '512MB', "
-                "a fraction of RAM in (0, 1] such as 0.5, or None / 'auto'")
+                f"a fraction of {of} in (0, 1] such as 0.5, or None / 'auto'")
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return Budget()
     if isinstance(value, bool):
@@ -166,7 +187,7 @@ def parse_budget(value: object) -> Budget:
         return Budget(nbytes=value)
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
-            raise ValueError(f"{accepted}; got {value!r} (a float is a fraction of RAM; give bytes as an int)")
+            raise ValueError(f"{accepted}; got {value!r} (a float is a fraction of {of}; give bytes as an int)")
         return Budget(fraction=value)
     if isinstance(value, str):
         match = _SIZE.match(value)
@@ -213,6 +234,13 @@ class OffloadConfig:
     ``host_memory`` are read from disk, from the checkpoint (``from_pretrained``) or from
     ``offload_folder``, where an already-loaded model's blocks are spilled. See
     ``docs/bigger-than-ram.md``.
+
+    ``device_memory``: a budget for the device (bytes, ``"16GiB"``, a fraction of the device's
+    memory). With no strategy flag the planner picks the strategy that fits it; with one, it sizes
+    that strategy. ``resident_blocks`` (layerwise, distributed): blocks kept on the device, an int
+    or ``"auto"`` (as many as ``device_memory`` allows; the default when it is set).
+    ``activation_memory``: the headroom kept within ``device_memory`` for activations; by default
+    measured on the first call. See ``docs/planner.md``.
     """
 
     enable_cpu_offload: bool = option(False, boolean)
@@ -230,10 +258,18 @@ class OffloadConfig:
     pinned_memory: Any = option(None, budget)
     host_memory: Any = option(None, budget, strategies=("layerwise",))
     offload_folder: str | os.PathLike | None = option(None, _optional(_path), strategies=("layerwise",))
+    device_memory: Any = option(None, device_budget)
+    resident_blocks: int | str | None = option(None, _optional(resident_blocks), strategies=("layerwise", "distributed"))
+    activation_memory: int | None = option(None, _optional(size))
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, check_value(field.name, getattr(self, field.name), field.metadata[OPTION].parse))
+        if self.activation_memory is not None and self.device_budget.auto:
+            raise OffloadConfigError(
+                f"activation_memory={self.activation_memory!r} is the headroom kept within a device_memory budget; "
+                "set device_memory too"
+            )
         if not self.pin_memory and not self.pinned_budget.auto:
             raise OffloadConfigError(
                 f"pinned_memory={self.pinned_memory!r} is a budget for pinned memory, but pin_memory=False pins "
@@ -247,6 +283,10 @@ class OffloadConfig:
     @property
     def host_budget(self) -> Budget:
         return parse_budget(self.host_memory)
+
+    @property
+    def device_budget(self) -> Budget:
+        return parse_budget(self.device_memory, of="the device's memory")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "OffloadConfig":
