@@ -50,6 +50,9 @@ def enable_offload(
     pinned_memory: int | float | str | None = None,
     host_memory: int | float | str | None = None,
     offload_folder: str | os.PathLike | None = None,
+    device_memory: int | float | str | None = None,
+    resident_blocks: int | str | None = None,
+    activation_memory: int | str | None = None,
     **unknown: Any,
 ) -> OffloadHandle:
     """Turn on offloading for a diffusers pipeline or any ``torch.nn.Module``.

@@ -63,6 +63,9 @@ def from_pretrained(
     pinned_memory: int | float | str | None = None,
     host_memory: int | float | str | None = None,
     offload_folder: str | os.PathLike | None = None,
+    device_memory: int | float | str | None = None,
+    resident_blocks: int | str | None = None,
+    activation_memory: int | str | None = None,
     **replaced_components: Any,
 ) -> OffloadHandle:
     """Load the diffusers pipeline (a folder with ``model_index.json``) or single model (a folder
