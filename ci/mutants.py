@@ -70,6 +70,7 @@ class Mutant:
 
 C = "offload_core/strategies/part.py"
 L = "offload_core/strategies/layerwise.py"
+ST = "offload_core/strategies/streaming.py"
 M = "offload_core/strategies/model_level.py"
 G = "offload_core/strategies/gather.py"
 RING = "offload_core/strategies/ring.py"
@@ -86,27 +87,27 @@ MUTANTS = [
            "disable)", L, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,)),
     Mutant("layerwise: a slot is judged kept only once finished transfers let go of it (a collective's work)", RING,
            "copy_stream.synchronize()", (LET_GO,)),
-    Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.ring.freed[plan.slot].wait(stream)",
+    Mutant("layerwise: a copy into a slot waits for the slot's free event", ST, "self.ring.freed[plan.slot].wait(stream)",
            (STRATEGIES,)),
-    Mutant("layerwise: the slot's occupant is recorded", L, "ring.occupant[slot] = i", (PROPERTIES,)),
-    Mutant("layerwise: the block's ready event is recorded after its copies", L, "plan.ready.record(stream)",
+    Mutant("layerwise: the slot's occupant is recorded", ST, "ring.occupant[slot] = i", (PROPERTIES,)),
+    Mutant("layerwise: the block's ready event is recorded after its copies", ST, "plan.ready.record(stream)",
            (LIFECYCLE,)),
-    Mutant("layerwise: compute waits for the block's ready event", L, "plan.ready.wait(stream)", (LIFECYCLE,)),
-    Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
+    Mutant("layerwise: compute waits for the block's ready event", ST, "plan.ready.wait(stream)", (LIFECYCLE,)),
+    Mutant("layerwise: a reader other than compute waits for the block's ready event", ST,
            "plan.ready.wait(reader)", (DISTRIBUTED,)),
-    Mutant("layerwise: the slot of a block that ran is marked free", L,
+    Mutant("layerwise: the slot of a block that ran is marked free", ST,
            "self.ring.freed[plan.slot].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
-    Mutant("layerwise: a block called out of order is loaded", L, "self.load(i)", (LIFECYCLE,),
+    Mutant("layerwise: a block called out of order is loaded", ST, "self.load(i)", (LIFECYCLE,),
            occurrence=0, occurrences=2),
-    Mutant("layerwise backward: a slot is refilled only after the backward that read it", L,
+    Mutant("layerwise backward: a slot is refilled only after the backward that read it", ST,
            "self.ring.freed[i % self.num_slots].record(self.backend.current_stream())", (TRAINING,)),
-    Mutant("layerwise backward: a block whose weights backward needs is loaded", L, "self.load(i)", (TRAINING,),
+    Mutant("layerwise backward: a block whose weights backward needs is loaded", ST, "self.load(i)", (TRAINING,),
            occurrence=1, occurrences=2),
     Mutant("layerwise backward: its end marks every slot free for the next forward's copies", RING,
            "freed.record(stream)", (TRAINING,)),
     Mutant("layerwise: a new slot (the old one kept by its holder) is filled after earlier compute", RING,
            "self.backend.wait_stream(copy_stream, self.backend.current_stream())", (NEW_SLOT,)),
-    Mutant("layerwise: a block shows its slot only while it runs", L, "self.plans[i].binding.to_device()", (LIFECYCLE,)),
+    Mutant("layerwise: a block shows its slot only while it runs", ST, "self.plans[i].binding.to_device()", (LIFECYCLE,)),
     # -- changes copied home ------------------------------------------------------------------
     Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
     Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
@@ -114,7 +115,7 @@ MUTANTS = [
            "self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, "
            "self.counters))", (STAGED_LAYERWISE_RESIDENT,),
            replacement="copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters)"),
-    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
+    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", ST,
            "self.placement.wait(ticket)", (STAGED,)),
     # -- distributed --------------------------------------------------------------------------
     Mutant("distributed: the slot is used only after its all-gather", G,
