@@ -36,11 +36,16 @@ all-resident one. Exit status: 0 planned, 2 bad input or a budget nothing fits (
 the smallest that works)."""
 
 
+def _fraction_or_text(text: str) -> Any:
+    """"0.5" as the float the budget options read as a fraction; anything else as given."""
+    return float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+
+
 def _size(text: str) -> Any:
     """A host budget as ``pinned_memory=`` takes it: "0.5" is a fraction of RAM, "64GiB" a size."""
     from .config import parse_budget
 
-    value: Any = float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+    value = _fraction_or_text(text)
     try:
         parse_budget(value)
     except ValueError as exc:
@@ -79,8 +84,9 @@ def add_plan(subparsers: Any) -> None:
     source.add_argument("--pipeline", metavar="NAME",
                         help=f"embedded or real-size pipeline (default: {DEFAULT_TINY}); 'list' lists them")
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
-    parser.add_argument("--device-memory", required=True, metavar="SIZE",
-                        help="device memory budget: bytes or a size such as 16GiB")
+    parser.add_argument("--device-memory", metavar="SIZE", type=_fraction_or_text,
+                        help="device memory budget: bytes or a size such as 16GiB (required, except with "
+                        "'--pipeline list')")
     parser.add_argument("--host-memory", type=_size, metavar="SIZE",
                         help="host RAM budget for weights (bytes, 64GiB, or a fraction of RAM such as 0.5)")
     parser.add_argument("--pinned-memory", type=_size, metavar="SIZE",
@@ -140,6 +146,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
         print("\n".join(columns([[name, what] for name, what in pipeline_names().items()])))
         return 0
+    if args.device_memory is None:
+        raise UsageError("--device-memory SIZE is required: the budget to plan for, such as 16GiB")
     if args.pipeline is not None and args.pipeline not in pipeline_names():
         raise UsageError(f"unknown pipeline {args.pipeline!r}; known: {', '.join(pipeline_names())}")
     if args.prefetch_depth < 1:

@@ -27,8 +27,8 @@ def _units(part: ComponentPlan, component: Component, world_size: int) -> list[t
     if part.mode in (STAGED, SWAPPED):
         return [(SWAP, component.total_bytes)]
     if part.mode == RESIDENT:
-        return [(ONCE, component.total_bytes)]
-    units = [(ONCE, component.resident_bytes + sum(component.block_bytes[i] for i in part.resident_blocks))]
+        return [(ONCE, component.resident_bytes)] + [(ONCE, b) for b in component.block_bytes]
+    units = [(ONCE, component.resident_bytes)] + [(ONCE, component.block_bytes[i]) for i in part.resident_blocks]
     return units + [(STREAM, component.block_bytes[i] // world_size) for i in part.streamed_blocks]
 
 

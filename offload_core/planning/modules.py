@@ -17,11 +17,22 @@ from ..errors import BlockDiscoveryError
 from .components import Component
 
 
-def _tensors(module: nn.Module) -> dict[int, int]:
+def _tensors(module: nn.Module, recurse: bool = True) -> dict[int, int]:
     """``id -> bytes`` of every parameter and buffer of ``module``."""
-    found = {}
-    for t in (*module.parameters(), *module.buffers()):
-        found[id(t)] = t.numel() * t.element_size()
+    return {id(t): t.numel() * t.element_size()
+            for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse))}
+
+
+def _outside(module: nn.Module, blocks: set[int]) -> set[int]:
+    """The tensors reachable from ``module`` without entering a block."""
+    found, stack, seen = set(), [module], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or id(current) in blocks:
+            continue
+        seen.add(id(current))
+        found.update(_tensors(current, recurse=False))
+        stack.extend(current.children())
     return found
 
 
@@ -37,7 +48,8 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit", block
             raise
         found = []
     per_block = [_tensors(block) for _, block in found]
-    owners: dict[int, int] = {}
+    outside = _outside(module, {id(block) for _, block in found})
+    owners: dict[int, int] = dict.fromkeys(outside, 1)
     for tensors in per_block:
         for key in tensors:
             owners[key] = owners.get(key, 0) + 1
