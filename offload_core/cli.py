@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from .cli_bench import add_bench
 from .cli_check import add_check_backend
 from .cli_common import UsageError, columns
+from .cli_plan import add_plan
 from .cli_run import add_run
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ def add_backends(subparsers: Any) -> None:
 # -- entry point ------------------------------------------------------------------------------
 
 #: one function per subcommand; each adds its parser and sets ``run``
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_backends, add_run, add_bench, add_check_backend]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_backends, add_run, add_bench, add_check_backend, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,8 @@ LIMIT_S = 1.5
         (["run", "--help"], 0),
         (["bench", "--help"], 0),
         (["check-backend", "--help"], 0),
+        (["plan", "--help"], 0),
+        (["plan", "--device-memory", "1GiB", "--prefetch-depth", "x"], 2),
         (["run", "--no-such-flag"], 2),
         (["run", "--steps", "0"], 2),
         (["bench", "--only", "nope"], 2),

@@ -1,0 +1,173 @@
+"""``offload-core plan``: what offloading would do with a pipeline under a device budget, without running it.
+
+The plan comes from :func:`offload_core.planning.make_plan`, the planner ``enable_offload(...,
+device_memory=...)`` uses: the strategy, per component the resident and streamed blocks, device
+and host bytes, the copies per forward and their predicted time. Nothing runs on a device; the
+embedded tiny pipelines are built on the CPU, the real-size ones on the meta device (no weights at
+all), and a ``--model`` folder is loaded into RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .cli_common import UsageError
+
+#: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
+#: a PCIe 4.0 x16 link (its 32 GB/s raw rate less protocol overhead); measure yours and pass it
+DEFAULT_BANDWIDTH = 25e9
+DEFAULT_TINY = "flux2-deep"
+
+HELP_EPILOG = f"""\
+--pipeline takes an embedded tiny pipeline of 'offload-core run' (built on the CPU, seconds) or
+a real-size one built on the meta device from its published config, without weights or download:
+real:flux2-dev, real:wan2.2-t2v-a14b, real:qwen-image. '--pipeline list' lists them all.
+--model loads a local diffusers folder (its weights go to RAM).
+
+Without --strategy the budget chooses: everything resident if it fits with activation headroom,
+else model-level if the largest component group fits, else layerwise with as many blocks resident
+as fit. Activation headroom is an estimate (each component's largest block, or all of a component
+without blocks) unless --activation-memory gives it. The copy time per forward assumes
+--bandwidth (default {DEFAULT_BANDWIDTH / 1e9:.0f} GB/s, a PCIe 4.0 x16 link); with
+--block-compute-ms the plan also predicts each streamed component's forward time against the
+all-resident one. Exit status: 0 planned, 2 bad input or a budget nothing fits (the message names
+the smallest that works)."""
+
+
+def _fraction_or_text(text: str) -> Any:
+    """"0.5" as the float the budget options read as a fraction; anything else as given."""
+    return float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+
+
+def _size(text: str) -> Any:
+    """A host budget as ``pinned_memory=`` takes it: "0.5" is a fraction of RAM, "64GiB" a size."""
+    from .config import parse_budget
+
+    value = _fraction_or_text(text)
+    try:
+        parse_budget(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _resident(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def add_plan(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show how a pipeline would be fitted into a device memory budget, without running it",
+        description="Plan offloading of a pipeline into a device memory budget: the strategy, per component "
+        "the resident and streamed blocks, device and host bytes, copies per forward and their predicted time.",
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--pipeline", metavar="NAME",
+                        help=f"embedded or real-size pipeline (default: {DEFAULT_TINY}); 'list' lists them")
+    source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
+    parser.add_argument("--device-memory", metavar="SIZE", type=_fraction_or_text,
+                        help="device memory budget: bytes or a size such as 16GiB (required, except with "
+                        "'--pipeline list')")
+    parser.add_argument("--host-memory", type=_size, metavar="SIZE",
+                        help="host RAM budget for weights (bytes, 64GiB, or a fraction of RAM such as 0.5)")
+    parser.add_argument("--pinned-memory", type=_size, metavar="SIZE",
+                        help="pinned host memory budget (bytes, 32GiB, or a fraction of RAM)")
+    parser.add_argument("--bandwidth", type=_positive, metavar="GB/S",
+                        help=f"host-to-device copy bandwidth in GB/s (default {DEFAULT_BANDWIDTH / 1e9:.0f})")
+    parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
+                        help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
+    parser.add_argument("--activation-memory", type=str, metavar="SIZE",
+                        help="activation memory of each component's forward (default: an estimate)")
+    parser.add_argument("--strategy", choices=("auto", "model", "layerwise"), default="auto",
+                        help="auto (default): chosen by the budget; or the strategy the budget then sizes")
+    parser.add_argument("--resident-blocks", type=_resident, default="auto", metavar="N",
+                        help="blocks each streamed component keeps on the device: auto (default) or a count")
+    parser.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="prefetch depth (default 1)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    parser.set_defaults(run=run_plan)
+
+
+def pipeline_names() -> dict[str, str]:
+    """Every ``--pipeline`` name and what it is: the embedded tiny pipelines, then the real-size ones."""
+    from .cli_run.arguments import embedded
+    from .planning.realsize import PIPELINES
+
+    return {**{name: f"tiny: {spec.description}" for name, spec in embedded().items()},
+            **{name: f"real size, meta device: {what}" for name, (what, _) in PIPELINES.items()}}
+
+
+def _components(args: argparse.Namespace):
+    from .planning.modules import components_from_modules, components_from_pipeline
+
+    activation = None
+    if args.activation_memory is not None:
+        from .planning import device_budget
+
+        activation = device_budget(args.activation_memory)
+    if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
+        from .planning.realsize import build_modules
+
+        components, groups = components_from_modules(None, build_modules(args.pipeline))
+    else:
+        from .cli_run.loading import load, pipeline_class
+
+        load_args = argparse.Namespace(model=args.model, pipeline=args.pipeline or DEFAULT_TINY)
+        pipeline_class(load_args)  # checks a --model folder before loading it
+        components, groups = components_from_pipeline(load(load_args).pipe)
+    bandwidth = (args.bandwidth * 1e9) if args.bandwidth else DEFAULT_BANDWIDTH
+    compute = args.block_compute_ms / 1e3 if args.block_compute_ms else None
+    return [c.with_measurements(copy_bandwidth=bandwidth, block_compute_s=compute,
+                                activation_bytes=activation if activation is not None else c.activation_bytes)
+            for c in components], groups
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.pipeline == "list":
+        from .cli_common import columns
+
+        print("\n".join(columns([[name, what] for name, what in pipeline_names().items()])))
+        return 0
+    if args.device_memory is None:
+        raise UsageError("--device-memory SIZE is required: the budget to plan for, such as 16GiB")
+    if args.pipeline is not None and args.pipeline not in pipeline_names():
+        raise UsageError(f"unknown pipeline {args.pipeline!r}; known: {', '.join(pipeline_names())}")
+    if args.prefetch_depth < 1:
+        raise UsageError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
+    from .errors import OffloadConfigError
+    from .planning import device_budget, make_plan
+
+    try:
+        budget = device_budget(args.device_memory)
+    except OffloadConfigError as exc:
+        raise UsageError(str(exc)) from None
+    components, groups = _components(args)
+    try:
+        plan = make_plan(
+            components, budget, groups=groups, strategy=None if args.strategy == "auto" else args.strategy,
+            resident_blocks=args.resident_blocks, prefetch_depth=args.prefetch_depth,
+            host_memory=args.host_memory, pinned_memory=args.pinned_memory,
+            bandwidth_source="--bandwidth" if args.bandwidth else "default: a PCIe 4.0 x16 link",
+        )
+    except OffloadConfigError as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
+    return 0

@@ -1,0 +1,20 @@
+"""Fitting a pipeline into a device budget ("tell it your memory"): the plan of what stays on the
+device, what streams, and what that costs, made from byte counts and timings alone.
+
+- :class:`Component`: what the planner knows of one component (bytes, blocks, activations, timings);
+  :mod:`.modules` makes them from torch modules and pipelines, :mod:`.realsize` from real-size
+  configs on the meta device.
+- :func:`make_plan`: the :class:`Plan`; :func:`choose_resident` / :func:`simulate`: which blocks stay
+  resident, from a discrete-event model of the copy and compute streams.
+
+Importing this package imports no torch (the CLI's ``plan --help`` stays fast); :mod:`.modules` and
+:mod:`.realsize` do.
+"""
+
+from .components import Component, device_budget
+from .plan import ComponentPlan, Plan
+from .planner import make_plan
+from .timing import Forward, choose_resident, simulate
+
+__all__ = ["Component", "ComponentPlan", "Forward", "Plan", "choose_resident", "device_budget", "make_plan",
+           "simulate"]

@@ -1,0 +1,91 @@
+"""What the planner knows of a component, and how a device budget is read.
+
+Everything here is plain numbers: a :class:`Component` is built from a torch module by
+:mod:`.modules`, from a meta-device config by :mod:`.realsize`, or by hand in a test, and the
+planner never touches a tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from ..config import parse_budget
+from ..errors import OffloadConfigError
+
+KINDS = ("dit", "text_encoder", "vae", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One weight-holding component of a pipeline (or a bare model, as one component).
+
+    ``resident_bytes``: its weights outside the blocks (embeddings, norms, heads), which stay on
+    the device whenever it is there. ``block_bytes``: each block's weights, in execution order (empty
+    when it has no block stack). ``activation_bytes``: the device memory one forward needs besides
+    the weights; None until measured or given, when :attr:`activation` estimates it.
+    ``copy_bandwidth``: host-to-device bytes per second; ``block_compute_s``: seconds one block's
+    forward takes on the device (one value, or one per block); either may be None (unknown), and
+    the plan then predicts less (see :mod:`.plan`).
+    """
+
+    name: str
+    kind: str
+    resident_bytes: int
+    block_bytes: tuple[int, ...] = ()
+    activation_bytes: int | None = None
+    copy_bandwidth: float | None = None
+    block_compute_s: float | tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.resident_bytes < 0 or any(b < 0 for b in self.block_bytes):
+            raise ValueError(f"{self.name}: byte counts must be >= 0")
+        object.__setattr__(self, "block_bytes", tuple(int(b) for b in self.block_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.resident_bytes + sum(self.block_bytes)
+
+    @property
+    def activation(self) -> int:
+        """The activation headroom the plan reserves: ``activation_bytes`` when known; else an
+        estimate, the bytes of its largest block (the weights one block computes with, a stand-in
+        for the intermediates of one block at a typical resolution), or of all its weights when it
+        has no blocks. Only a measurement makes it right; the estimate is there so that a plan can
+        be made before the first call."""
+        if self.activation_bytes is not None:
+            return self.activation_bytes
+        return max(self.block_bytes) if self.block_bytes else self.total_bytes
+
+    @property
+    def activation_source(self) -> str:
+        return "given" if self.activation_bytes is not None else "estimate"
+
+    @property
+    def streamable(self) -> bool:
+        """Whether layerwise offload streams it block by block (a DiT or a text encoder with a
+        block stack); other components are staged onto the device around their use."""
+        return self.kind in ("dit", "text_encoder") and len(self.block_bytes) > 0
+
+    def with_measurements(self, **values) -> "Component":
+        """A copy with ``activation_bytes``, ``copy_bandwidth`` or ``block_compute_s`` replaced."""
+        return dataclasses.replace(self, **values)
+
+
+def device_budget(value: object, total: int | None = None) -> int:
+    """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a float in
+    (0, 1], a fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``). Size
+    strings and fractions are read by the same parser as ``pinned_memory`` / ``host_memory``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        raise OffloadConfigError("device_memory= needs a budget: bytes, a size such as '16GiB', or a fraction "
+                                 "of the device's memory such as 0.9")
+    try:
+        parsed = parse_budget(value)
+    except ValueError as exc:
+        raise OffloadConfigError(f"invalid device_memory={value!r}: {str(exc).replace('of RAM', 'of the device')}"
+                                 ) from None
+    if parsed.fraction is not None and total is None:
+        raise OffloadConfigError(f"device_memory={value!r} is a fraction of the device's memory, which is unknown "
+                                 "here: give bytes or a size such as '16GiB'")
+    return parsed.resolve(total or 0)
+

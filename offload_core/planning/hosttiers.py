@@ -1,0 +1,62 @@
+"""The host side of a plan: which of each component's bytes are pinned, pageable or on disk.
+
+The tiers come from the placement policy itself (``offload_core.hostmem.placement``: resident
+weights stay in RAM, streamed blocks follow in order and the rest go to disk; pinned memory goes
+first to the bounce ring when anything is staged, then to what is copied most often), applied to
+byte counts instead of packed units, so the plan says what ``enable_offload`` will do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from ..config import parse_budget
+from .components import Component
+from .plan import RESIDENT, STAGED, SWAPPED, ComponentPlan
+
+TIER_NAMES = ("pinned", "pageable", "disk")
+NO_BUDGET_NOTE = ("no host budget given: every host byte is counted as pinned (the default pinned budget, half "
+                  "of RAM, may pin less; see docs/bigger-than-ram.md)")
+
+
+def _units(part: ComponentPlan, component: Component, world_size: int) -> list[tuple[str, int]]:
+    """``(role, bytes)`` of the host units the strategies make of a component under ``part``."""
+    from ..hostmem.placement import ONCE, STREAM, SWAP
+
+    if part.mode in (STAGED, SWAPPED):
+        return [(SWAP, component.total_bytes)]
+    if part.mode == RESIDENT:
+        return [(ONCE, component.resident_bytes)] + [(ONCE, b) for b in component.block_bytes]
+    units = [(ONCE, component.resident_bytes)] + [(ONCE, component.block_bytes[i]) for i in part.resident_blocks]
+    return units + [(STREAM, component.block_bytes[i] // world_size) for i in part.streamed_blocks]
+
+
+def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], host_memory: object,
+               pinned_memory: object, world_size: int = 1) -> tuple[list[ComponentPlan], str | None]:
+    """``parts`` with their ``host`` bytes filled in, and a note for the plan (or None)."""
+    by_name = {c.name: c for c in components}
+    if host_memory is None and pinned_memory is None:
+        filled = [dataclasses.replace(p, host={"pinned": sum(b for _, b in _units(p, by_name[p.name], world_size))})
+                  for p in parts]
+        return filled, NO_BUDGET_NOTE
+    from ..hostmem.budget import AUTO_PINNED_SHARE, physical_memory
+    from ..hostmem.placement import BOUNCE_BUFFERS, HostUnit, Tier, _assign, aligned, ring_chunk_bytes
+
+    owned = [(p.name, HostUnit(object(), role, nbytes, (nbytes,)))
+             for p in parts for role, nbytes in _units(p, by_name[p.name], world_size)]
+    units = [u for _, u in owned]
+    host = parse_budget(host_memory).resolve(physical_memory())
+    pinned = parse_budget(pinned_memory).resolve(physical_memory())
+    if pinned is None:
+        pinned = int(AUTO_PINNED_SHARE * physical_memory())
+    # as plan_placement does: the bounce ring takes its pinned share only when something is staged
+    tiers = _assign(units, True, host, pinned, reserve=0)
+    if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
+        ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(max(u.nbytes for u in units)))
+        tiers = _assign(units, True, host, pinned, reserve=ring)
+    names = {Tier.PINNED: "pinned", Tier.STAGED: "pageable", Tier.PAGEABLE: "pageable", Tier.DISK: "disk"}
+    bytes_of = {p.name: dict.fromkeys(TIER_NAMES, 0) for p in parts}
+    for name, unit in owned:
+        bytes_of[name][names[tiers[id(unit.unit)]]] += unit.nbytes
+    return [dataclasses.replace(p, host=bytes_of[p.name]) for p in parts], None

@@ -1,0 +1,169 @@
+"""The plan: per component, what stays on the device, what streams, and what that is predicted to cost.
+
+A :class:`Plan` is plain data, made by :func:`offload_core.planning.make_plan`; ``to_dict()`` is the
+``offload-core plan --json`` document and ``render()`` its text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+#: what a component does under the plan
+RESIDENT = "resident"  # on the device for the whole run
+STREAMED = "streamed"  # layerwise: its resident blocks stay, the others stream through the slot ring
+STAGED = "staged"  # copied onto the device around its use and dropped after (a VAE under layerwise)
+SWAPPED = "swapped"  # model-level: its group swaps in when it runs
+STRATEGY_WORDS = {"resident": "no offload (everything resident)", "model": "model-level offload",
+                  "layerwise": "layerwise offload", "distributed": "distributed layerwise offload"}
+
+
+def size(n: float) -> str:
+    """Bytes in words, binary units ("23.8 GiB")."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def seconds(s: float) -> str:
+    """Seconds in words, three significant digits ("1.78 s", "24.1 ms")."""
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def index_ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``"0-2, 5, 7-8"``; "none" when empty."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentPlan:
+    """One component under the plan. ``device_bytes``: the device memory its weights hold for the
+    whole run (resident weights and blocks, and its slot ring); a staged or swapped component holds
+    its weights only while it runs. ``host``: bytes per host tier (pinned, pageable, disk). Per
+    forward of the component (a denoising step makes one, or two with classifier-free guidance):
+    the copies and bytes, the predicted copy and compute seconds and their ``ratio`` (forward time
+    over the all-resident forward time; None when a time is unknown). ``bytes_per_call``: what is
+    copied once per pipeline call (a staged or swapped component)."""
+
+    name: str
+    kind: str
+    mode: str
+    weight_bytes: int
+    device_bytes: int
+    activation_bytes: int
+    activation_source: str
+    resident_blocks: tuple[int, ...] = ()
+    streamed_blocks: tuple[int, ...] = ()
+    slot_bytes: int = 0
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
+    copies_per_forward: int = 0
+    bytes_per_forward: int = 0
+    bytes_per_call: int = 0
+    copy_s_per_forward: float | None = None
+    compute_s_per_forward: float | None = None
+    ratio: float | None = None
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.resident_blocks) + len(self.streamed_blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.update(resident_blocks=list(self.resident_blocks), streamed_blocks=list(self.streamed_blocks))
+        return data
+
+    def render(self, bandwidth: float | None) -> list[str]:
+        n = self.n_blocks
+        head = {RESIDENT: "resident", STAGED: "staged onto the device around its use",
+                SWAPPED: "swapped in with its group"}.get(self.mode, f"{len(self.resident_blocks)} of {n} blocks resident")
+        if self.mode == RESIDENT and n:
+            head += f" (all {n} blocks)"
+        lines = [f"{self.name} ({self.kind}): {head}"]
+        if self.mode == STREAMED:
+            lines.append(f"  resident blocks  {index_ranges(self.resident_blocks)}")
+            lines.append(f"  streamed blocks  {index_ranges(self.streamed_blocks)}")
+        device = f"{size(self.device_bytes)} held for the whole run"
+        if self.slot_bytes:
+            device += f" (slot ring {size(self.slot_bytes)})"
+        if self.mode in (STAGED, SWAPPED):
+            device = f"{size(self.weight_bytes)} while it runs"
+        lines.append(f"  device           {device}; activations {size(self.activation_bytes)} "
+                     f"({self.activation_source})")
+        lines.append("  host             " + ", ".join(f"{size(v)} {tier}" for tier, v in self.host.items() if v))
+        if self.mode == STREAMED:
+            per = f"  per forward      {self.copies_per_forward} copies, {size(self.bytes_per_forward)}"
+            if self.copy_s_per_forward is not None:
+                per += f", {seconds(self.copy_s_per_forward)} of copying at {bandwidth / 1e9:.1f} GB/s"
+            if self.compute_s_per_forward is not None and self.ratio is not None:
+                per += f" against {seconds(self.compute_s_per_forward)} of compute: predicted {self.ratio:.2f}x " \
+                       "the resident forward"
+            else:
+                per += " (block compute time unknown: no predicted ratio)"
+            lines.append(per)
+        elif self.bytes_per_call:
+            lines.append(f"  per call         {size(self.bytes_per_call)} copied once")
+        return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The plan of one pipeline (or model) under one device budget.
+
+    ``strategy``: "resident", "model", "layerwise" or "distributed"; ``chosen_by``: "budget" (no
+    strategy was given) or "flag". ``device_peak``: the predicted device memory at its highest
+    (weights held, plus the largest running component's activations, and its weights when staged).
+    ``min_budget``: the smallest budget under which this strategy (or, chosen by budget, any) works.
+    """
+
+    strategy: str
+    chosen_by: str
+    budget: int
+    device_total: int | None
+    device_peak: int
+    min_budget: int
+    prefetch_depth: int
+    bandwidth: float | None
+    bandwidth_source: str
+    components: tuple[ComponentPlan, ...]
+    notes: tuple[str, ...] = ()
+
+    def component(self, name: str) -> ComponentPlan:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r} in the plan; components: {', '.join(c.name for c in self.components)}")
+
+    @property
+    def bytes_per_forward(self) -> dict[str, int]:
+        """Host-to-device bytes each streamed component copies per forward (what ``handle.stats()``
+        counts as ``h2d_bytes`` for one forward of it)."""
+        return {c.name: c.bytes_per_forward for c in self.components if c.mode == STREAMED}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data.update(components=[c.to_dict() for c in self.components], notes=list(self.notes))
+        return data
+
+    def render(self) -> str:
+        total = f" of {size(self.device_total)}" if self.device_total else ""
+        lines = [
+            f"budget {size(self.budget)}{total}: {STRATEGY_WORDS[self.strategy]}, chosen by "
+            + ("the budget" if self.chosen_by == "budget" else "the strategy flag"),
+            f"predicted device peak {size(self.device_peak)}; the smallest budget that works: {size(self.min_budget)}",
+        ]
+        if self.strategy in ("layerwise", "distributed"):
+            bandwidth = f"{self.bandwidth / 1e9:.1f} GB/s ({self.bandwidth_source})" if self.bandwidth else "unknown"
+            lines.append(f"prefetch depth {self.prefetch_depth} ({self.prefetch_depth + 1} slots per streamed "
+                         f"component); host-to-device bandwidth {bandwidth}")
+        lines.append("")
+        for c in self.components:
+            lines.extend(c.render(self.bandwidth))
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""``offload-core plan``: the text and JSON of a plan for an embedded tiny pipeline and a real-size
+one, the same plan as the planner's, bad input as one line and exit status 2, and the docs table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload_core.cli import main
+
+pytestmark = pytest.mark.quick
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_tiny_pipeline_under_a_tight_budget_streams_its_dit(capsys):
+    data = plan_json(capsys, "--pipeline", "flux2-deep", "--device-memory", "2MiB", "--block-compute-ms", "1")
+    assert (data["strategy"], data["chosen_by"], data["budget"]) == ("layerwise", "budget", 2 * 2**20)
+    dit = next(c for c in data["components"] if c["name"] == "transformer")
+    assert dit["mode"] == "streamed" and dit["copies_per_forward"] == len(dit["streamed_blocks"]) > 0
+    assert sorted(dit["resident_blocks"] + dit["streamed_blocks"]) == list(range(24))
+    assert data["device_peak"] <= data["budget"] and dit["ratio"] >= 1.0
+    assert data["bandwidth"] == 25e9
+
+
+def test_the_text_says_the_same_plan(capsys):
+    assert main(["plan", "--pipeline", "flux2-deep", "--device-memory", "2MiB"]) == 0
+    text = capsys.readouterr().out
+    data = plan_json(capsys, "--pipeline", "flux2-deep", "--device-memory", "2MiB")
+    dit = next(c for c in data["components"] if c["name"] == "transformer")
+    assert text.startswith("budget 2.0 MiB: layerwise offload, chosen by the budget")
+    assert f"transformer (dit): {len(dit['resident_blocks'])} of 24 blocks resident" in text
+    assert f"per forward      {dit['copies_per_forward']} copies" in text
+    assert "block compute time unknown: no predicted ratio" in text
+
+
+def test_a_large_budget_keeps_everything_resident_and_a_flag_keeps_its_strategy(capsys):
+    assert plan_json(capsys, "--device-memory", "1GiB")["strategy"] == "resident"
+    forced = plan_json(capsys, "--device-memory", "1GiB", "--strategy", "layerwise", "--resident-blocks", "5")
+    assert forced["chosen_by"] == "flag"
+    assert len(next(c for c in forced["components"] if c["name"] == "transformer")["resident_blocks"]) == 5
+
+
+def test_host_budgets_and_bandwidth_reach_the_plan(capsys):
+    data = plan_json(capsys, "--device-memory", "2MiB", "--host-memory", "4MiB", "--pinned-memory", "3MiB",
+                     "--bandwidth", "10")
+    hosts = [c["host"] for c in data["components"]]
+    assert sum(h.get("disk", 0) for h in hosts) > 0 and 0 < sum(h.get("pinned", 0) for h in hosts) <= 3 * 2**20
+    assert data["bandwidth"] == 10e9 and data["bandwidth_source"] == "--bandwidth"
+
+
+def test_a_real_size_pipeline_plans_without_weights(capsys):
+    data = plan_json(capsys, "--pipeline", "real:wan2.2-t2v-a14b", "--device-memory", "24GiB")
+    assert data["strategy"] == "layerwise" and data["device_peak"] <= 24 * 2**30
+    dits = [c for c in data["components"] if c["kind"] == "dit"]
+    assert [c["name"] for c in dits] == ["transformer", "transformer_2"]
+    assert all(0 < len(c["resident_blocks"]) < 40 for c in dits)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-memory", "1KiB"], "the smallest budget that works is"),
+    (["--device-memory", "lots"], "invalid device_memory='lots'"),
+    (["--device-memory", "0.5"], "fraction of the device's memory, which is unknown"),
+    (["--device-memory", "1GiB", "--pipeline", "nope"], "unknown pipeline 'nope'"),
+    (["--device-memory", "1GiB", "--resident-blocks", "x"], "expected 'auto' or an integer"),
+    (["--device-memory", "1GiB", "--host-memory", "2.5"], "got 2.5"),
+    (["--device-memory", "1GiB", "--strategy", "model", "--resident-blocks", "2"], "not to model-level"),
+    ([], "--device-memory SIZE is required"),
+])
+def test_bad_input_is_one_line_and_status_2(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_list_names_the_tiny_and_the_real_size_pipelines(capsys):
+    assert main(["plan", "--pipeline", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "flux2-deep" in out and "real:qwen-image" in out
+
+
+def test_the_docs_table_is_up_to_date():
+    from tools import plan_table
+
+    text = plan_table.DOC.read_text(encoding="utf-8")
+    assert plan_table.MARKED.search(text), "the marked plan table of docs/index.md was not found"
+    assert plan_table.regenerate(text) == text, "docs/index.md's plan table is stale: run `python tools/plan_table.py`"
