@@ -1,0 +1,99 @@
+"""Partial residency (docs/layerwise.md): blocks kept on the device stay there for the whole run,
+the others stream through the slot ring. Outputs and gradients equal the resident model's; each
+forward copies exactly the streamed blocks' bytes; device memory is the resident weights (kept
+blocks included) plus the slots; a kept block reached first starts the pass's loads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload_core
+from offload_core.discovery import find_blocks
+
+from denoisers import build_transformer
+from helpers import chaos_backend, device, exact_accounting, first_tensor, forward
+
+MODELS = ["flux2", "wan-t2v", "qwen-image"]
+
+
+def _streamed_bytes(part) -> int:
+    return sum(unit.nbytes for unit in part.units)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.99])
+@pytest.mark.parametrize("name", MODELS)
+def test_kept_blocks_stay_and_only_streamed_blocks_are_copied(name, share):
+    model, inputs = build_transformer(name)
+    model.eval()
+    n = len(find_blocks(model))
+    keep = max(1, min(n - 1, round(share * n)))
+    expected = [forward(model, {**inputs}) for _ in range(2)]
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         resident_blocks=keep)
+    part = handle.parts[0]
+    assert len(part.kept) == keep and len(part.units) == n - keep
+    for block in part.kept:  # kept blocks are resident weights: on the device outside any forward
+        assert all(p.device == device() for p in block.parameters())
+    before = handle.stats()
+    for step in range(2):
+        assert torch.equal(forward(model, inputs), expected[step]), f"step {step} differs"
+    stats = handle.stats()
+    assert stats["h2d_bytes"] - before["h2d_bytes"] == 2 * _streamed_bytes(part)
+    assert stats["loads"] - before["loads"] == 2 * len(part.units)
+    assert stats["prefetch_misses"] == 0
+    if exact_accounting():
+        assert stats["device_peak_bytes"] == part.resident_bytes + part.num_slots * part.slot_bytes
+    handle.disable()
+    assert torch.equal(forward(model, inputs), expected[0])
+
+
+def test_more_kept_blocks_copy_fewer_bytes():
+    model, inputs = build_transformer("wan-t2v")
+    n = len(find_blocks(model))
+    copied = []
+    for keep in range(n):
+        handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                             resident_blocks=keep)
+        before = handle.stats()["h2d_bytes"]
+        forward(model, inputs)
+        copied.append(handle.stats()["h2d_bytes"] - before)
+        handle.disable()
+    assert copied == sorted(copied, reverse=True) and len(set(copied)) == n, copied
+
+
+def test_a_kept_first_block_starts_the_loads_of_the_pass():
+    """The first streamed block's copy is queued when the kept block before it starts, so that
+    it copies while the kept block computes."""
+    model, inputs = build_transformer("wan-t2v")
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         resident_blocks=1)
+    part = handle.parts[0]
+    first = model.get_submodule(part.kept_names[0])
+    assert part.kept_names[0] == part.all_names[0], "the spacing keeps the first block"
+    seen = []
+    child = next(m for m in first.modules() if m is not first and isinstance(m, torch.nn.Linear))
+    child.register_forward_pre_hook(lambda module, args: seen.append(list(part.ring.occupant)))
+    forward(model, inputs)
+    assert seen and seen[0][0] == 0, f"slots while the kept block ran: {seen[0] if seen else None}"
+    handle.disable()
+
+
+@pytest.mark.parametrize("name", ["flux2", "qwen-image"])
+def test_gradients_through_kept_and_streamed_blocks(name):
+    model, inputs = build_transformer(name)
+    reference = copy.deepcopy(model)
+    model.requires_grad_(True)
+    reference.requires_grad_(True)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         resident_blocks=len(find_blocks(model)) // 2)
+    for m in (model, reference):
+        first_tensor(m(**inputs)).float().square().mean().backward()
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    got = {n: p.grad.to(grads[n].device) for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and grads.keys() == got.keys()
+    wrong = [n for n in grads if not torch.equal(got[n], grads[n])]
+    assert not wrong, wrong[:5]
+    handle.disable()
