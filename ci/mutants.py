@@ -122,8 +122,6 @@ MUTANTS = [
            "backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)", (DISTRIBUTED,),
            replacement="backend.all_gather_into_tensor(out, staging, self.group, stream)"),
     Mutant("distributed: a load's header is gathered before its data", G, "gathered.wait(stream)", (SHARDED,)),
-    Mutant("distributed: the headers have landed before a rolled-back enable drops their buffer", G,
-           "stream.synchronize()", (SHARDED,)),
     Mutant("distributed: the host waits for the gathered headers before reading them", G,
            "part.copy_stream.synchronize()", (SHARDED,)),
     Mutant("distributed: a shard takes a forward's buffer changes only once they have landed", G,

@@ -64,7 +64,7 @@ class ShardedGather(CopyTransport):
         self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
         self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
         self._staging: list = []
-        self._header_in = self._header_out = None
+        self._header_in = self._header_out = self._rows = None
 
     # -- sizes and homes ------------------------------------------------------------------------
     def slot_shape(self, shape):
@@ -144,19 +144,15 @@ class ShardedGather(CopyTransport):
         return hooks
 
     def agreed(self, serial: int) -> None:
+        """Write the header rows every load gathers (one per block, then the end of a pass), now
+        that the serial number is known. No load ran yet; the gathers follow on the same stream,
+        and the host rows stay referenced until ``release``, so nothing waits here."""
         self.serial = serial
-        self.begin()
-
-    def begin(self) -> None:
-        """Write the header rows every load gathers (one per block, then the end of a pass)."""
-        serial = self.serial
-        rows = torch.tensor(
+        self._rows = torch.tensor(
             [[[MAGIC, serial, i, status] for status in (OK, ABORTED)] for i in [*range(len(self.part.units)), END]],
             dtype=torch.int64,
         )
-        stream = self.part.copy_stream
-        self.part.backend.copy_async(self._header_in, rows, stream)  # the gathers follow on this stream
-        stream.synchronize()  # landed before an enable that rolls back drops the buffer
+        self.part.backend.copy_async(self._header_in, self._rows, self.part.copy_stream)
 
     # -- loads ------------------------------------------------------------------------------------
     def plan(self, i: int, unit, slot):
@@ -346,7 +342,7 @@ class ShardedGather(CopyTransport):
 
     def release(self) -> None:
         self._staging = []
-        self._header_in = self._header_out = None
+        self._header_in = self._header_out = self._rows = None
 
 
 def fingerprint(buffers: dict[torch.dtype, torch.Tensor]) -> tuple[int, ...]:

@@ -153,7 +153,6 @@ class LayerwiseOffload(Streaming, Part):
         # The new buffers may reuse memory that compute issued earlier still reads (a caching
         # allocator hands freed blocks to the next allocation at once): copy after that compute.
         backend.wait_stream(self.copy_stream, backend.current_stream())
-        self.transport.begin()
         self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters))
         done = backend.new_event()
         done.record(self.copy_stream)

@@ -86,9 +86,6 @@ class CopyTransport:
     def allocate(self) -> None:
         """Device memory beyond the slots, once the ring exists."""
 
-    def begin(self) -> None:
-        """The copy stream may write the new device memory: before the first load."""
-
     def instrument(self) -> list:
         """Hooks beyond the block wrappers (removed with them): a block whose home is on disk
         has its state dict read from there, and refuses one loaded into it."""
