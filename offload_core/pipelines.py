@@ -14,25 +14,22 @@ done by giving the pipeline instance a same-named subclass, restored by ``disabl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .backend import DeviceBackend
 from .config import OffloadConfig
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .errors import BlockDiscoveryError, OffloadConfigError, OffloadedModelError
-from .handle import OffloadHandle
-from .hostmem.placement import plan_placement
-from .strategies.common import Transaction
-from .strategies.part import CopyGuard, attach
-from .strategies import streaming_part
-from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
-from .strategies.resident import ResidentModules
+from .strategies.part import CopyGuard
+
+if TYPE_CHECKING:
+    from .handle import OffloadHandle
 
 logger = logging.getLogger(__name__)
 
@@ -145,62 +142,45 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
     return type(cls.__name__, (cls,), namespace)
 
 
-def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend) -> OffloadHandle:
-    modules = pipeline_modules(pipe)
-    if not modules:
-        raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
-    baseline = backend.memory_allocated()
-    backend.reset_peak_memory_stats()
-    handle = OffloadHandle(pipe, config.strategy, backend, baseline=baseline, config=config)
-    parts: list = []
-    with Transaction() as txn, agreement(config) as agreed:
-        if config.strategy == "model":
-            parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend))
-        else:
-            parts.extend(_layerwise_parts(pipe, modules, config, backend))
-        agreed.parts = parts
-        handle.placement = plan_placement(parts, config, backend)
-        handle.placement.attach(parts, txn)
-        for part in parts:
-            attach(part, handle)
-            part.enable(txn)
-        instrument = _pipeline_instrumentation(pipe, handle, parts, dict(modules))
-        instrument(True)
-        txn.on_rollback(lambda: instrument(False))
-    handle.parts = parts
-    handle._instruments.append(instrument)
-    handle._undo.append(lambda: instrument(False))
-    return handle
+class PipelineClass:
+    """The install that gives the pipeline instance a same-named subclass (its device, end-of-call
+    release, the handle's lock, the component check, diffusers' own offloading refused) and plain
+    copies; ``uninstall()`` restores the class."""
+
+    def __init__(self, pipe: Any, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]) -> None:
+        self.pipe = pipe
+        self.original = type(pipe)
+        self.subclass = _pipeline_subclass(self.original, handle, parts, enabled)
+        self.handle = handle
+        self._guard: CopyGuard | None = None
+
+    def install(self) -> None:
+        self.pipe.__class__ = self.subclass
+        if self._guard is None:
+            self._guard = CopyGuard(self.pipe, self.handle.plain_copy)
+
+    def uninstall(self) -> None:
+        self.pipe.__class__ = self.original
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
 
 
-def _pipeline_instrumentation(pipe: Any, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]):
-    """Gives the pipeline instance a same-named subclass (its device, end-of-call release, the
-    handle's lock, the component check, diffusers' own offloading refused) and plain copies;
-    ``instrument(False)`` restores the class."""
-    original = type(pipe)
-    subclass = _pipeline_subclass(original, handle, parts, enabled)
-    guards: list[CopyGuard] = []
+@dataclasses.dataclass
+class LayerwiseLayout:
+    """How layerwise offload covers a pipeline's components (see :func:`layerwise_layout`)."""
 
-    def instrument(on: bool) -> None:
-        if on:
-            pipe.__class__ = subclass
-            guards.append(CopyGuard(pipe, handle.plain_copy))
-        else:
-            pipe.__class__ = original
-            while guards:
-                guards.pop().remove()
-
-    return instrument
+    streamed: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]]  # (name, component, its blocks)
+    staged: list[tuple[str, list[tuple[str, nn.Module]]]]  # model-level groups without prefetch
+    resident: list[tuple[str, nn.Module]]
 
 
-def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceBackend) -> list:
+def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: OffloadConfig) -> LayerwiseLayout:
     """Streamed components stream their blocks; one without blocks is staged like the VAE (onto
     the device around its use, dropped at the end of the call), so that no single component can
     fail the whole pipeline; the rest stays resident."""
     streamed = config.components or ("dit",)
-    parts: list = []
-    resident: list[tuple[str, nn.Module]] = []
-    staged: list[tuple[str, list]] = []
+    layout = LayerwiseLayout([], [], [])
     kinds = {name: component_kind(pipe, name) for name, _ in modules}
     if "dit" not in kinds.values() and "dit" in streamed:
         raise OffloadConfigError(f"{type(pipe).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
@@ -209,19 +189,14 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
         if kind in ("dit", "text_encoder") and kind in streamed:
             blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
             if blocks:
-                parts.append(streaming_part(module, blocks, config, backend))
-                parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
+                layout.streamed.append((name, module, blocks))
             else:
-                staged.append((name, [(name, module)]))
+                layout.staged.append((name, [(name, module)]))
         elif kind == "vae" and "vae" in streamed:
-            staged.append((name, [(name, module)]))
+            layout.staged.append((name, [(name, module)]))
         else:
-            resident.append((name, module))
-    if staged:
-        parts.append(ModelLevelOffload(staged, backend, prefetch=False))
-    if resident:
-        parts.append(ResidentModules(resident, backend))
-    return parts
+            layout.resident.append((name, module))
+    return layout
 
 
 def _component_blocks(name: str, module: nn.Module, attrs: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
