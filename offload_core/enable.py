@@ -14,7 +14,7 @@ the distributed agreement, so that a rank that fails makes every rank roll back.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
@@ -26,8 +26,9 @@ from .discovery.blocks import no_blocks_hint
 from .errors import AlreadyEnabledError, OffloadConfigError
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
 from .hostmem.placement import plan_placement
-from .other_hooks import refuse_weight_hook_methods, weight_hooks
-from .pipelines import PipelineClass, is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
+from .installs import Mark, PipelineClass
+from .other_hooks import weight_hooks
+from .pipelines import is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
 from .plugins import get_backend
 from .strategies import streaming_part
 from .strategies.common import Transaction
@@ -124,26 +125,3 @@ def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend) ->
     if layout.resident:
         parts.append(ResidentModules(layout.resident, backend))
     return parts
-
-
-class Mark:
-    """The install that marks the target as offloaded by ``handle`` (``HANDLE_ATTRIBUTE``) and
-    makes diffusers' weight-hook methods of its roots raise meanwhile. Taken off while a plain
-    copy is made, so the copy is not "enabled"."""
-
-    def __init__(self, target: Any, roots: list[nn.Module], handle: OffloadHandle) -> None:
-        self.target = target
-        self.roots = roots
-        self.handle = handle
-        self._undo_refusal: Callable[[], None] | None = None
-
-    def install(self) -> None:
-        setattr(self.target, HANDLE_ATTRIBUTE, self.handle)
-        if self._undo_refusal is None:
-            self._undo_refusal = refuse_weight_hook_methods(self.roots)
-
-    def uninstall(self) -> None:
-        self.target.__dict__.pop(HANDLE_ATTRIBUTE, None)
-        if self._undo_refusal is not None:
-            self._undo_refusal()
-            self._undo_refusal = None
