@@ -63,8 +63,8 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
             installs.append(PipelineClass(target, handle, parts, dict(pipeline_modules(target))))
         installs.append(Mark(target, roots, handle))
         for install in installs:
+            txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
-            txn.on_rollback(install.uninstall)
         handle.open(parts, placement, installs)
     changes.register(handle)
     return handle

@@ -37,6 +37,7 @@ LAYERS = {
     "errors": 6, "dist": 6, "hookspecs": 6, "memory_accounting": 6, "accelerator": 6, "overlap": 6,
 }
 START = ("api", "enable_offload", "target")
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"
 
 
 def layer(module: str) -> int | None:
@@ -267,8 +268,7 @@ def resolve(pkg: Package, module: str, cls: ast.ClassDef | None, func: ast.AST, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=pathlib.Path,
-                        default=pathlib.Path(__file__).resolve().parents[1] / "offload_core")
+    parser.add_argument("--root", type=pathlib.Path, default=ROOT)
     parser.add_argument("--max-climbs", type=int, default=None)
     args = parser.parse_args(argv)
     stays, climbs = walk(Package(args.root))
