@@ -20,6 +20,7 @@ from offload_core.tiny import build_pipeline
 
 from contract_models import STRATEGIES, build
 from helpers import assert_same_state, chaos_backend, snapshot
+from test_import_layers import imports, modules
 from tools import enable_walk
 
 
@@ -71,6 +72,26 @@ def test_the_enable_path_climbs_at_most_four_times():
     stays, climbs = enable_walk.walk(enable_walk.Package(enable_walk.ROOT))
     assert "enable" in stays and "handle" in stays, "the walk no longer follows the target through enable"
     assert len(climbs) <= 4, climbs
+
+
+#: beside the library: the command, its benchmarks and demos, the pytest plugin (docs/design.md)
+BESIDE = ("cli", "__main__", "bench", "tiny", "testing")
+
+
+def test_imports_go_down_the_layers():
+    """Every library module has a layer (the table the walk and docs/design.md use) and imports
+    only from its own layer and the ones below."""
+    known = modules()
+    climbing = []
+    for name, path in known.items():
+        short = name.partition(".")[2]
+        if not short or short.startswith(BESIDE):
+            continue
+        assert enable_walk.layer(short) is not None, f"{short} has no layer in tools/enable_walk.py"
+        for imported in imports(name, path, known):
+            if enable_walk.layer(imported.partition(".")[2]) < enable_walk.layer(short):
+                climbing.append((short, imported))
+    assert climbing == []
 
 
 def test_the_walk_sees_a_climb(tmp_path):

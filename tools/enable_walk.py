@@ -29,7 +29,7 @@ from collections import defaultdict
 LAYERS = {
     "api": 0, "pretrained": 0,
     "enable": 1,
-    "handle": 2,
+    "handle": 2, "installs": 2,
     "pipelines": 3, "other_hooks": 3, "foreign": 3,
     "strategies": 4,
     "discovery": 5, "hostmem": 5, "weights": 5,
