@@ -202,9 +202,10 @@ def adopt_foreign(backend, unit, views: list[torch.Tensor]) -> bool:
 
 
 class CopyGuard:
-    """Makes ``copy.deepcopy`` and pickling of an instrumented module (or pipeline) produce an
-    ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``: otherwise
-    the copy would share this library's wrappers, whose closures point at the original model.
+    """Makes ``copy.deepcopy`` and pickling of a wrapped module (or a pipeline given its subclass)
+    produce an ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``:
+    otherwise the copy would share this library's wrappers, whose closures point at the original
+    model.
     ``copy.copy`` asks for the same ``__reduce_ex__`` and gets what it gets without offload: a
     shallow copy sharing the original's submodules and weights (offloaded with them), less the
     guard and the call wrapper, which are bound to the original. Instance attributes, so the
@@ -229,7 +230,7 @@ class CopyGuard:
         self.obj.__dict__.pop("__reduce_ex__", None)
 
 
-#: what this library puts in an instrumented object's ``__dict__`` (guard, call wrapper)
+#: what this library puts in a wrapped object's ``__dict__`` (guard, call wrapper)
 BOUND_TO_ORIGINAL = ("__deepcopy__", "__reduce_ex__", "_compiled_call_impl", "compile")
 
 
