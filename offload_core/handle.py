@@ -6,14 +6,13 @@ import contextlib
 import copy
 import logging
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from . import ownership
+from . import changes
 from .backend import DeviceBackend
-from .errors import AlreadyEnabledError, OffloadedModelError
 from .hostmem.budget import Trimmer
 from .timeline import Timeline
 
@@ -29,32 +28,27 @@ class OffloadHandle:
     its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
     same offloaded model waits for the first call to finish."""
 
-    def __init__(
-        self,
-        target: Any,
-        strategy: str,
-        backend: DeviceBackend,
-        parts: Sequence[Any] = (),
-        baseline: int = 0,
-        undo: Sequence = (),
-        lock: Any = None,
-        placement: Any = None,
-        config: Any = None,
-    ) -> None:
+    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0) -> None:
         self.target = target
-        self.strategy = strategy
-        self.backend = backend
-        self.parts = list(parts)
-        self._undo = list(undo)
-        self.enabled = True
-        self._baseline = baseline  # device bytes other users of the backend held before enable
-        self.lock = lock if lock is not None else threading.RLock()
-        self._busy = 0  # > 0 while the handle itself re-packs: hooks let its own changes through
-        #: pipeline-level instrumentation, taken off while a plain copy is made: set(on: bool)
-        self._instruments: list[Callable[[bool], None]] = []
-        self.placement = placement  # where the weights' host homes are (hostmem.placement)
         self.config = config
+        self.strategy = config.strategy
+        self.backend = backend
+        self.lock = threading.RLock()
+        self._baseline = baseline  # device bytes other users of the backend held before enable
+        self.parts: list = []
+        self.placement: Any = None  # where the weights' host homes are (hostmem.placement)
         self._placements: list = []  # more, made when a part was packed again (see place())
+        self._installs: list[Install] = []
+        self.enabled = False
+
+    def open(self, parts: Sequence[Any], placement: Any, installs: Sequence["Install"]) -> None:
+        """The last step of ``enable``: the handle takes its enabled ``parts``, the ``placement``
+        of their homes and the ``installs`` put on the target (installed already), and is
+        enabled. ``disable()`` undoes the installs in reverse order after the parts."""
+        self.parts = list(parts)
+        self.placement = placement
+        self._installs = list(installs)
+        self.enabled = True
 
     @property
     def device_weight_bytes(self) -> int:
@@ -110,18 +104,17 @@ class OffloadHandle:
                 return
             for part in reversed(self.parts):
                 part.disable()
-            while self._undo:
-                self._undo[-1]()
-                self._undo.pop()
+            while self._installs:
+                self._installs[-1].uninstall()
+                self._installs.pop()
             for placement in (self.placement, *self._placements):
                 placement.close()
             self.enabled = False
-            ownership.unregister(self)
-            # no reference cycle left (part -> handle, instrument -> handle): what the strategies
+            changes.unregister(self)
+            # no reference cycle left (part -> handle, install -> handle): what the strategies
             # still hold goes now, not at the next garbage collection
             for part in self.parts:
-                part.owner = None
-            self._instruments.clear()
+                part.handle = None
         trimmer = Trimmer()
         trimmer.add(sum(p.host_bytes for p in self.parts))  # the homes just freed, device buffers on CPU backends
         trimmer.flush()
@@ -144,7 +137,7 @@ class OffloadHandle:
             for part in parts:
                 part.thaw()
 
-    # -- what users do to the model (routed here by offload_core.ownership) ------------------
+    # -- what the parts ask of the handle ----------------------------------------------------
     def place(self, part: Any, txn: Any) -> None:
         """Homes for a part packed again (its units are new): planned under the handle's options,
         for that part alone. A part that had the handle's placement to itself gives it up."""
@@ -157,40 +150,6 @@ class OffloadHandle:
             old.close()
         else:
             self._placements.append(placement)
-
-    def refresh(self) -> None:
-        """The parts re-packed: record what the handle owns now."""
-        ownership.refresh(self)
-
-    def _on_apply(self, part: Any, module: nn.Module, fn: Callable, recurse: bool, original: Callable) -> nn.Module:
-        """``module._apply(fn)`` (``.to()``, ``.half()``, ...) on an offloaded module. Moving the
-        weights to the backend's device is already true of an offloaded model: nothing to do.
-        Moving them anywhere else is refused, before anything changes. A change of dtype, memory
-        format or values re-packs the part around the change. Across ranks every change is refused."""
-        with self.lock:
-            if self._busy or not part.enabled:
-                return original(module, fn, recurse)
-            tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
-            action, where = classify(fn, tensors, self.backend.device())
-            if action == "none" and not is_conversion(fn):
-                action = "change"  # it may work in place or depend on values: stand-ins cannot tell
-            if action == "none":
-                return module
-            name = type(module).__name__
-            if action == "move":
-                raise OffloadedModelError(
-                    f"{name}: this would move offloaded weights to {where}; while offloading is on, offload-core "
-                    f"keeps them on {self.backend.device()} and in host memory. Call handle.disable() first "
-                    f"({self!r}), then move the model"
-                )
-            if getattr(part, "strategy", None) == "distributed":
-                raise OffloadedModelError(
-                    f"{name}: changing the dtype or values of a model offloaded across ranks is not supported; call "
-                    f"the collective handle.disable() on every rank first ({self!r})"
-                )
-            logger.info("%s changes dtype or layout while offloaded: packing it again", name)
-            part.repack(lambda: original(module, keep_placement(fn), recurse))
-            return module
 
     def plain_copy(self, obj: Any, memo: dict) -> Any:
         """``copy.deepcopy(obj)`` as if offloading were off: an ordinary copy, not offloaded, whose
@@ -207,74 +166,31 @@ class OffloadHandle:
                             memo.setdefault(id(owner.param), nn.Parameter(value, requires_grad=owner.param.requires_grad))
                         else:
                             memo.setdefault(id(view), value)
-            self._instrumented(False)
+            self._installed(False)
             try:
                 return copy.deepcopy(obj, memo)
             finally:
-                self._instrumented(True)
+                self._installed(True)
 
-    def _instrumented(self, on: bool) -> None:
+    def _installed(self, on: bool) -> None:
+        """Take off (False) or put back (True) everything offloading put on the model: the parts'
+        call wrappers and the target's installs."""
         for part in self.parts:
             if part.enabled:
                 part.instrumented(on)
-        for toggle in self._instruments:
-            toggle(on)
+        for install in self._installs:
+            install.install() if on else install.uninstall()
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"<OffloadHandle {self.strategy} on {type(self.target).__name__} via {self.backend.name}: {state}>"
 
 
-#: the ``nn.Module`` methods whose ``_apply`` function is a conversion: a new tensor (or the input
-#: itself) made from the input's device, dtype and layout alone, so that stand-ins tell what it does
-CONVERSIONS = frozenset(
-    ("to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type", "xpu", "ipu", "mtia", "to_empty")
-)
+class Install(Protocol):
+    """Something ``enable`` puts on the target itself (not on a part's modules): the handle mark,
+    a pipeline's subclass. Taken off while a plain copy is made, so the copy is not offloaded,
+    and by ``disable()``; both calls may be repeated."""
 
+    def install(self) -> None: ...
 
-def is_conversion(fn: Callable) -> bool:
-    """True for torch's own conversions (``.to()``, ``.half()``, ``.cuda()`` ...). Any other
-    ``_apply`` function (``share_memory()``, ``lambda t: t.mul_(2)``, a library's own) may write in
-    place or depend on the values, which stand-ins cannot show: it goes through a re-pack."""
-    owner = getattr(fn, "__qualname__", "").split(".<locals>.")[0]
-    return getattr(fn, "__module__", None) == nn.Module.__module__ and owner.startswith("Module.") and (
-        owner[len("Module."):] in CONVERSIONS
-    )
-
-
-def classify(fn: Callable, tensors: list[torch.Tensor], device: torch.device) -> tuple[str, Any]:
-    """What ``fn`` (an ``_apply`` function) would do to ``tensors``, tried on small stand-ins of
-    each (device, dtype): ``("none", None)``, ``("move", device)`` to a device other than the
-    backend's, or ``("change", None)`` (dtype, memory format or values)."""
-    kinds = {(t.device, t.dtype, t.dim() >= 4) for t in tensors}
-    change = False
-    for where, dtype, four_d in kinds:
-        probes = [torch.empty(0, dtype=dtype, device=where)]
-        if four_d:
-            probes.append(torch.empty((1, 2, 2, 2), dtype=dtype, device=where))
-        for probe in probes:
-            try:
-                out = fn(probe)
-            except Exception:  # noqa: BLE001 - not a conversion we can read: re-pack around it
-                return "change", None
-            if out is probe:
-                continue
-            if not isinstance(out, torch.Tensor):
-                return "change", None
-            if out.device != probe.device:
-                if out.device != device:
-                    return "move", out.device
-                if out.dtype == dtype and out.stride() == probe.stride():
-                    continue  # onto the backend's device: where an offloaded model already is
-            change = True
-    return ("change", None) if change else ("none", None)
-
-
-def keep_placement(fn: Callable) -> Callable:
-    """``fn`` without its device move: each result stays where its input was."""
-
-    def apply(t: torch.Tensor) -> torch.Tensor:
-        out = fn(t)
-        return out.to(t.device) if isinstance(out, torch.Tensor) and out.device != t.device else out
-
-    return apply
+    def uninstall(self) -> None: ...

@@ -1,38 +1,26 @@
-"""diffusers pipeline integration: component discovery, grouping and the pipeline's device.
+"""diffusers pipelines as offload sees them: their components, sorted into kinds and grouped.
 
 Components come from ``pipe.components`` and are sorted into kinds: ``dit`` (the denoisers),
 ``text_encoder`` (every prompt/image encoder), ``vae`` (decoders back to pixels or sound) and
 ``other``. The generic rule works on component names; ``PIPELINE_OVERRIDES`` fixes the pipelines
-it gets wrong. The pipeline's own ``model_cpu_offload_seq`` gives the usual order of use.
-
-While offloading is on, the pipeline reports the backend's device as ``pipe.device`` and
-``pipe._execution_device`` (so latents and embeddings are created there), one call runs at a time
-(the handle's lock), and every pipeline call ends by swapping staged components out. All of it is
-done by giving the pipeline instance a same-named subclass, restored by ``disable()``.
+it gets wrong. The pipeline's own ``model_cpu_offload_seq`` gives the usual order of use. Pure
+functions of the pipeline and the config: the enable transaction (``enable.py``) makes the parts,
+and the pipeline's subclass while offloading is on is an install (``installs.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import sys
 from typing import Any
 
 from torch import nn
 
-from .backend import DeviceBackend
 from .config import OffloadConfig
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
-from .errors import BlockDiscoveryError, OffloadConfigError, OffloadedModelError
-from .handle import OffloadHandle
-from .hostmem.placement import plan_placement
-from .strategies.common import Transaction
-from .strategies.part import CopyGuard, attach
-from .strategies import streaming_part
-from .strategies.distributed import agreement
-from .strategies.model_level import ModelLevelOffload
-from .strategies.resident import ResidentModules
+from .errors import BlockDiscoveryError, OffloadConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -83,124 +71,21 @@ def model_level_groups(pipe: Any, modules: list[tuple[str, nn.Module]]) -> list[
     return list(groups.items())
 
 
-#: call arguments through which user code runs between denoising steps (and may change weights)
-STEP_CALLBACKS = ("callback_on_step_end", "callback")
+@dataclasses.dataclass
+class LayerwiseLayout:
+    """How layerwise offload covers a pipeline's components (see :func:`layerwise_layout`)."""
+
+    streamed: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]]  # (name, component, its blocks)
+    staged: list[tuple[str, list[tuple[str, nn.Module]]]]  # model-level groups without prefetch
+    resident: list[tuple[str, nn.Module]]
 
 
-#: diffusers' own offloading: it moves the weights this library streams
-PIPELINE_OFFLOAD_METHODS = ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
-
-
-def check_components(pipe: Any, enabled: dict[str, nn.Module], handle: OffloadHandle) -> None:
-    """Refuse a call when a component was replaced, added or removed since enable: the new one
-    would run un-offloaded (on an accelerator, on the wrong device) while the handle still holds
-    the old one's memory. Checked at every call, before any work."""
-    now = dict(pipeline_modules(pipe))
-    changed = sorted(n for n in {*enabled, *now} if enabled.get(n) is not now.get(n))
-    if changed:
-        raise OffloadedModelError(
-            f"{type(pipe).__name__}: component(s) {', '.join(changed)} changed since enable_offload, so offloading "
-            f"no longer covers them. Put the original back, or call handle.disable() and enable_offload(pipe) "
-            f"again ({handle!r})"
-        )
-
-
-def _refuse_offload_method(name: str, handle: OffloadHandle):
-    def refuse(self, *args, **kwargs):
-        raise OffloadConfigError(
-            f"{type(self).__name__}.{name}() would move the weights that offload-core streams ({handle!r}); "
-            "use one or the other: call handle.disable() first"
-        )
-
-    return refuse
-
-
-def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]) -> type:
-    device = handle.backend.device()
-
-    def __call__(self, *args, **kwargs):
-        # one call at a time per handle; components stay on the device until the call ends; without
-        # step callbacks no user code runs between steps, so the weights stay as they are
-        check_components(self, enabled, handle)
-        callbacks = any(kwargs.get(name) is not None for name in STEP_CALLBACKS)
-        with handle.lock, (contextlib.nullcontext() if callbacks else handle.frozen()):
-            staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
-            for part in staged:
-                part.begin_call()
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
-                for part in staged:
-                    part.end_call()
-
-    namespace = {
-        "__call__": __call__,
-        "device": property(lambda self: device),
-        "_execution_device": property(lambda self: device),
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-        **{name: _refuse_offload_method(name, handle) for name in PIPELINE_OFFLOAD_METHODS if hasattr(cls, name)},
-    }
-    return type(cls.__name__, (cls,), namespace)
-
-
-def enable_on_pipeline(pipe: Any, config: OffloadConfig, backend: DeviceBackend) -> OffloadHandle:
-    modules = pipeline_modules(pipe)
-    if not modules:
-        raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
-    baseline = backend.memory_allocated()
-    backend.reset_peak_memory_stats()
-    handle = OffloadHandle(pipe, config.strategy, backend, baseline=baseline, config=config)
-    parts: list = []
-    with Transaction() as txn, agreement(config) as agreed:
-        if config.strategy == "model":
-            parts.append(ModelLevelOffload(model_level_groups(pipe, modules), backend))
-        else:
-            parts.extend(_layerwise_parts(pipe, modules, config, backend))
-        agreed.parts = parts
-        handle.placement = plan_placement(parts, config, backend)
-        handle.placement.attach(parts, txn)
-        for part in parts:
-            attach(part, handle)
-            part.enable(txn)
-        instrument = _pipeline_instrumentation(pipe, handle, parts, dict(modules))
-        instrument(True)
-        txn.on_rollback(lambda: instrument(False))
-    handle.parts = parts
-    handle._instruments.append(instrument)
-    handle._undo.append(lambda: instrument(False))
-    return handle
-
-
-def _pipeline_instrumentation(pipe: Any, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]):
-    """Gives the pipeline instance a same-named subclass (its device, end-of-call release, the
-    handle's lock, the component check, diffusers' own offloading refused) and plain copies;
-    ``instrument(False)`` restores the class."""
-    original = type(pipe)
-    subclass = _pipeline_subclass(original, handle, parts, enabled)
-    guards: list[CopyGuard] = []
-
-    def instrument(on: bool) -> None:
-        if on:
-            pipe.__class__ = subclass
-            guards.append(CopyGuard(pipe, handle.plain_copy))
-        else:
-            pipe.__class__ = original
-            while guards:
-                guards.pop().remove()
-
-    return instrument
-
-
-def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceBackend) -> list:
+def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: OffloadConfig) -> LayerwiseLayout:
     """Streamed components stream their blocks; one without blocks is staged like the VAE (onto
     the device around its use, dropped at the end of the call), so that no single component can
     fail the whole pipeline; the rest stays resident."""
     streamed = config.components or ("dit",)
-    parts: list = []
-    resident: list[tuple[str, nn.Module]] = []
-    staged: list[tuple[str, list]] = []
+    layout = LayerwiseLayout([], [], [])
     kinds = {name: component_kind(pipe, name) for name, _ in modules}
     if "dit" not in kinds.values() and "dit" in streamed:
         raise OffloadConfigError(f"{type(pipe).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
@@ -209,19 +94,14 @@ def _layerwise_parts(pipe: Any, modules, config: OffloadConfig, backend: DeviceB
         if kind in ("dit", "text_encoder") and kind in streamed:
             blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
             if blocks:
-                parts.append(streaming_part(module, blocks, config, backend))
-                parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
+                layout.streamed.append((name, module, blocks))
             else:
-                staged.append((name, [(name, module)]))
+                layout.staged.append((name, [(name, module)]))
         elif kind == "vae" and "vae" in streamed:
-            staged.append((name, [(name, module)]))
+            layout.staged.append((name, [(name, module)]))
         else:
-            resident.append((name, module))
-    if staged:
-        parts.append(ModelLevelOffload(staged, backend, prefetch=False))
-    if resident:
-        parts.append(ResidentModules(resident, backend))
-    return parts
+            layout.resident.append((name, module))
+    return layout
 
 
 def _component_blocks(name: str, module: nn.Module, attrs: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .api import enable_checked, given_options, resolve_config
+from .api import given_options, resolve_config
 from .backend import DeviceBackend
 from .config import OffloadConfig
+from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
@@ -102,7 +103,7 @@ def from_pretrained(
     if config.strategy == "layerwise" and config.host_budget.auto:
         config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
     target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
-    return enable_checked(target, kind, config)
+    return enable(target, config)
 
 
 def _model_index(folder: str) -> dict | None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import offload_core
-from offload_core.handle import OffloadedModelError
+from offload_core.errors import OffloadedModelError
 from offload_core.tiny import build_pipeline
 
 from contract_models import STRATEGIES, assert_offloaded, assert_same, build, run

@@ -35,7 +35,7 @@ from ..weights.binding import Binding, Home
 from ..weights.unit import collect_tensors
 from .autograd import SavedParameters
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
-from .part import Part, adopt_foreign, write_back
+from .part import Part, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -271,16 +271,8 @@ class ModelLevelOffload(Part):
             self._maybe_prefetch(following)
 
     def _reconcile(self, group: Group) -> None:
-        """Before a group goes to the device its tensors must show their host views (see
-        :func:`adopt_foreign`); an added module or tensor, or any other change, re-packs."""
-        structural = self.dirty
-        for c in group.components:
-            if not c.home.at_home():
-                structural |= adopt_foreign(self.backend, c.unit, c.unit.host_views)
-        if structural:
-            logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
-            self.dirty = False
-            self.repack()
+        """Before a group goes to the device its tensors must show their host views."""
+        self.reconcile((c.unit, c.unit.host_views) for c in group.components if not c.home.at_home())
 
     def _load(self, group: Group) -> None:
         """Allocate the group's device buffers and queue its copies (one per dtype per component),

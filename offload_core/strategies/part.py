@@ -7,16 +7,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
+import logging
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from .. import changes
 from ..errors import OffloadedModelError, RepackError
 from .calls import CallWrapper
 from .common import Counters, Transaction
+
+logger = logging.getLogger(__name__)
 
 
 class Part:
@@ -35,12 +39,19 @@ class Part:
         self.backend = backend
         self.placement = None  # where the units' homes are (hostmem.placement), set before enable
         self.counters = Counters()
-        self.lock = threading.RLock()  # the handle's lock, set before enable
-        self.owner: Any = None  # the handle, set before enable; gives plain copies
+        self.lock = threading.RLock()  # the handle's lock, once joined (see join())
+        self.handle: Any = None  # the handle, once joined: gives plain copies and homes for re-packs
         self.dirty = False  # the structure changed (a module or tensor added): re-pack before use
         self.enabled = False
         self._hooks: list = []
         self._no_repack: str | None = None  # inside no_repack(): what would have asked for one
+
+    def join(self, handle: Any) -> None:
+        """Before ``enable``: the part serves ``handle``, sharing its lock, making plain copies
+        through it and asking it for homes when it packs again. A part enabled alone has its own
+        lock and the default placement."""
+        self.lock = handle.lock
+        self.handle = handle
 
     @contextlib.contextmanager
     def no_repack(self, during: str) -> Iterator[None]:
@@ -63,8 +74,8 @@ class Part:
         """Wrap ``module``'s calls (see :class:`CallWrapper`), under the handle's lock; copies of the
         module go through the handle."""
         self._hooks.append(CallWrapper(module, before, after, device, self.lock))
-        if self.owner is not None:
-            self._hooks.append(CopyGuard(module, self.owner.plain_copy))
+        if self.handle is not None:
+            self._hooks.append(CopyGuard(module, self.handle.plain_copy))
 
     def _remove_hooks(self) -> None:
         while self._hooks:
@@ -83,10 +94,8 @@ class Part:
         model holds now. If packing again fails, the part stays disabled and the error says so."""
         if self._no_repack is not None:
             raise changed_during_call(self, self._no_repack)
-        owner = self.owner
-        if owner is not None:
-            owner._busy += 1  # the handle's hooks let this part's own changes through
-        try:
+        handle = self.handle
+        with changes.repacking(handle) if handle is not None else contextlib.nullcontext():
             self.disable()
             try:
                 if apply is not None:
@@ -95,8 +104,8 @@ class Part:
                 try:
                     self._replan()
                     with Transaction() as txn:
-                        if owner is not None and owner.config is not None:
-                            owner.place(self, txn)  # the new units need homes
+                        if handle is not None:
+                            handle.place(self, txn)  # the new units need homes
                         else:
                             self.placement = None  # the default placement, made by enable
                         self.enable(txn)
@@ -105,10 +114,19 @@ class Part:
                         f"re-packing {self.describe()} after its structure changed failed ({exc!r}); its "
                         "offloading is now off and its weights are ordinary host tensors"
                     ) from exc
-        finally:
-            if owner is not None:
-                owner._busy -= 1
-                owner.refresh()
+
+    def reconcile(self, replaced: Iterable[tuple[Any, list[torch.Tensor]]]) -> None:
+        """Before the part's modules run: ``replaced`` yields (unit, views it should show) for each
+        unit whose owners no longer all show their views. A parameter given new data or a buffer
+        replaced, of the same shape and dtype, has the value copied home (:func:`adopt_foreign`);
+        anything else, or a module or tensor added since the last use (``dirty``), re-packs."""
+        structural = self.dirty
+        for unit, views in replaced:
+            structural |= adopt_foreign(self.backend, unit, views)
+        if structural:
+            logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
+            self.dirty = False
+            self.repack()
 
     def _replan(self) -> None:
         raise NotImplementedError
@@ -130,12 +148,6 @@ def blocks_now(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]
         if not found:
             raise
         return found
-
-
-def attach(part: Part, handle: Any) -> None:
-    """Before ``enable``: the part shares the handle's lock and makes plain copies through it."""
-    part.lock = handle.lock
-    part.owner = handle
 
 
 def changed_during_call(part: Part, during: str) -> Exception:
@@ -190,9 +202,10 @@ def adopt_foreign(backend, unit, views: list[torch.Tensor]) -> bool:
 
 
 class CopyGuard:
-    """Makes ``copy.deepcopy`` and pickling of an instrumented module (or pipeline) produce an
-    ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``: otherwise
-    the copy would share this library's wrappers, whose closures point at the original model.
+    """Makes ``copy.deepcopy`` and pickling of a wrapped module (or a pipeline given its subclass)
+    produce an ordinary, un-offloaded copy with the true weights, through ``copier(obj, memo)``:
+    otherwise the copy would share this library's wrappers, whose closures point at the original
+    model.
     ``copy.copy`` asks for the same ``__reduce_ex__`` and gets what it gets without offload: a
     shallow copy sharing the original's submodules and weights (offloaded with them), less the
     guard and the call wrapper, which are bound to the original. Instance attributes, so the
@@ -217,7 +230,7 @@ class CopyGuard:
         self.obj.__dict__.pop("__reduce_ex__", None)
 
 
-#: what this library puts in an instrumented object's ``__dict__`` (guard, call wrapper)
+#: what this library puts in a wrapped object's ``__dict__`` (guard, call wrapper)
 BOUND_TO_ORIGINAL = ("__deepcopy__", "__reduce_ex__", "_compiled_call_impl", "compile")
 
 

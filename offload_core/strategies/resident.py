@@ -70,9 +70,7 @@ class ResidentModules(Part):
             self._wrap(module, self._before, None, self.backend.device())
 
     def _before(self) -> None:
-        if self.dirty:  # a module or tensor was added (a LoRA layer): take it onto the device too
-            self.dirty = False
-            self.repack()
+        self.reconcile(())  # a module or tensor added (a LoRA layer) is taken onto the device too
 
     def truth(self) -> list:
         return [(u, views, buf) for u, views, buf in zip(self.units, self.device_views, self.device)]

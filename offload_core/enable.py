@@ -1,0 +1,127 @@
+"""The enable transaction: one path from a checked config to a live handle, for a module and a
+pipeline alike.
+
+In order: refuse a target that is offloaded already (or shares a module or parameter with one) or
+whose weights another library's hooks manage; choose the parts (a module is one component; a
+pipeline's components are discovered and grouped by :mod:`.pipelines`); plan where their homes
+live; enable each part; put the installs on the target (a pipeline's subclass, the handle mark
+with diffusers' weight-hook methods refused); hand all of it to the handle in one call
+(:meth:`OffloadHandle.open`); record what the handle owns (:mod:`.changes`). Any error on the way
+rolls every step back and leaves the target as it was. Across ranks the whole of it runs inside
+the distributed agreement, so that a rank that fails makes every rank roll back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from . import changes
+from .backend import DeviceBackend
+from .config import OffloadConfig
+from .discovery import find_blocks
+from .discovery.blocks import no_blocks_hint
+from .errors import AlreadyEnabledError, OffloadConfigError
+from .handle import HANDLE_ATTRIBUTE, OffloadHandle
+from .hostmem.placement import plan_placement
+from .installs import Mark, PipelineClass
+from .other_hooks import weight_hooks
+from .pipelines import is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
+from .plugins import get_backend
+from .strategies import streaming_part
+from .strategies.common import Transaction
+from .strategies.distributed import agreement
+from .strategies.model_level import ModelLevelOffload
+from .strategies.resident import ResidentModules
+
+logger = logging.getLogger(__name__)
+
+
+def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
+    """Offload ``target`` (a diffusers pipeline or a module) under ``config``, already checked
+    against the kind of target (``OffloadConfig.check_applies``)."""
+    roots = _roots(target)
+    _refuse_taken(target, roots)
+    backend = get_backend(config.backend)
+    baseline = backend.memory_allocated()
+    backend.reset_peak_memory_stats()
+    handle = OffloadHandle(target, config, backend, baseline=baseline)
+    with Transaction() as txn, agreement(config) as agreed:
+        parts = _pipeline_parts(target, config, backend) if is_pipeline(target) else [
+            _module_part(target, config, backend)
+        ]
+        agreed.parts = parts
+        placement = plan_placement(parts, config, backend)
+        placement.attach(parts, txn)
+        for part in parts:
+            part.join(handle)
+            part.enable(txn)
+        installs: list = []
+        if is_pipeline(target):
+            installs.append(PipelineClass(target, handle, parts, dict(pipeline_modules(target))))
+        installs.append(Mark(target, roots, handle))
+        for install in installs:
+            txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
+            install.install()
+        handle.open(parts, placement, installs)
+    changes.register(handle)
+    return handle
+
+
+def _roots(target: Any) -> list[nn.Module]:
+    return [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
+
+
+def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
+    """A target that already has a handle, contains or is contained in an offloaded model, or whose
+    weights another library's hooks move: two owners of the same weights would fight over them.
+    diffusers' caches and other hooks that leave the weights alone run on top of offload
+    (:mod:`.other_hooks`)."""
+    existing = getattr(target, HANDLE_ATTRIBUTE, None)
+    if existing is not None:
+        raise AlreadyEnabledError(
+            f"offloading is already enabled on this {type(target).__name__} by {existing!r}; call handle.disable() "
+            "first (again, if an earlier disable() was interrupted)"
+        )
+    changes.check_free(roots, f"this {type(target).__name__}")
+    other = weight_hooks(roots)
+    if other:
+        raise OffloadConfigError(
+            f"{other} already manages this model's placement; remove it first "
+            "(pipe.remove_all_hooks() for accelerate, or load the model again)"
+        )
+
+
+def _module_part(module: nn.Module, config: OffloadConfig, backend: DeviceBackend):
+    """A module is one component: its blocks streamed, resident when it has none, or swapped
+    whole (model-level)."""
+    if config.strategy == "model":
+        return ModelLevelOffload.for_module(module, backend)
+    blocks = find_blocks(module, config.blocks)
+    if blocks:
+        return streaming_part(module, blocks, config, backend)
+    logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
+                config.strategy, type(module).__name__, no_blocks_hint(module))
+    return ResidentModules([(type(module).__name__, module)], backend)
+
+
+def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend) -> list:
+    """A pipeline's components as parts: model-level swaps groups of them; layerwise streams the
+    chosen ones, stages those without blocks and keeps the rest resident."""
+    modules = pipeline_modules(pipe)
+    if not modules:
+        raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
+    if config.strategy == "model":
+        return [ModelLevelOffload(model_level_groups(pipe, modules), backend)]
+    layout = layerwise_layout(pipe, modules, config)
+    parts: list = []
+    for name, module, blocks in layout.streamed:
+        parts.append(streaming_part(module, blocks, config, backend))
+        parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
+    if layout.staged:
+        parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))
+    if layout.resident:
+        parts.append(ResidentModules(layout.resident, backend))
+    return parts
