@@ -98,6 +98,13 @@ def test_a_streamer_whose_blocks_all_fit_drops_its_slot_ring():
     assert big.device_peak == 750 + 50
 
 
+def test_the_slot_ring_is_sized_by_the_largest_streamed_block():
+    lopsided = Component("transformer", "dit", 0, (100, 10, 10, 10))  # its activation estimate: 100
+    chosen = make_plan([lopsided], 300, strategy="layerwise", resident_blocks=1)
+    dit = chosen.component("transformer")
+    assert (dit.resident_blocks, dit.slot_bytes, chosen.device_peak) == ((0,), 20, 220)
+
+
 def test_two_dits_share_the_spare_budget_round_robin():
     wan = [Component("transformer", "dit", 10, (10,) * 8), Component("transformer_2", "dit", 10, (10,) * 8)]
     chosen = make_plan(wan, 10 + 20 + 10 + 20 + 10 + 60, strategy="layerwise")  # both floors, activation, 6 blocks
