@@ -61,6 +61,17 @@ def test_a_real_size_pipeline_plans_without_weights(capsys):
     assert all(0 < len(c["resident_blocks"]) < 40 for c in dits)
 
 
+def test_a_local_folder_plans_as_its_pipeline_built_in_code(capsys, tmp_path):
+    from offload_core.tiny import build_pipeline
+
+    build_pipeline("flux2-deep").pipe.save_pretrained(tmp_path)
+    from_folder = plan_json(capsys, "--model", str(tmp_path), "--device-memory", "2MiB")
+    built = plan_json(capsys, "--pipeline", "flux2-deep", "--device-memory", "2MiB")
+    assert from_folder == built
+    assert main(["plan", "--model", str(tmp_path / "missing"), "--device-memory", "2MiB"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory", "1KiB"], "the smallest budget that works is"),
     (["--device-memory", "lots"], "invalid device_memory='lots'"),

@@ -96,7 +96,8 @@ class ComponentPlan:
             device = f"{size(self.weight_bytes)} while it runs"
         lines.append(f"  device           {device}; activations {size(self.activation_bytes)} "
                      f"({self.activation_source})")
-        lines.append("  host             " + ", ".join(f"{size(v)} {tier}" for tier, v in self.host.items() if v))
+        host = ", ".join(f"{size(v)} {tier}" for tier, v in self.host.items() if v)
+        lines.append("  host             " + (host or "no copy (no offload: the weights live on the device)"))
         if self.mode == STREAMED:
             per = f"  per forward      {self.copies_per_forward} copies, {size(self.bytes_per_forward)}"
             if self.copy_s_per_forward is not None:
