@@ -45,6 +45,13 @@ def test_a_large_budget_keeps_everything_resident_and_a_flag_keeps_its_strategy(
     assert len(next(c for c in forced["components"] if c["name"] == "transformer")["resident_blocks"]) == 5
 
 
+def test_a_given_activation_memory_replaces_the_estimate(capsys):
+    assert plan_json(capsys, "--device-memory", "5.6MiB")["strategy"] == "layerwise"  # 5.5 MiB of weights + estimate
+    given = plan_json(capsys, "--device-memory", "5.6MiB", "--activation-memory", "0")
+    assert given["strategy"] == "resident"
+    assert {c["activation_source"] for c in given["components"]} == {"given"}
+
+
 def test_host_budgets_and_bandwidth_reach_the_plan(capsys):
     data = plan_json(capsys, "--device-memory", "2MiB", "--host-memory", "4MiB", "--pinned-memory", "3MiB",
                      "--bandwidth", "10")
@@ -79,6 +86,7 @@ def test_a_local_folder_plans_as_its_pipeline_built_in_code(capsys, tmp_path):
     (["--device-memory", "1GiB", "--pipeline", "nope"], "unknown pipeline 'nope'"),
     (["--device-memory", "1GiB", "--resident-blocks", "x"], "expected 'auto' or an integer"),
     (["--device-memory", "1GiB", "--host-memory", "2.5"], "got 2.5"),
+    (["--device-memory", "1GiB", "--activation-memory", "0.5"], "expected bytes or a size"),
     (["--device-memory", "1GiB", "--strategy", "model", "--resident-blocks", "2"], "not to model-level"),
     ([], "--device-memory SIZE is required"),
 ])
