@@ -254,3 +254,12 @@ def test_real_size_configs_have_the_published_parameter_counts(name):
         assert abs(params / published - 1) < 0.05, (component, params)
         assert {p.dtype for p in modules[component].parameters()} == {torch.bfloat16}
         assert next(modules[component].parameters()).is_meta
+
+
+def test_the_planner_imports_no_torch():
+    import subprocess
+    import sys
+
+    probe = "import sys, offload_core.planning; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
