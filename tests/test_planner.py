@@ -124,7 +124,10 @@ def test_resident_blocks_fixes_the_count_and_must_fit():
 
 
 def test_a_process_group_makes_the_layerwise_stage_distributed():
-    assert plan(MODEL_LEVEL - 1, world_size=2).strategy == "distributed"
+    distributed = plan(MODEL_LEVEL - 1, world_size=2, prefetch_depth=3)
+    assert distributed.strategy == "distributed"
+    assert distributed.prefetch_depth == 1 and distributed.component("transformer").slot_bytes == 2 * 50  # 2 slots
+    assert plan(MODEL_LEVEL - 1, prefetch_depth=3).component("transformer").slot_bytes == 4 * 50
     assert plan(ALL_RESIDENT, world_size=2).strategy == "resident"
 
 

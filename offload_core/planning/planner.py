@@ -28,6 +28,8 @@ STRATEGIES = ("resident", "model", "layerwise", "distributed")
 #: order in which layerwise gives spare budget to resident blocks: the DiTs run every step, the
 #: text encoders once per call
 BLOCK_PRIORITY = ("dit", "text_encoder")
+#: distributed layerwise offload always runs two slots (prefetch_depth applies to layerwise only)
+DISTRIBUTED_DEPTH = 1
 STRATEGY_WORDS_SHORT = {"layerwise": "layerwise", "distributed": "distributed layerwise", "model": "model-level"}
 
 
@@ -182,7 +184,8 @@ def make_plan(
     ``device_total``). ``groups``: the model-level swap groups, as lists of component names (default:
     each component alone). ``strategy``: None (chosen by the budget) or one of "model", "layerwise",
     "distributed" (sized by the budget). ``resident_blocks``: "auto" or an int, the resident block
-    count of every streamed component. ``world_size`` > 1: the layerwise stage is distributed.
+    count of every streamed component. ``world_size`` > 1: the layerwise stage is distributed, which
+    always runs two slots (``prefetch_depth`` sizes layerwise rings only).
     ``host_memory`` / ``pinned_memory``: the host budgets, which split the host bytes into pinned,
     pageable and disk (without either, everything is reported pinned). Components' copy bandwidth
     and block compute times feed the predictions (``bandwidth_source`` says where the bandwidth
@@ -192,6 +195,8 @@ def make_plan(
     groups = [list(g) for g in groups] if groups is not None else [[c.name] for c in components]
     layered = "distributed" if world_size > 1 else "layerwise"
     notes: list[str] = []
+    if (strategy or layered) == "distributed":
+        prefetch_depth = DISTRIBUTED_DEPTH
 
     resident_need, model_need = _resident_peak(components), _model_peak(components, groups)
     chosen = strategy
