@@ -266,3 +266,22 @@ def test_the_planner_imports_no_torch():
     probe = "import sys, offload_core.planning; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_growing_budgets_never_exceed_the_budget_and_never_copy_more():
+    """FLUX.2-dev at its real size (double blocks larger than single ones), forced layerwise from its
+    smallest budget up to everything resident: the peak stays within each budget, and the DiT's
+    bytes per forward fall (never rise) to zero."""
+    from offload_core.pipelines import component_kind
+    from offload_core.planning.modules import components_from_modules
+    from offload_core.planning.realsize import build_modules
+
+    modules = build_modules("real:flux2-dev")
+    components = components_from_modules(modules, {name: component_kind(None, name) for name, _ in modules})
+    floor = make_plan(components, 2**40, strategy="layerwise", resident_blocks=0).device_peak
+    copied = []
+    for budget in range(floor, floor + 100 * 2**30, 2**29):
+        chosen = make_plan(components, budget, strategy="layerwise")
+        assert chosen.device_peak <= budget
+        copied.append(chosen.component("transformer").bytes_per_forward)
+    assert copied == sorted(copied, reverse=True) and copied[0] > 0 and copied[-1] == 0
