@@ -232,7 +232,7 @@ def make_plan(
         peak, min_budget = _layerwise_peak(states, prefetch_depth), smallest
     if any(c.activation_source == "estimate" for c in components):
         notes.append("activation headroom is an estimate (each component's largest block, or all its weights "
-                     "without blocks) until the first call measures it or activation_memory= gives it")
+                     "without blocks): activation_memory= (--activation-memory) gives the real figure")
     if chosen == "distributed":
         notes.append(f"distributed over {world_size} ranks: each rank's device holds the plan above; with "
                      "shard_host_weights=True (the default) each rank's host keeps 1/N of each streamed block")
