@@ -1,7 +1,7 @@
 """``offload-core plan``: what offloading would do with a pipeline under a device budget, without running it.
 
-The plan comes from :func:`offload_core.planning.make_plan`, the planner ``enable_offload(...,
-device_memory=...)`` uses: the strategy, per component the resident and streamed blocks, device
+The plan comes from :func:`offload_core.planning.make_plan` (the planner that ``enable_offload(...,
+device_memory=...)`` is being wired to): the strategy, per component the resident and streamed blocks, device
 and host bytes, the copies per forward and their predicted time. Nothing runs on a device; the
 embedded tiny pipelines are built on the CPU, the real-size ones on the meta device (no weights at
 all), and a ``--model`` folder is loaded into RAM.
