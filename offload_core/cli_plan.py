@@ -1,7 +1,7 @@
 """``offload-core plan``: what offloading would do with a pipeline under a device budget, without running it.
 
-The plan comes from :func:`offload_core.planning.make_plan`, the planner ``enable_offload(...,
-device_memory=...)`` uses: the strategy, per component the resident and streamed blocks, device
+The plan comes from :func:`offload_core.planning.make_plan` (the planner that ``enable_offload(...,
+device_memory=...)`` is being wired to): the strategy, per component the resident and streamed blocks, device
 and host bytes, the copies per forward and their predicted time. Nothing runs on a device; the
 embedded tiny pipelines are built on the CPU, the real-size ones on the meta device (no weights at
 all), and a ``--model`` folder is loaded into RAM.
@@ -53,6 +53,19 @@ def _size(text: str) -> Any:
     return value
 
 
+def _bytes(text: str) -> int:
+    """A size ("2GiB", bytes), not a fraction: activations are not a share of anything."""
+    from .config import parse_budget
+
+    try:
+        parsed = parse_budget(_fraction_or_text(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if parsed.nbytes is None:
+        raise argparse.ArgumentTypeError(f"expected bytes or a size such as 2GiB, got {text!r}")
+    return parsed.nbytes
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -95,7 +108,7 @@ def add_plan(subparsers: Any) -> None:
                         help=f"host-to-device copy bandwidth in GB/s (default {DEFAULT_BANDWIDTH / 1e9:.0f})")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
-    parser.add_argument("--activation-memory", type=str, metavar="SIZE",
+    parser.add_argument("--activation-memory", type=_bytes, metavar="SIZE",
                         help="activation memory of each component's forward (default: an estimate)")
     parser.add_argument("--strategy", choices=("auto", "model", "layerwise"), default="auto",
                         help="auto (default): chosen by the budget; or the strategy the budget then sizes")
@@ -116,28 +129,28 @@ def pipeline_names() -> dict[str, str]:
 
 
 def _components(args: argparse.Namespace):
-    from .planning.modules import components_from_modules, components_from_pipeline
+    """The plan inputs of the pipeline the flags name, and its model-level swap groups."""
+    from .pipelines import component_kind, model_level_groups, pipeline_modules
+    from .planning.modules import components_from_modules
 
-    activation = None
-    if args.activation_memory is not None:
-        from .planning import device_budget
-
-        activation = device_budget(args.activation_memory)
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
         from .planning.realsize import build_modules
 
-        components, groups = components_from_modules(None, build_modules(args.pipeline))
+        pipe, modules = None, build_modules(args.pipeline)  # None: kinds from the component names
     else:
         from .cli_run.loading import load, pipeline_class
 
         load_args = argparse.Namespace(model=args.model, pipeline=args.pipeline or DEFAULT_TINY)
         pipeline_class(load_args)  # checks a --model folder before loading it
-        components, groups = components_from_pipeline(load(load_args).pipe)
-    bandwidth = (args.bandwidth * 1e9) if args.bandwidth else DEFAULT_BANDWIDTH
-    compute = args.block_compute_ms / 1e3 if args.block_compute_ms else None
-    return [c.with_measurements(copy_bandwidth=bandwidth, block_compute_s=compute,
-                                activation_bytes=activation if activation is not None else c.activation_bytes)
-            for c in components], groups
+        pipe = load(load_args).pipe
+        modules = pipeline_modules(pipe)
+    components = components_from_modules(modules, {name: component_kind(pipe, name) for name, _ in modules})
+    groups = [[name for name, _ in members] for _, members in model_level_groups(pipe, modules)]
+    measured = dict(copy_bandwidth=args.bandwidth * 1e9 if args.bandwidth else DEFAULT_BANDWIDTH,
+                    block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
+    if args.activation_memory is not None:
+        measured["activation_bytes"] = args.activation_memory
+    return [c.with_measurements(**measured) for c in components], groups
 
 
 def run_plan(args: argparse.Namespace) -> int:

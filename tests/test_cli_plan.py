@@ -45,6 +45,13 @@ def test_a_large_budget_keeps_everything_resident_and_a_flag_keeps_its_strategy(
     assert len(next(c for c in forced["components"] if c["name"] == "transformer")["resident_blocks"]) == 5
 
 
+def test_a_given_activation_memory_replaces_the_estimate(capsys):
+    assert plan_json(capsys, "--device-memory", "5.6MiB")["strategy"] == "layerwise"  # 5.5 MiB of weights + estimate
+    given = plan_json(capsys, "--device-memory", "5.6MiB", "--activation-memory", "0")
+    assert given["strategy"] == "resident"
+    assert {c["activation_source"] for c in given["components"]} == {"given"}
+
+
 def test_host_budgets_and_bandwidth_reach_the_plan(capsys):
     data = plan_json(capsys, "--device-memory", "2MiB", "--host-memory", "4MiB", "--pinned-memory", "3MiB",
                      "--bandwidth", "10")
@@ -61,6 +68,17 @@ def test_a_real_size_pipeline_plans_without_weights(capsys):
     assert all(0 < len(c["resident_blocks"]) < 40 for c in dits)
 
 
+def test_a_local_folder_plans_as_its_pipeline_built_in_code(capsys, tmp_path):
+    from offload_core.tiny import build_pipeline
+
+    build_pipeline("flux2-deep").pipe.save_pretrained(tmp_path)
+    from_folder = plan_json(capsys, "--model", str(tmp_path), "--device-memory", "2MiB")
+    built = plan_json(capsys, "--pipeline", "flux2-deep", "--device-memory", "2MiB")
+    assert from_folder == built
+    assert main(["plan", "--model", str(tmp_path / "missing"), "--device-memory", "2MiB"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory", "1KiB"], "the smallest budget that works is"),
     (["--device-memory", "lots"], "invalid device_memory='lots'"),
@@ -68,6 +86,7 @@ def test_a_real_size_pipeline_plans_without_weights(capsys):
     (["--device-memory", "1GiB", "--pipeline", "nope"], "unknown pipeline 'nope'"),
     (["--device-memory", "1GiB", "--resident-blocks", "x"], "expected 'auto' or an integer"),
     (["--device-memory", "1GiB", "--host-memory", "2.5"], "got 2.5"),
+    (["--device-memory", "1GiB", "--activation-memory", "0.5"], "expected bytes or a size"),
     (["--device-memory", "1GiB", "--strategy", "model", "--resident-blocks", "2"], "not to model-level"),
     ([], "--device-memory SIZE is required"),
 ])

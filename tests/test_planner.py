@@ -98,6 +98,13 @@ def test_a_streamer_whose_blocks_all_fit_drops_its_slot_ring():
     assert big.device_peak == 750 + 50
 
 
+def test_the_slot_ring_is_sized_by_the_largest_streamed_block():
+    lopsided = Component("transformer", "dit", 0, (100, 10, 10, 10))  # its activation estimate: 100
+    chosen = make_plan([lopsided], 300, strategy="layerwise", resident_blocks=1)
+    dit = chosen.component("transformer")
+    assert (dit.resident_blocks, dit.slot_bytes, chosen.device_peak) == ((0,), 20, 220)
+
+
 def test_two_dits_share_the_spare_budget_round_robin():
     wan = [Component("transformer", "dit", 10, (10,) * 8), Component("transformer_2", "dit", 10, (10,) * 8)]
     chosen = make_plan(wan, 10 + 20 + 10 + 20 + 10 + 60, strategy="layerwise")  # both floors, activation, 6 blocks
@@ -117,7 +124,10 @@ def test_resident_blocks_fixes_the_count_and_must_fit():
 
 
 def test_a_process_group_makes_the_layerwise_stage_distributed():
-    assert plan(MODEL_LEVEL - 1, world_size=2).strategy == "distributed"
+    distributed = plan(MODEL_LEVEL - 1, world_size=2, prefetch_depth=3)
+    assert distributed.strategy == "distributed"
+    assert distributed.prefetch_depth == 1 and distributed.component("transformer").slot_bytes == 2 * 50  # 2 slots
+    assert plan(MODEL_LEVEL - 1, prefetch_depth=3).component("transformer").slot_bytes == 4 * 50
     assert plan(ALL_RESIDENT, world_size=2).strategy == "resident"
 
 
@@ -247,3 +257,31 @@ def test_real_size_configs_have_the_published_parameter_counts(name):
         assert abs(params / published - 1) < 0.05, (component, params)
         assert {p.dtype for p in modules[component].parameters()} == {torch.bfloat16}
         assert next(modules[component].parameters()).is_meta
+
+
+def test_the_planner_imports_no_torch():
+    import subprocess
+    import sys
+
+    probe = "import sys, offload_core.planning; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_growing_budgets_never_exceed_the_budget_and_never_copy_more():
+    """FLUX.2-dev at its real size (double blocks larger than single ones), forced layerwise from its
+    smallest budget up to everything resident: the peak stays within each budget, and the DiT's
+    bytes per forward fall (never rise) to zero."""
+    from offload_core.pipelines import component_kind
+    from offload_core.planning.modules import components_from_modules
+    from offload_core.planning.realsize import build_modules
+
+    modules = build_modules("real:flux2-dev")
+    components = components_from_modules(modules, {name: component_kind(None, name) for name, _ in modules})
+    floor = make_plan(components, 2**40, strategy="layerwise", resident_blocks=0).device_peak
+    copied = []
+    for budget in range(floor, floor + 100 * 2**30, 2**29):
+        chosen = make_plan(components, budget, strategy="layerwise")
+        assert chosen.device_peak <= budget
+        copied.append(chosen.component("transformer").bytes_per_forward)
+    assert copied == sorted(copied, reverse=True) and copied[0] > 0 and copied[-1] == 0

@@ -2,7 +2,7 @@
 device, what streams, and what that costs, made from byte counts and timings alone.
 
 - :class:`Component`: what the planner knows of one component (bytes, blocks, activations, timings);
-  :mod:`.modules` makes them from torch modules and pipelines, :mod:`.realsize` from real-size
+  :mod:`.modules` makes them from torch modules (a pipeline's components included), :mod:`.realsize` from real-size
   configs on the meta device.
 - :func:`make_plan`: the :class:`Plan`; :func:`choose_resident` / :func:`simulate`: which blocks stay
   resident, from a discrete-event model of the copy and compute streams.

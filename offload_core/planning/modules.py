@@ -8,7 +8,7 @@ any one block's: it counts as resident, as the packer keeps it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -36,8 +36,8 @@ def _outside(module: nn.Module, blocks: set[int]) -> set[int]:
     return found
 
 
-def component_from_module(name: str, module: nn.Module, kind: str = "dit", blocks: Iterable[str] | None = None,
-                          activation_bytes: int | None = None) -> Component:
+def component_from_module(name: str, module: nn.Module, kind: str = "dit",
+                          blocks: Iterable[str] | None = None) -> Component:
     """The :class:`Component` of ``module``: ``blocks`` are block attribute names overriding discovery
     (as ``enable_offload(blocks=...)``); a model whose block stack cannot be found has none."""
     everything = _tensors(module)
@@ -54,26 +54,14 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit", block
         for key in tensors:
             owners[key] = owners.get(key, 0) + 1
     block_bytes = tuple(sum(b for key, b in tensors.items() if owners[key] == 1) for tensors in per_block)
-    return Component(name, kind, sum(everything.values()) - sum(block_bytes), block_bytes, activation_bytes)
+    return Component(name, kind, sum(everything.values()) - sum(block_bytes), block_bytes)
 
 
-def components_from_pipeline(pipe: Any, activation_memory: dict[str, int] | None = None
-                             ) -> tuple[list[Component], list[list[str]]]:
-    """The components of a diffusers pipeline in their order of use, and its model-level swap groups."""
-    from ..pipelines import pipeline_modules
-
-    return components_from_modules(pipe, pipeline_modules(pipe), activation_memory)
-
-
-def components_from_modules(pipe: Any, modules: Sequence[tuple[str, nn.Module]],
-                            activation_memory: dict[str, int] | None = None
-                            ) -> tuple[list[Component], list[list[str]]]:
-    """As :func:`components_from_pipeline`, for ``(name, module)`` pairs of the pipeline ``pipe``
-    (None: a pipeline of no particular class, kinds from the component names alone)."""
-    from ..pipelines import component_kind, model_level_groups
-
-    given = activation_memory or {}
-    components = [component_from_module(name, module, component_kind(pipe, name), activation_bytes=given.get(name))
-                  for name, module in modules]
-    groups = [[name for name, _ in members] for _, members in model_level_groups(pipe, list(modules))]
-    return components, groups
+def components_from_modules(modules: Sequence[tuple[str, nn.Module]], kinds: Mapping[str, str],
+                            blocks: Iterable[str] | None = None) -> list[Component]:
+    """The components of a pipeline's ``(name, module)`` pairs, in that order, each of its kind in
+    ``kinds`` ("dit", "text_encoder", "vae", "other": ``offload_core.pipelines.component_kind``);
+    ``blocks`` overrides the DiTs' block discovery, as ``enable_offload(blocks=...)`` does. This
+    module does not import ``offload_core.pipelines``, so the enable path can call it."""
+    return [component_from_module(name, module, kinds[name], blocks if kinds[name] == "dit" else None)
+            for name, module in modules]

@@ -48,7 +48,8 @@ class ComponentPlan:
     whole run (resident weights and blocks, and its slot ring); a staged or swapped component holds
     its weights only while it runs. ``host``: bytes per host tier (pinned, pageable, disk). Per
     forward of the component (a denoising step makes one, or two with classifier-free guidance):
-    the copies and bytes, the predicted copy and compute seconds and their ``ratio`` (forward time
+    the copies (one per streamed block; the strategies make one per dtype of a block) and bytes, the
+    predicted copy and compute seconds and their ``ratio`` (forward time
     over the all-resident forward time; None when a time is unknown). ``bytes_per_call``: what is
     copied once per pipeline call (a staged or swapped component)."""
 
@@ -96,7 +97,8 @@ class ComponentPlan:
             device = f"{size(self.weight_bytes)} while it runs"
         lines.append(f"  device           {device}; activations {size(self.activation_bytes)} "
                      f"({self.activation_source})")
-        lines.append("  host             " + ", ".join(f"{size(v)} {tier}" for tier, v in self.host.items() if v))
+        host = ", ".join(f"{size(v)} {tier}" for tier, v in self.host.items() if v)
+        lines.append("  host             " + (host or "no copy (no offload: the weights live on the device)"))
         if self.mode == STREAMED:
             per = f"  per forward      {self.copies_per_forward} copies, {size(self.bytes_per_forward)}"
             if self.copy_s_per_forward is not None:

@@ -28,6 +28,8 @@ STRATEGIES = ("resident", "model", "layerwise", "distributed")
 #: order in which layerwise gives spare budget to resident blocks: the DiTs run every step, the
 #: text encoders once per call
 BLOCK_PRIORITY = ("dit", "text_encoder")
+#: distributed layerwise offload always runs two slots (prefetch_depth applies to layerwise only)
+DISTRIBUTED_DEPTH = 1
 STRATEGY_WORDS_SHORT = {"layerwise": "layerwise", "distributed": "distributed layerwise", "model": "model-level"}
 
 
@@ -149,6 +151,21 @@ def _component_plan(c: Component, mode: str, depth: int, kept: tuple[int, ...] =
     return ComponentPlan(**plan)
 
 
+def _check_options(components: Sequence[Component], strategy: str | None, resident_blocks: object,
+                   prefetch_depth: object) -> None:
+    if not components:
+        raise OffloadConfigError("nothing to plan: no component holds weights")
+    if strategy is not None and strategy not in STRATEGIES[1:]:
+        raise OffloadConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES[1:])}")
+    if resident_blocks != "auto" and (isinstance(resident_blocks, bool) or not isinstance(resident_blocks, int)
+                                      or resident_blocks < 0):
+        raise OffloadConfigError(f"invalid resident_blocks={resident_blocks!r}: expected 'auto' or an integer >= 0")
+    if strategy == "model" and resident_blocks != "auto":
+        raise OffloadConfigError("resident_blocks= applies to layerwise and distributed offload, not to model-level")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+        raise OffloadConfigError(f"invalid prefetch_depth={prefetch_depth!r}: expected an integer >= 1")
+
+
 def make_plan(
     components: Sequence[Component],
     device_memory: object,
@@ -167,26 +184,19 @@ def make_plan(
     ``device_total``). ``groups``: the model-level swap groups, as lists of component names (default:
     each component alone). ``strategy``: None (chosen by the budget) or one of "model", "layerwise",
     "distributed" (sized by the budget). ``resident_blocks``: "auto" or an int, the resident block
-    count of every streamed component. ``world_size`` > 1: the layerwise stage is distributed.
+    count of every streamed component. ``world_size`` > 1: the layerwise stage is distributed, which
+    always runs two slots (``prefetch_depth`` sizes layerwise rings only).
     ``host_memory`` / ``pinned_memory``: the host budgets, which split the host bytes into pinned,
     pageable and disk (without either, everything is reported pinned). Components' copy bandwidth
     and block compute times feed the predictions (``bandwidth_source`` says where the bandwidth
     came from, for the text)."""
-    if not components:
-        raise OffloadConfigError("nothing to plan: no component holds weights")
-    if strategy is not None and strategy not in STRATEGIES[1:]:
-        raise OffloadConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES[1:])}")
-    if resident_blocks != "auto" and (isinstance(resident_blocks, bool) or not isinstance(resident_blocks, int)
-                                      or resident_blocks < 0):
-        raise OffloadConfigError(f"invalid resident_blocks={resident_blocks!r}: expected 'auto' or an integer >= 0")
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-        raise OffloadConfigError(f"invalid prefetch_depth={prefetch_depth!r}: expected an integer >= 1")
+    _check_options(components, strategy, resident_blocks, prefetch_depth)
     budget = device_budget(device_memory, device_total)
     groups = [list(g) for g in groups] if groups is not None else [[c.name] for c in components]
     layered = "distributed" if world_size > 1 else "layerwise"
     notes: list[str] = []
-    if strategy == "model" and resident_blocks != "auto":
-        raise OffloadConfigError("resident_blocks= applies to layerwise and distributed offload, not to model-level")
+    if (strategy or layered) == "distributed":
+        prefetch_depth = DISTRIBUTED_DEPTH
 
     resident_need, model_need = _resident_peak(components), _model_peak(components, groups)
     chosen = strategy
@@ -220,12 +230,12 @@ def make_plan(
         parts = [_component_plan(s.component, s.mode, prefetch_depth, s.kept, s.held(prefetch_depth),
                                  s.slot_bytes(prefetch_depth) if s.mode == STREAMED else 0) for s in states]
         peak, min_budget = _layerwise_peak(states, prefetch_depth), smallest
-        if any(c.activation_source == "estimate" for c in components):
-            notes.append("activation headroom is an estimate (each component's largest block, or all its weights "
-                         "without blocks) until the first call measures it or activation_memory= gives it")
+    if any(c.activation_source == "estimate" for c in components):
+        notes.append("activation headroom is an estimate (each component's largest block, or all its weights "
+                     "without blocks): activation_memory= (--activation-memory) gives the real figure")
     if chosen == "distributed":
-        notes.append(f"distributed over {world_size} ranks: each rank's device holds the plan above; "
-                     "host bytes of streamed blocks are shared out across the ranks")
+        notes.append(f"distributed over {world_size} ranks: each rank's device holds the plan above; with "
+                     "shard_host_weights=True (the default) each rank's host keeps 1/N of each streamed block")
     bandwidths = {c.copy_bandwidth for c in components if c.copy_bandwidth}
     if chosen != "resident":  # with no offload, the weights have no host copy
         parts, host_note = host_tiers(parts, components, host_memory, pinned_memory, world_size)

@@ -27,7 +27,7 @@ PHASES = (0.0, 0.25, 0.5, 0.75)
 
 @dataclasses.dataclass(frozen=True)
 class Forward:
-    """The predicted timeline of one forward: when it ends, and how long compute waited for copies."""
+    """The predicted forward: when it ends, and the compute and copy seconds it holds."""
 
     seconds: float
     compute_seconds: float
