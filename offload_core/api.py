@@ -59,7 +59,8 @@ def enable_offload(
         )
     config = resolve_config(config, given_options(locals(), unknown))
     config.warn_ignored()
-    config.check_applies(kind)
+    if config.strategy is not None:  # else the device budget picks it, and enable checks then
+        config.check_applies(kind)
     return enable(target, config)
 
 
@@ -79,9 +80,9 @@ def resolve_config(config: OffloadConfig | None, options: dict[str, Any]) -> Off
         config = OffloadConfig.from_options(options)
     elif not isinstance(config, OffloadConfig):
         raise OffloadConfigError(f"config must be an offload_core.OffloadConfig, got {type(config).__name__}")
-    if config.strategy is None:
+    if config.strategy is None and config.device_budget.auto:
         raise OffloadConfigError(
-            "no strategy selected: set enable_cpu_offload, enable_layerwise_offload or "
-            "enable_distributed_layerwise_offload"
+            "no strategy selected: give a device_memory budget (the planner then picks one), or set "
+            "enable_cpu_offload, enable_layerwise_offload or enable_distributed_layerwise_offload"
         )
     return config

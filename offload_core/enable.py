@@ -24,6 +24,7 @@ from .config import OffloadConfig
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .errors import AlreadyEnabledError, OffloadConfigError
+from .fitting import Fit, component_name, fit
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
 from .hostmem.placement import plan_placement
 from .installs import Mark, PipelineClass
@@ -42,16 +43,23 @@ logger = logging.getLogger(__name__)
 def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
     """Offload ``target`` (a diffusers pipeline or a module) under ``config``, already checked
     against the kind of target (``OffloadConfig.check_applies``)."""
+    pipeline = is_pipeline(target)
     roots = _roots(target)
     _refuse_taken(target, roots)
     backend = get_backend(config.backend)
+    fitted = fit(target, pipeline, config, backend)  # before anything moves: an impossible budget is an error
+    if fitted is not None:
+        config = fitted.config
+        if config.strategy is not None:  # a strategy the budget chose: its options must apply to it
+            config.check_applies("pipeline" if pipeline else "module")
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    handle = OffloadHandle(target, config, backend, baseline=baseline)
+    handle = OffloadHandle(target, config, backend, baseline=baseline, plan=fitted and fitted.plan)
     with Transaction() as txn, agreement(config) as agreed:
-        parts = _pipeline_parts(target, config, backend) if is_pipeline(target) else [
-            _module_part(target, config, backend)
-        ]
+        if pipeline:
+            parts = _pipeline_parts(target, config, backend, fitted)
+        else:
+            parts = [_module_part(target, config, backend, fitted)]
         agreed.parts = parts
         placement = plan_placement(parts, config, backend)
         placement.attach(parts, txn)
@@ -59,7 +67,7 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
             part.join(handle)
             part.enable(txn)
         installs: list = []
-        if is_pipeline(target):
+        if pipeline:
             installs.append(PipelineClass(target, handle, parts, dict(pipeline_modules(target))))
         installs.append(Mark(target, roots, handle))
         for install in installs:
@@ -94,31 +102,37 @@ def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
         )
 
 
-def _module_part(module: nn.Module, config: OffloadConfig, backend: DeviceBackend):
-    """A module is one component: its blocks streamed, resident when it has none, or swapped
-    whole (model-level)."""
+def _module_part(module: nn.Module, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None):
+    """A module is one component: its blocks streamed (those the plan keeps stay on the device),
+    resident when it has none or the plan keeps all of it, or swapped whole (model-level)."""
+    mode = fitted.mode(component_name(module)) if fitted is not None else None
     if config.strategy == "model":
         return ModelLevelOffload.for_module(module, backend)
+    if mode == "resident":
+        return ResidentModules([(type(module).__name__, module)], backend)
     blocks = find_blocks(module, config.blocks)
     if blocks:
-        return streaming_part(module, blocks, config, backend)
+        kept = fitted.kept(component_name(module)) if fitted is not None else ()
+        return streaming_part(module, blocks, config, backend, kept)
     logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
                 config.strategy, type(module).__name__, no_blocks_hint(module))
     return ResidentModules([(type(module).__name__, module)], backend)
 
 
-def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend) -> list:
+def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None) -> list:
     """A pipeline's components as parts: model-level swaps groups of them; layerwise streams the
-    chosen ones, stages those without blocks and keeps the rest resident."""
+    chosen ones (or those the plan streams, keeping its resident blocks on the device), stages
+    those without blocks and keeps the rest resident."""
     modules = pipeline_modules(pipe)
     if not modules:
         raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
     if config.strategy == "model":
         return [ModelLevelOffload(model_level_groups(pipe, modules), backend)]
-    layout = layerwise_layout(pipe, modules, config)
+    modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
+    layout = layerwise_layout(pipe, modules, config, modes)
     parts: list = []
     for name, module, blocks in layout.streamed:
-        parts.append(streaming_part(module, blocks, config, backend))
+        parts.append(streaming_part(module, blocks, config, backend, fitted.kept(name) if fitted is not None else ()))
         parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
     if layout.staged:
         parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))

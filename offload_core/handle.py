@@ -28,10 +28,12 @@ class OffloadHandle:
     its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
     same offloaded model waits for the first call to finish."""
 
-    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0) -> None:
+    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None) -> None:
         self.target = target
         self.config = config
-        self.strategy = config.strategy
+        #: what the planner decided for a device budget (``print(handle.plan)``), None without one
+        self.plan = plan
+        self.strategy = plan.strategy if plan is not None else config.strategy
         self.backend = backend
         self.lock = threading.RLock()
         self._baseline = baseline  # device bytes other users of the backend held before enable

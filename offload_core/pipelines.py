@@ -80,10 +80,14 @@ class LayerwiseLayout:
     resident: list[tuple[str, nn.Module]]
 
 
-def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: OffloadConfig) -> LayerwiseLayout:
+def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: OffloadConfig,
+                     modes: dict[str, str] | None = None) -> LayerwiseLayout:
     """Streamed components stream their blocks; one without blocks is staged like the VAE (onto
     the device around its use, dropped at the end of the call), so that no single component can
-    fail the whole pipeline; the rest stays resident."""
+    fail the whole pipeline; the rest stays resident. Which are streamed: ``config.components``,
+    or a device plan's ``modes`` (component name -> "streamed", "staged" or "resident")."""
+    if modes is not None:
+        return _planned_layout(modules, modes, config)
     streamed = config.components or ("dit",)
     layout = LayerwiseLayout([], [], [])
     kinds = {name: component_kind(pipe, name) for name, _ in modules}
@@ -98,6 +102,19 @@ def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: Of
             else:
                 layout.staged.append((name, [(name, module)]))
         elif kind == "vae" and "vae" in streamed:
+            layout.staged.append((name, [(name, module)]))
+        else:
+            layout.resident.append((name, module))
+    return layout
+
+
+def _planned_layout(modules: list[tuple[str, nn.Module]], modes: dict[str, str], config: OffloadConfig
+                    ) -> LayerwiseLayout:
+    layout = LayerwiseLayout([], [], [])
+    for name, module in modules:
+        if modes[name] == "streamed":
+            layout.streamed.append((name, module, find_blocks(module, config.blocks)))
+        elif modes[name] == "staged":
             layout.staged.append((name, [(name, module)]))
         else:
             layout.resident.append((name, module))

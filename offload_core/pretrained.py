@@ -99,7 +99,8 @@ def from_pretrained(
     if kind == "module" and isinstance(torch_dtype, dict):
         raise OffloadConfigError("torch_dtype as a dict applies to pipelines; a single model takes a torch.dtype")
     config.warn_ignored()
-    config.check_applies(kind)
+    if config.strategy is not None:  # else the device budget picks it, and enable checks then
+        config.check_applies(kind)
     if config.strategy == "layerwise" and config.host_budget.auto:
         config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
     target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)

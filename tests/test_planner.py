@@ -14,6 +14,7 @@ from offload_core.errors import OffloadConfigError
 from offload_core.planning import Component, choose_resident, device_budget, make_plan, simulate
 from offload_core.planning.modules import component_from_module
 from offload_core.planning.timing import spread
+from offload_core.weights.unit import ALIGN_BYTES
 
 pytestmark = pytest.mark.quick
 
@@ -235,9 +236,13 @@ def test_a_modules_blocks_and_bytes(device):
     with torch.device(device):
         model = Stack()
     component = component_from_module("transformer", model, "dit", blocks=["blocks"])
-    block = (8 * 8 + 8) * 4
+    if device == "meta":  # the tensors' bytes
+        block, resident = (8 * 8 + 8) * 4, (4 * 8 + 8) * 4 + 16 * 4
+    else:  # as the packer lays them out: each region (weight, bias, ...) starts aligned
+        block = -(-8 * 8 * 4 // ALIGN_BYTES) * ALIGN_BYTES + 8 * 4
+        resident = 2 * ALIGN_BYTES + 8 * 4  # three regions, each starting aligned: table, embed.weight, embed.bias
     assert component.block_bytes == (block, block, block)
-    assert component.resident_bytes == (4 * 8 + 8) * 4 + 16 * 4
+    assert component.resident_bytes == resident
 
 
 PUBLISHED = {  # parameters, from the model cards

@@ -28,10 +28,10 @@ from collections import defaultdict
 #: changes/other_hooks, so that an older tree can be walked with the same table.
 LAYERS = {
     "api": 0, "pretrained": 0,
-    "enable": 1,
+    "enable": 1, "fitting": 1,
     "handle": 2, "installs": 2,
     "pipelines": 3, "other_hooks": 3, "foreign": 3,
-    "strategies": 4,
+    "strategies": 4, "planning": 4,
     "discovery": 5, "hostmem": 5, "weights": 5,
     "changes": 6, "ownership": 6, "config": 6, "plugins": 6, "backend": 6, "timeline": 6, "labels": 6,
     "errors": 6, "dist": 6, "hookspecs": 6, "memory_accounting": 6, "accelerator": 6, "overlap": 6,

@@ -153,6 +153,9 @@ class Plan:
         data.update(components=[c.to_dict() for c in self.components], notes=list(self.notes))
         return data
 
+    def __str__(self) -> str:
+        return self.render()
+
     def render(self) -> str:
         total = f" of {size(self.device_total)}" if self.device_total else ""
         lines = [

@@ -94,7 +94,8 @@ def _layerwise(components: Sequence[Component], budget: int, depth: int, residen
     Streamable components (DiTs and text encoders with blocks) start with every block streamed,
     the others staged. The spare budget then goes, one block at a time, to resident blocks of the
     DiTs (round-robin, so two expert DiTs keep about as many each), then of the text encoders, then
-    to keeping staged components resident. A component whose blocks all fit drops its slot ring.
+    to keeping staged components resident. A component whose blocks all fit drops its slot ring (so
+    when one more block does not fit beside the ring, all of them may fit without it).
     ``resident_blocks`` (an int) fixes every streamable component's resident count instead."""
     states = [_State(c, STREAMED if c.streamable else STAGED) for c in components]
     floor = _layerwise_peak(states, depth)
@@ -109,17 +110,23 @@ def _layerwise(components: Sequence[Component], budget: int, depth: int, residen
                 f"resident_blocks={resident_blocks} needs {size(_layerwise_peak(states, depth))} of device memory, "
                 f"over the budget of {size(budget)}: lower it, or use resident_blocks='auto'")
     else:
-        for kind in BLOCK_PRIORITY:
-            growing = [s for s in streamers if s.component.kind == kind]
-            while growing:
-                for s in list(growing):
-                    before = (s.mode, s.kept)
-                    _keep(s, len(s.kept) + 1, depth)
-                    if _layerwise_peak(states, depth) > budget:
-                        s.mode, s.kept = before
-                        growing.remove(s)
-                    elif s.mode == RESIDENT:
-                        growing.remove(s)
+        changed = True
+        while changed:  # a component made resident frees its ring: an earlier one may then grow again
+            changed = False
+            for kind in BLOCK_PRIORITY:
+                growing = [s for s in streamers if s.component.kind == kind and s.mode == STREAMED]
+                while growing:
+                    for s in list(growing):
+                        before = (s.mode, s.kept)
+                        _keep(s, len(s.kept) + 1, depth)
+                        if _layerwise_peak(states, depth) > budget:
+                            _keep(s, len(s.component.block_bytes), depth)  # all of them: its ring is no longer needed
+                            if _layerwise_peak(states, depth) > budget:
+                                s.mode, s.kept = before
+                            growing.remove(s)
+                        elif s.mode == RESIDENT:
+                            growing.remove(s)
+                        changed |= (s.mode, s.kept) != before
     for s in states:
         if s.mode == STAGED:
             s.mode = RESIDENT

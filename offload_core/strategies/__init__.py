@@ -18,10 +18,6 @@ def streaming_part(
 ) -> LayerwiseOffload:
     """The block-streaming strategy ``config`` selects for one model: layerwise or distributed,
     with the blocks ``kept`` (indices into ``blocks``) resident on the device."""
-    if not kept and isinstance(config.resident_blocks, int):
-        from ..planning import choose_resident
-
-        kept = choose_resident(len(blocks), min(config.resident_blocks, len(blocks) - 1))
     if config.strategy == "distributed":
         return distributed_part(model, blocks, backend, config.process_group, config.shard_host_weights, kept)
     return LayerwiseOffload(model, blocks, backend, config.prefetch_depth, resident_blocks=kept)

@@ -26,6 +26,8 @@ def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tup
     for index, (_, block) in enumerate(blocks):
         for module in block.modules():
             home[id(module)] = index if home.get(id(module), index) == index else RESIDENT
+    for module in _outside_blocks(root, {id(block) for _, block in blocks}):
+        home[id(module)] = RESIDENT  # also reachable without entering a block: the model may call it anywhere
     tensors = collect_tensors([root])
     unit_of: dict[int, int] = {}
     for tid, (_, owners) in tensors.items():
@@ -51,3 +53,16 @@ def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tup
         groups[unit_of[tid]][tid] = item
     resident = WeightUnit("resident", groups[RESIDENT])
     return resident, [WeightUnit(name, groups[i]) for i, (name, _) in enumerate(blocks)]
+
+
+def _outside_blocks(root: nn.Module, blocks: set[int]) -> list[nn.Module]:
+    """The modules reachable from ``root`` without entering a block."""
+    found, stack, seen = [], [root], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or id(module) in blocks:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(module.children())
+    return found

@@ -1,0 +1,80 @@
+"""A device budget (docs/planner.md): ``enable_offload(pipe, device_memory=...)`` on the fake
+with its device capacity set to the budget, on five pipelines of the supported table, at budgets
+from 10% to 100% of the weights. Below the smallest budget that works, enable refuses before
+anything moves and names that budget; from it up, nothing runs out of memory, the device peak
+stays within the budget, outputs equal the pipeline's without offload, each streamed component
+copies exactly the bytes the plan predicts, fewer as the budget grows, and none once everything
+fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload_core
+from offload_core.pipelines import component_kind, pipeline_modules
+from offload_core.planning import make_plan
+from offload_core.planning.modules import components_from_modules
+from offload_core.tiny import build_pipeline
+
+from helpers import chaos_backend, pipeline_reference
+
+pytestmark = pytest.mark.fake_only("the fake's device capacity is set to the budget")
+
+PIPELINES = ["flux2-deep", "qwen-image", "sd3", "wan2.2-t2v", "sdxl"]
+FRACTIONS = [0.1, 0.25, 0.5, 0.75, 1.0]
+ACTIVATION = 16 * 2**10  # given: the fake counts the weights' device memory, not activations
+
+
+def components(pipe):
+    modules = pipeline_modules(pipe)
+    return components_from_modules(modules, {n: component_kind(pipe, n) for n, _ in modules})
+
+
+def streamed_copies(handle) -> dict[str, tuple[int, int]]:
+    """(loads, bytes copied) of each streamed component so far."""
+    return {p.label: (p.counters.loads, p.counters.h2d_bytes) for p in handle.parts if hasattr(p, "kept_names")}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_layerwise_sized_by_the_budget(name):
+    tiny = build_pipeline(name)
+    reference = pipeline_reference(tiny)
+    weights = sum(c.total_bytes for c in components(tiny.pipe))
+    floor = make_plan([c.with_measurements(activation_bytes=ACTIVATION) for c in components(tiny.pipe)], 2**40,
+                      strategy="layerwise").min_budget
+    copied_per_call = []
+    for fraction in FRACTIONS:
+        budget = int(fraction * weights) + ACTIVATION
+        options = dict(enable_layerwise_offload=True, device_memory=budget, activation_memory=ACTIVATION,
+                       backend=chaos_backend(device_memory=budget))
+        if budget < floor:
+            before = [p.data_ptr() for p in tiny.pipe.transformer.parameters()] if hasattr(tiny.pipe, "transformer") \
+                else None
+            with pytest.raises(offload_core.OffloadConfigError, match="smallest budget that works"):
+                offload_core.enable_offload(tiny.pipe, **options)
+            assert not hasattr(tiny.pipe, "_offload_core_handle"), "a refused budget leaves the pipeline as it was"
+            if before is not None:
+                assert [p.data_ptr() for p in tiny.pipe.transformer.parameters()] == before
+            continue
+        handle = offload_core.enable_offload(tiny.pipe, **options)
+        start = streamed_copies(handle)
+        assert torch.equal(tiny.run(), reference), f"{name} at {fraction:.0%} of the weights"
+        stats = handle.stats()
+        assert stats["prefetch_misses"] == 0
+        assert stats["device_peak_bytes"] <= budget
+        total = 0
+        for label, (loads, copied) in streamed_copies(handle).items():
+            part = next(p for p in handle.parts if getattr(p, "label", None) == label)
+            loads, copied = loads - start[label][0], copied - start[label][1]
+            # a call's last forward queues the next one's first blocks (frozen()), dropped as the call ends
+            ahead = part.num_slots
+            forwards, rest = divmod(loads - ahead, len(part.units))
+            assert rest == 0 and forwards > 0
+            unused = sum(unit.nbytes for unit in part.units[:ahead])
+            assert copied == forwards * handle.plan.component(label).bytes_per_forward + unused, "plan and copies differ"
+            total += copied
+        copied_per_call.append(total)
+        handle.disable()
+    assert copied_per_call == sorted(copied_per_call, reverse=True), copied_per_call
+    assert copied_per_call[-1] == 0, "everything fits at 100%: nothing streams"
