@@ -42,16 +42,15 @@ logger = logging.getLogger(__name__)
 def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
     """Offload ``target`` (a diffusers pipeline or a module) under ``config``, already checked
     against the kind of target (``OffloadConfig.check_applies``)."""
-    roots = _roots(target)
+    pipeline = is_pipeline(target)
+    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if pipeline else [target]
     _refuse_taken(target, roots)
     backend = get_backend(config.backend)
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
     handle = OffloadHandle(target, config, backend, baseline=baseline)
     with Transaction() as txn, agreement(config) as agreed:
-        parts = _pipeline_parts(target, config, backend) if is_pipeline(target) else [
-            _module_part(target, config, backend)
-        ]
+        parts = _pipeline_parts(target, config, backend) if pipeline else [_module_part(target, config, backend)]
         agreed.parts = parts
         placement = plan_placement(parts, config, backend)
         placement.attach(parts, txn)
@@ -59,7 +58,7 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
             part.join(handle)
             part.enable(txn)
         installs: list = []
-        if is_pipeline(target):
+        if pipeline:
             installs.append(PipelineClass(target, handle, parts, dict(pipeline_modules(target))))
         installs.append(Mark(target, roots, handle))
         for install in installs:
@@ -68,10 +67,6 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
         handle.open(parts, placement, installs)
     changes.register(handle)
     return handle
-
-
-def _roots(target: Any) -> list[nn.Module]:
-    return [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
 
 
 def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
