@@ -44,7 +44,7 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
     """Offload ``target`` (a diffusers pipeline or a module) under ``config``, already checked
     against the kind of target (``OffloadConfig.check_applies``)."""
     pipeline = is_pipeline(target)
-    roots = _roots(target)
+    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if pipeline else [target]
     _refuse_taken(target, roots)
     backend = get_backend(config.backend)
     fitted = fit(target, pipeline, config, backend)  # before anything moves: an impossible budget is an error
@@ -76,10 +76,6 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
         handle.open(parts, placement, installs)
     changes.register(handle)
     return handle
-
-
-def _roots(target: Any) -> list[nn.Module]:
-    return [m for m in target.components.values() if isinstance(m, nn.Module)] if is_pipeline(target) else [target]
 
 
 def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:

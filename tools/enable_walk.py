@@ -31,8 +31,8 @@ LAYERS = {
     "enable": 1, "fitting": 1,
     "handle": 2, "installs": 2,
     "pipelines": 3, "other_hooks": 3, "foreign": 3,
-    "strategies": 4, "planning": 4,
-    "discovery": 5, "hostmem": 5, "weights": 5,
+    "strategies": 4,
+    "discovery": 5, "hostmem": 5, "weights": 5, "planning": 5,
     "changes": 6, "ownership": 6, "config": 6, "plugins": 6, "backend": 6, "timeline": 6, "labels": 6,
     "errors": 6, "dist": 6, "hookspecs": 6, "memory_accounting": 6, "accelerator": 6, "overlap": 6,
 }
