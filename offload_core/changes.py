@@ -202,7 +202,7 @@ def on_apply(handle: Any, part: Any, module: nn.Module, fn: Callable, recurse: b
                 f"keeps them on {device} and in host memory. Call handle.disable() first ({handle!r}), then move "
                 "the model"
             )
-        if handle.config.strategy == "distributed":
+        if part.repack_refusal() is not None:
             raise OffloadedModelError(
                 f"{name}: changing the dtype or values of a model offloaded across ranks is not supported; call "
                 f"the collective handle.disable() on every rank first ({handle!r})"

@@ -279,7 +279,7 @@ class ShardedGather(CopyTransport):
         return self._label(block)
 
     # -- changes, training, copies --------------------------------------------------------------
-    def reconcile(self, blocks) -> bool:
+    def replaced(self, blocks):
         """A rank holds only shards: any change to a block's tensors is refused."""
         part = self.part
         changed = [f"{part.block_names[i]}:{owner.name}" for i in blocks
@@ -291,7 +291,7 @@ class ShardedGather(CopyTransport):
                 f"({', '.join(changed[:4]) or 'a module or tensor was added'}); a rank holds only a shard of "
                 "each block, so changes need the collective handle.disable() first"
             )
-        return False
+        return iter(())
 
     def untrainable(self, i: int) -> Exception:
         part = self.part

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..backend import DeviceBackend
-from ..errors import DistributedOffloadError, OffloadedModelError
+from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
 from ..weights import nbytes_of, slot_numel, split_units
 from ..weights.binding import Binding
@@ -251,26 +251,17 @@ class LayerwiseOffload(Streaming, Part):
         for plan in self.plans:
             plan.ticket = None
 
-    def repack(self, apply=None) -> None:
-        if self.transport.ranks is not None:
-            raise DistributedOffloadError(
-                f"the structure of {self.describe()} changed while it is offloaded across ranks (a dtype change, "
-                "a new module or a replaced tensor): call the collective handle.disable() on every rank first"
-            )
-        super().repack(apply)
+    def repack_refusal(self) -> Exception | None:
+        return self.transport.repack_refusal()
 
     # -- keeping the model and its packing in step ------------------------------------------
     def _reconcile(self, blocks) -> None:
-        """Before a pass: every block must still show its host views (see the transport's
-        ``reconcile``); a module or tensor added (``dirty``), or a change that is not a same-shape
-        value, re-packs."""
+        """Before a pass: every block must still show its host views (see ``Part.reconcile`` and
+        the transport's ``replaced``)."""
         for i in blocks:
             if self.plans[i].image is not None:
                 check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
-        if self.transport.reconcile(blocks) or self.dirty:
-            logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
-            self.dirty = False
-            self.repack()
+        self.reconcile(self.transport.replaced(blocks))
 
     def no_ram_home(self, i: int) -> Exception:
         """The error for a change to block ``i``, which has no home in RAM to take it."""

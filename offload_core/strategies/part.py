@@ -94,6 +94,9 @@ class Part:
         model holds now. If packing again fails, the part stays disabled and the error says so."""
         if self._no_repack is not None:
             raise changed_during_call(self, self._no_repack)
+        refusal = self.repack_refusal()
+        if refusal is not None:
+            raise refusal
         handle = self.handle
         with changes.repacking(handle) if handle is not None else contextlib.nullcontext():
             self.disable()
@@ -127,6 +130,10 @@ class Part:
             logger.info("the structure of %s changed while offloaded: packing it again", self.describe())
             self.dirty = False
             self.repack()
+
+    def repack_refusal(self) -> Exception | None:
+        """Why this part cannot be packed again on its own (None: it can)."""
+        return None
 
     def _replan(self) -> None:
         raise NotImplementedError

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..errors import OffloadedModelError
+from ..errors import DistributedOffloadError, OffloadedModelError
 from ..hostmem.placement import ONCE, STREAM, HostUnit
 from .common import pack_units
-from .part import adopt_foreign, write_back
+from .part import write_back
 
 #: one copy stream per backend for every distributed part: collectives must run in the order they
 #: were issued, which is the same on every rank, also when several DiTs stream (Wan2.2)
@@ -124,18 +124,27 @@ class CopyTransport:
         return functools.partial(write_back, part.backend)
 
     # -- keeping the model in step ----------------------------------------------------------------
-    def reconcile(self, blocks) -> bool:
-        """Blocks ``blocks`` must show their home views: a parameter given new data of the same
-        shape and dtype has it copied home; True when anything else changed (a re-pack)."""
-        part, structural = self.part, False
+    def replaced(self, blocks):
+        """(unit, home views) of each of ``blocks`` whose owners no longer all show their home
+        views, for ``Part.reconcile``; once the copies queued earlier (which read the host as it
+        was) are done. A block with no home in RAM cannot take a change."""
+        part = self.part
         for i in blocks:
             plan = part.plans[i]
             if not plan.binding.at_home():
                 if not plan.unit.host:
                     raise part.no_ram_home(i)
-                part.quiesce()  # copies queued earlier read the host as it was
-                structural |= adopt_foreign(part.backend, plan.unit, part.home_views(i))
-        return structural
+                part.quiesce()
+                yield plan.unit, part.home_views(i)
+
+    def repack_refusal(self) -> Exception | None:
+        """Across ranks a part cannot be packed again alone: the others would not follow."""
+        if self.ranks is None:
+            return None
+        return DistributedOffloadError(
+            f"the structure of {self.part.describe()} changed while it is offloaded across ranks (a dtype change, "
+            "a new module or a replaced tensor): call the collective handle.disable() on every rank first"
+        )
 
     def abort_pass(self) -> None:
         """This rank's forward failed before its end."""
