@@ -31,8 +31,7 @@ class OffloadHandle:
     def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None) -> None:
         self.target = target
         self.config = config
-        #: what the planner decided for a device budget (``print(handle.plan)``), None without one
-        self.plan = plan
+        self._plan = plan
         self.strategy = plan.strategy if plan is not None else config.strategy
         self.backend = backend
         self.lock = threading.RLock()
@@ -51,6 +50,15 @@ class OffloadHandle:
         self.placement = placement
         self._installs = list(installs)
         self.enabled = True
+
+    @property
+    def plan(self) -> Any:
+        """What the planner decided for a device budget (``print(handle.plan)``), with the
+        activation bytes each streamed component's first call measured; None without a budget."""
+        if self._plan is None:
+            return None
+        measured = {p.label: p.activation_bytes for p in self.parts if getattr(p, "activation_bytes", None) is not None}
+        return self._plan.measured(measured)
 
     @property
     def device_weight_bytes(self) -> int:

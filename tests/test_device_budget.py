@@ -78,3 +78,28 @@ def test_layerwise_sized_by_the_budget(name):
         handle.disable()
     assert copied_per_call == sorted(copied_per_call, reverse=True), copied_per_call
     assert copied_per_call[-1] == 0, "everything fits at 100%: nothing streams"
+
+
+def test_the_first_call_measures_activations_and_the_plan_shows_them():
+    """A block whose forward takes 64 KiB of device memory beyond the weights (allocated through
+    the backend, which the fake counts) is measured on the first call; with 1 KiB reserved the
+    plan says the budget may be exceeded."""
+    tiny = build_pipeline("flux2-deep")
+    weights = sum(c.total_bytes for c in components(tiny.pipe))
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(tiny.pipe, enable_layerwise_offload=True, device_memory=weights // 2,
+                                         activation_memory=1024, backend=backend)
+    assert handle.plan.component("transformer").activation_source == "given"
+    taken = 64 * 2**10
+    block = tiny.pipe.transformer.transformer_blocks[3]
+
+    def take(*args) -> None:
+        backend.empty_device(taken).fill_(0)
+
+    block.register_forward_hook(take)
+    tiny.run()
+    planned = handle.plan.component("transformer")
+    assert planned.activation_source == "measured" and planned.activation_bytes >= taken
+    assert any("transformer took" in note and "activation_memory=" in note for note in handle.plan.notes)
+    assert "measured" in str(handle.plan)
+    handle.disable()

@@ -136,6 +136,24 @@ class Plan:
     components: tuple[ComponentPlan, ...]
     notes: tuple[str, ...] = ()
 
+    def measured(self, activations: dict[str, int]) -> "Plan":
+        """This plan with the activation bytes its components' first calls measured. The plan
+        stays the one that runs; a component that needed more than the plan reserved gets a
+        note (the budget may be exceeded: give ``activation_memory=``)."""
+        if not activations:
+            return self
+        components, notes = [], list(self.notes)
+        for c in self.components:
+            used = activations.get(c.name)
+            if used is None:
+                components.append(c)
+                continue
+            if used > c.activation_bytes:
+                notes.append(f"{c.name} took {size(used)} beyond its weights on its first call, over the "
+                             f"{size(c.activation_bytes)} reserved: the budget may be exceeded; give activation_memory=")
+            components.append(dataclasses.replace(c, activation_bytes=used, activation_source="measured"))
+        return dataclasses.replace(self, components=tuple(components), notes=tuple(notes))
+
     def component(self, name: str) -> ComponentPlan:
         for c in self.components:
             if c.name == name:

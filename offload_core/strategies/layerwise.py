@@ -85,6 +85,7 @@ class LayerwiseOffload(Streaming, Part):
         self.plans: list[BlockPlan] = []
         self.saved = SavedSlots(self)
         self.epoch = 0  # counts enables: autograd's references to slots are valid within one
+        self.activation_bytes: int | None = None  # device memory a forward took beyond the weights, once measured
         self._plan(list(blocks))
 
     def _plan(self, blocks: list[tuple[str, nn.Module]]) -> None:

@@ -108,6 +108,8 @@ class Streaming:
             self.quiesce()
         self._reconcile(range(len(self.units)))
         self._starting = True  # loads start at the first block: after the model's own pre-hooks
+        if self.activation_bytes is None:  # the first pass: what its compute takes beyond the weights
+            self._measure_from = self.backend.memory_allocated()
 
     def _start_pass(self) -> None:
         self._starting = False
@@ -135,6 +137,9 @@ class Streaming:
             # their slots (they cannot change since without their versions showing it, which it checks)
             backward = not failed and self.saved.recorded
             self.quiesce(forget=not backward)
+        if not failed and self.activation_bytes is None:
+            # an upper bound: the peak since enable counts, and it held the weights already
+            self.activation_bytes = max(self.backend.max_memory_allocated() - self._measure_from, 0)
         if not failed and not backward and self._frozen:
             self._load_first()
 
