@@ -152,6 +152,26 @@ def test_prefetch_depth_reaches_the_strategy():
         result.close()
 
 
+def test_device_memory_lets_the_planner_choose_and_size_the_strategy(reference):
+    budget = 3 * 2**20
+    result = run_pipeline(parse("--device-memory", "3MiB", "--seed", str(SEED), "--json"),
+                          backend=chaos_backend(device_memory=budget))
+    try:
+        plan = result.handle.plan
+        assert plan.chosen_by == "budget" and result.report["strategy"] == plan.strategy == "layerwise"
+        kept = plan.component("transformer").resident_blocks
+        assert 0 < len(kept) < 24 and f"transformer {len(kept)} of 24 blocks kept" in result.report["plan"]
+        assert result.report["device_peak_bytes"] <= budget
+        assert torch.equal(result.output, reference("flux2-deep")[0])
+    finally:
+        result.close()
+
+
+def test_device_memory_does_not_apply_without_offload(capsys):
+    code, _, err = main(capsys, "--strategy", "none", "--device-memory", "3MiB")
+    assert code == 2 and "--device-memory does not apply to --strategy none" in err
+
+
 def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tmp_path):
     """``offload-core run`` as the README gives it: the device peak is a small share of the
     all-resident plan, the verdict says so, and the trace has spans on both lanes."""

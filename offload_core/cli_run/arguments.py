@@ -34,7 +34,7 @@ CALL_PARAMETERS = {
     "prompt": "prompt",
 }
 #: flags that only mean something when offloading is on
-OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth", "compare")
+OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth", "compare", "device_memory")
 #: largest accepted values: past them a request is a typo, and a run would exhaust memory before
 #: saying anything (2**31 steps: the scheduler's timestep table alone does)
 MAX_STEPS = 1000
@@ -109,7 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"embedded tiny pipeline to run (default: {DEFAULT_PIPELINE}); 'list' lists them",
     )
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="layerwise", help="default: layerwise")
+    parser.add_argument("--strategy", choices=STRATEGIES,
+                        help="default: layerwise, or with --device-memory the one the planner picks")
+    parser.add_argument("--device-memory", metavar="SIZE", type=_device_budget,
+                        help="a device budget (bytes, 16GiB, or a fraction of the device such as 0.5): the planner "
+                             "picks the strategy (unless --strategy is given) and the blocks kept on the device")
     parser.add_argument(
         "--backend", metavar="NAME", help="offload backend (default: auto-detect; see 'offload-core backends')"
     )
@@ -140,6 +144,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="log at DEBUG level; print the traceback of a failure")
 
 
+def _device_budget(text: str) -> int | float | str:
+    from ..config import parse_budget
+
+    value: int | float | str = text
+    for number in (int, float):
+        try:
+            value = number(text)
+            break
+        except ValueError:
+            continue
+    try:
+        parse_budget(value, of="the device's memory")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The pipeline call arguments the flags set (``__call__`` parameter -> value)."""
     given = {flag: getattr(args, flag) for flag in CALL_PARAMETERS}
@@ -150,6 +171,8 @@ def check(args: argparse.Namespace, backend: DeviceBackend | None) -> None:
     """Every check that needs no model. ``backend``: an instance replacing ``--backend``."""
     if args.pipeline is not None and args.pipeline not in embedded():
         raise UsageError(f"unknown pipeline {args.pipeline!r}; embedded pipelines: {', '.join(embedded())}")
+    if args.strategy is None and args.device_memory is None:
+        args.strategy = "layerwise"
     if args.strategy == "none":
         for flag in OFFLOAD_FLAGS:
             if getattr(args, flag) is not None:

@@ -279,11 +279,13 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     from ..api import enable_offload
 
     options: dict[str, Any] = {"backend": backend}
+    if args.device_memory is not None:
+        options["device_memory"] = args.device_memory
     if args.strategy == "model":
         options["enable_cpu_offload"] = True
     elif args.strategy == "distributed":
         options["enable_distributed_layerwise_offload"] = True
-    else:
+    elif args.strategy == "layerwise":
         options["enable_layerwise_offload"] = True
         options["prefetch_depth"] = args.prefetch_depth or 1
     return enable_offload(pipe, **options)

@@ -86,9 +86,10 @@ def make_report(
         "pipeline": target.label,
         "pipeline_class": type(target.pipe).__name__,
         "model": str(args.model) if args.model is not None else None,
-        "strategy": args.strategy,
+        "strategy": handle.strategy if handle is not None else args.strategy,
         "backend": handle.backend.name if handle is not None else None,
-        "prefetch_depth": (args.prefetch_depth or 1) if args.strategy == "layerwise" else None,
+        "prefetch_depth": (args.prefetch_depth or 1) if handle is not None and handle.strategy == "layerwise" else None,
+        "plan": _plan_summary(handle.plan) if handle is not None and handle.plan is not None else None,
         "steps": steps,
         "seed": args.seed,
         "height": int(frames.shape[-2]),
@@ -149,6 +150,14 @@ def simulated_words(r: dict[str, Any]) -> str:
     return f"simulated on the CPU ({r['backend']} backend)"
 
 
+def _plan_summary(plan: Any) -> str:
+    """One line of a device plan: the budget, what chose the strategy, the blocks kept."""
+    kept = [f"{c.name} {len(c.resident_blocks)} of {c.n_blocks} blocks kept" for c in plan.components
+            if c.mode == "streamed"]
+    return (f"budget {_bytes(plan.budget)}, {plan.strategy} chosen by the "
+            f"{'budget' if plan.chosen_by == 'budget' else 'strategy flag'}" + (f"; {', '.join(kept)}" if kept else ""))
+
+
 def _bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
@@ -199,6 +208,7 @@ def render(report: dict[str, Any]) -> str:
     rows = [
         ("pipeline", f"{r['pipeline']} ({r['pipeline_class']})"),
         ("strategy", strategy),
+        *([("device plan", r["plan"])] if r["plan"] else []),
         ("backend", (r["backend"] or "none (no offload)") + (" (a simulator on the CPU)" if r["simulated"] else "")),
         ("steps", str(r["steps"]) if r["steps"] is not None else "n/a"),
         ("output size", size),
