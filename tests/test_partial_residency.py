@@ -6,6 +6,7 @@ blocks included) plus the slots; a kept block reached first starts the pass's lo
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import offload_core
 from offload_core.discovery import find_blocks
 
 from denoisers import build_transformer
-from helpers import chaos_backend, device, exact_accounting, first_tensor, forward
+from helpers import chaos_backend, device, exact_accounting, first_tensor, forward, run
 
 MODELS = ["flux2", "wan-t2v", "qwen-image"]
 
@@ -97,3 +98,33 @@ def test_gradients_through_kept_and_streamed_blocks(name):
     wrong = [n for n in grads if not torch.equal(got[n], grads[n])]
     assert not wrong, wrong[:5]
     handle.disable()
+
+
+def test_kept_blocks_queue_the_streamed_blocks_after_them_as_far_as_the_ring_allows():
+    """While a kept block runs, the streamed blocks after it are copied as far as the slots allow:
+    a kept block's compute is what hides their copies."""
+    from stacks import StackSpec, build_stack
+
+    model = build_stack(StackSpec(layer_dtypes=[[torch.float32]] * 8))
+    x = torch.randn(4, 8)
+    expected = run(model, x)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         resident_blocks=4)
+    part = handle.parts[0]
+    streamed_before = 0
+    seen = {}
+    for name in part.all_names:
+        if name in part.kept_names and 0 < streamed_before < len(part.units) - 1:
+            ahead = streamed_before + 1  # the second streamed block after this kept one
+            model.get_submodule(name).layers[0].register_forward_pre_hook(functools.partial(_note, seen, part, ahead))
+        streamed_before += name not in part.kept_names
+    run(model, x)
+    assert seen, "no kept block sits between streamed ones"
+    for ahead, occupants in seen.items():
+        assert occupants[ahead % part.num_slots] == ahead, f"block {ahead} was not queued: {occupants}"
+    assert torch.equal(run(model, x), expected)
+    handle.disable()
+
+
+def _note(seen: dict, part, ahead: int, module, args) -> None:
+    seen.setdefault(ahead, list(part.ring.occupant))

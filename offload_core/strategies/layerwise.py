@@ -190,8 +190,14 @@ class LayerwiseOffload(Streaming, Part):
     def _instrument(self) -> None:
         for i, block in enumerate(self.blocks):
             self._wrap(block, functools.partial(self._before_block, i), functools.partial(self._after_block, i))
-        for block in self.kept:
-            self._wrap(block, self._before_kept, _nothing)
+        kept = set(self.kept_names)
+        following = 0  # streamed blocks before each kept one
+        for name in self.all_names:
+            if name in kept:
+                block = self.model.get_submodule(name)
+                self._wrap(block, functools.partial(self._before_kept, following), _nothing)
+            else:
+                following += 1
         self._wrap(self.model, self._begin_pass, self._end_pass, self.backend.device())
         self._hooks.extend(self.transport.instrument())
 

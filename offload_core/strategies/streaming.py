@@ -119,9 +119,17 @@ class Streaming:
             if self.ring.occupant[j] != j:
                 self.load(j)
 
-    def _before_kept(self) -> None:
+    def _before_kept(self, following: int) -> None:
+        """A kept block (on the device for good) is about to run; ``following``: the first streamed
+        block after it. Its compute hides copies: the pass starts here if it has not, and the
+        streamed blocks after it are queued as far as the ring allows (their slots' previous
+        occupants ran already)."""
         if self._starting:
             self._start_pass()
+        if self._passes > 0:
+            for j in range(following, min(following + self.num_slots, len(self.units))):
+                if self.ring.occupant[j % self.num_slots] != j:
+                    self.load(j)
 
     def _end_pass(self, failed: bool) -> None:
         self._passes -= 1
