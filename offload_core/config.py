@@ -240,7 +240,7 @@ class OffloadConfig:
     that strategy. ``resident_blocks`` (layerwise, distributed): blocks kept on the device, an int
     or ``"auto"`` (as many as ``device_memory`` allows; the default when it is set).
     ``activation_memory``: the headroom kept within ``device_memory`` for activations; by default
-    measured on the first call. See ``docs/planner.md``.
+    measured on the first call. See ``docs/index.md`` ("Tell it your memory").
     """
 
     enable_cpu_offload: bool = option(False, boolean)
