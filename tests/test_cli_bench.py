@@ -116,3 +116,16 @@ def test_an_unwritable_out_is_bad_input_before_any_benchmark_runs(tmp_path, caps
         assert captured.out == "" and captured.err.count("\n") == 1
         assert captured.err.startswith("offload-core: error: --out ") and problem in captured.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_budget_curve_keeps_a_growing_share_and_copies_less(tmp_path):
+    """The quick budget run keeps 0, 4, 8 and 12 of 16 blocks, spaced as the planner spaces them,
+    and its figures go with them: the more kept, the closer to the resident time (timings are
+    checked against their targets by ``bench --check``, not here)."""
+    out = tmp_path / "budget.json"
+    assert cli.main(["bench", "--only", "budget", "--quick", "--json", "--out", str(out)]) == 0
+    curve = json.loads(out.read_text())["results"]["budget"]["curve"]
+    assert [curve[f]["resident_blocks"] for f in ("0", "25", "50", "75")] == [0, 4, 8, 12]
+    assert curve["50"]["kept"] == list(range(0, 16, 2)), "every other block: each copy hides behind two computes"
+    assert [curve[f]["ideal"] for f in ("0", "25", "50", "75")] == [2.0, 1.5, 1.0, 1.0]
+    assert curve["0"]["ratio"] > curve["75"]["ratio"]
