@@ -128,3 +128,39 @@ def test_kept_blocks_queue_the_streamed_blocks_after_them_as_far_as_the_ring_all
 
 def _note(seen: dict, part, ahead: int, module, args) -> None:
     seen.setdefault(ahead, list(part.ring.occupant))
+
+
+def _distributed_worker(rank: int, port: int) -> None:
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    torch.set_num_threads(1)
+    from stacks import StackSpec, build_stack
+
+    backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
+    backend.init_process_group(rank, 2, f"tcp://127.0.0.1:{port}")
+    model = build_stack(StackSpec(d=16, layer_dtypes=[[torch.float32]] * 6, seed=1))
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(x)
+    handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend,
+                                         resident_blocks=3)
+    part = handle.parts[0]
+    assert len(part.kept) == 3 and len(part.units) == 3 and part.transport.sharded
+    for step in range(2):
+        before = handle.stats()["loads"]
+        with torch.no_grad():
+            assert torch.equal(model(x), expected), f"rank {rank} step {step}"
+        assert handle.stats()["loads"] - before == 3, "only the streamed blocks are gathered"
+    handle.disable()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+@pytest.mark.fake_only("ranks over gloo on the fake backend")
+def test_distributed_ranks_keep_the_same_blocks_and_gather_the_others():
+    import torch.multiprocessing as mp
+
+    from helpers import free_port
+
+    mp.spawn(_distributed_worker, args=(free_port(),), nprocs=2)
