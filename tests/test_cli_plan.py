@@ -108,3 +108,27 @@ def test_the_docs_table_is_up_to_date():
     text = plan_table.DOC.read_text(encoding="utf-8")
     assert plan_table.MARKED.search(text), "the marked plan table of docs/index.md was not found"
     assert plan_table.regenerate(text) == text, "docs/index.md's plan table is stale: run `python tools/plan_table.py`"
+
+
+def test_the_command_prints_the_plan_the_handle_runs(capsys):
+    """``offload-core plan`` and ``enable_offload(pipe, device_memory=...)`` make the same plan of a
+    pipeline: strategy, and per component its mode, kept blocks and bytes per forward."""
+    import offload_core
+    from offload_core.tiny import build_pipeline
+
+    from helpers import chaos_backend
+
+    printed = plan_json(capsys, "--pipeline", "flux2-deep", "--device-memory", "3MiB", "--bandwidth", "1e9")
+    tiny = build_pipeline("flux2-deep")
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=3 * 2**20, backend=chaos_backend())
+    try:
+        ran = handle.plan.to_dict()
+    finally:
+        handle.disable()
+
+    def essentials(plan: dict) -> tuple:
+        return plan["strategy"], [(c["name"], c["mode"], list(c["resident_blocks"]), c["bytes_per_forward"])
+                                  for c in plan["components"]]
+
+    assert essentials(printed) == essentials(ran)
+    assert ran["strategy"] == "layerwise" and any(c["resident_blocks"] for c in ran["components"])
