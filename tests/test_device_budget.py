@@ -103,3 +103,38 @@ def test_the_first_call_measures_activations_and_the_plan_shows_them():
     assert any("transformer took" in note and "activation_memory=" in note for note in handle.plan.notes)
     assert "measured" in str(handle.plan)
     handle.disable()
+
+
+def test_from_pretrained_plans_the_checkpoint_as_it_will_be_packed(tmp_path):
+    """Weights read straight from the checkpoint are planned by the packer's own layout (the
+    blocks are still on the meta device when the plan is made): the copies are the plan's."""
+    import diffusers
+
+    from offload_core.tiny import TinyPipeline
+
+    tiny = build_pipeline("flux2-deep")
+    tiny.pipe.save_pretrained(tmp_path)
+    reference = diffusers.Flux2Pipeline.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    reference.set_progress_bar_config(disable=True)
+    expected = TinyPipeline("ref", reference, tiny.call_kwargs, tiny.output_attr).run(seed=0)
+    planned = [c.with_measurements(activation_bytes=ACTIVATION) for c in components(reference)]
+    floor = make_plan(planned, 2**40, strategy="layerwise").min_budget
+    budget = (floor + sum(c.total_bytes for c in planned)) // 2
+    handle = offload_core.from_pretrained(tmp_path, torch_dtype=torch.bfloat16, enable_layerwise_offload=True,
+                                          device_memory=budget, activation_memory=ACTIVATION,
+                                          backend=chaos_backend(device_memory=budget))
+    pipe = handle.target
+    pipe.set_progress_bar_config(disable=True)
+    streamed = [p for p in handle.parts if hasattr(p, "kept_names")]
+    assert streamed and any(p.kept for p in streamed), "the budget keeps some blocks"
+    start = streamed_copies(handle)
+    assert torch.equal(TinyPipeline("offloaded", pipe, tiny.call_kwargs, tiny.output_attr).run(seed=0), expected)
+    assert handle.stats()["device_peak_bytes"] <= budget
+    for part in streamed:
+        planned = handle.plan.component(part.label)
+        assert planned.resident_blocks == tuple(part.all_names.index(n) for n in part.kept_names)
+        loads, copied = (now - then for now, then in zip(streamed_copies(handle)[part.label], start[part.label]))
+        forwards, rest = divmod(loads - part.num_slots, len(part.units))
+        assert rest == 0 and copied == forwards * planned.bytes_per_forward + sum(
+            u.nbytes for u in part.units[:part.num_slots])
+    handle.disable()

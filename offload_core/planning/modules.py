@@ -1,9 +1,10 @@
 """Plan inputs from torch modules: a model or a pipeline's components, on any device, meta included.
 
 Blocks are the ones layerwise offload streams (``offload_core.discovery.find_blocks``). A model
-in memory is measured by the packer itself (``weights.split_units``): the bytes are those of the
-units it would stream, alignment included, so that the plan's bytes are the ones copied. A model
-on the meta device (a real-size config) is measured from its parameters and buffers, each tensor
+in memory, or on the meta device with a checkpoint behind it (``from_pretrained``), is measured by
+the packer itself (``weights.split_units``): the bytes are those of the units it would stream,
+alignment included, so that the plan's bytes are the ones copied. A model on the meta device
+with no checkpoint (a real-size config) is measured from its parameters and buffers, each tensor
 counted once however many modules share it, and a tensor used by two blocks, or by a block and
 the rest of the model, counted as resident, as the packer keeps it.
 """
@@ -15,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 from torch import nn
 
 from ..discovery import find_blocks
-from ..errors import BlockDiscoveryError
+from ..errors import BlockDiscoveryError, UnsupportedTensorError
 from ..weights import split_units
 from .components import Component
 
@@ -50,10 +51,11 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit",
         if blocks is not None:
             raise
         found = []
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        # the packer's own units: their sizes include the alignment of every region
+    try:  # the packer's own units: their sizes include the alignment of every region
         resident, units = split_units(module, found)
         return Component(name, kind, resident.nbytes, tuple(u.nbytes for u in units))
+    except UnsupportedTensorError:  # meta tensors with no checkpoint behind them: a real-size config
+        pass
     per_block = [_tensors(block) for _, block in found]
     outside = _outside(module, {id(block) for _, block in found})
     owners: dict[int, int] = dict.fromkeys(outside, 1)
