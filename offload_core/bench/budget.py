@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from ..api import enable_offload
-from ..plugins import get_backend
-from .layerwise import MLPStack
-from .timing import bandwidth_calibration, interleaved, ratio
+from .calibrated import calibrated_stack
+from .timing import interleaved, ratio
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 
@@ -35,16 +33,7 @@ def budget_curve(blocks: int = 16, d: int = 512, tokens: int = 512, copy_to_comp
     torch.set_num_threads(1)
     handles = []
     try:
-        torch.manual_seed(0)
-        resident = MLPStack(blocks, d).eval()
-        x = torch.randn(tokens, d)
-        block_bytes = sum(p.numel() * p.element_size() for p in resident.blocks[0].parameters())
-        backend = get_backend("fake", chaos=False)
-        calibrate = bandwidth_calibration(backend, block_bytes, blocks, copy_to_compute, "resident")
-        with torch.no_grad():
-            start = time.perf_counter()
-            resident(x)
-            calibrate("resident", time.perf_counter() - start)
+        resident, x, backend, calibrate, block_bytes = calibrated_stack(blocks, d, tokens, copy_to_compute, "resident")
         variants: dict[str, Any] = {"resident": lambda: resident(x)}
         for fraction in FRACTIONS:
             model = copy.deepcopy(resident)

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from ..api import enable_offload
-from ..plugins import get_backend
-from .layerwise import MLPStack
-from .timing import bandwidth_calibration, interleaved, ratio
+from .calibrated import calibrated_stack
+from .timing import interleaved, ratio
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -32,17 +30,8 @@ def training_step_ratio(blocks: int = 8, d: int = 1024, tokens: int = 128, copy_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
-        resident = MLPStack(blocks, d)
+        resident, x, backend, calibrate, block_bytes = calibrated_stack(blocks, d, tokens, copy_to_compute, "forward")
         offloaded = copy.deepcopy(resident)
-        x = torch.randn(tokens, d)
-        block_bytes = sum(p.numel() * p.element_size() for p in resident.blocks[0].parameters())
-        backend = get_backend("fake", chaos=False)
-        calibrate = bandwidth_calibration(backend, block_bytes, blocks, copy_to_compute, "forward")
-        with torch.no_grad():
-            start = time.perf_counter()
-            resident(x)
-            calibrate("forward", time.perf_counter() - start)
         handle = enable_offload(offloaded, enable_layerwise_offload=True, backend=backend)
         _step(offloaded, x)  # the first step allocates the gradients
         before = handle.stats()
