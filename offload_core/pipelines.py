@@ -87,7 +87,7 @@ def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: Of
     fail the whole pipeline; the rest stays resident. Which are streamed: ``config.components``,
     or a device plan's ``modes`` (component name -> "streamed", "staged" or "resident")."""
     if modes is not None:
-        return _planned_layout(modules, modes, config)
+        return _planned_layout(pipe, modules, modes, config)
     streamed = config.components or ("dit",)
     layout = LayerwiseLayout([], [], [])
     kinds = {name: component_kind(pipe, name) for name, _ in modules}
@@ -108,12 +108,13 @@ def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: Of
     return layout
 
 
-def _planned_layout(modules: list[tuple[str, nn.Module]], modes: dict[str, str], config: OffloadConfig
+def _planned_layout(pipe: Any, modules: list[tuple[str, nn.Module]], modes: dict[str, str], config: OffloadConfig
                     ) -> LayerwiseLayout:
     layout = LayerwiseLayout([], [], [])
     for name, module in modules:
-        if modes[name] == "streamed":
-            layout.streamed.append((name, module, find_blocks(module, config.blocks)))
+        if modes[name] == "streamed":  # blocks= names the DiTs' block lists, as the plan read them
+            attrs = config.blocks if component_kind(pipe, name) == "dit" else None
+            layout.streamed.append((name, module, find_blocks(module, attrs)))
         elif modes[name] == "staged":
             layout.staged.append((name, [(name, module)]))
         else:

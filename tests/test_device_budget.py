@@ -138,3 +138,17 @@ def test_from_pretrained_plans_the_checkpoint_as_it_will_be_packed(tmp_path):
         assert rest == 0 and copied == forwards * planned.bytes_per_forward + sum(
             u.nbytes for u in part.units[:part.num_slots])
     handle.disable()
+
+
+def test_blocks_name_the_dits_lists_when_the_plan_streams_an_encoder_too():
+    from offload_core.discovery import declared_attrs
+
+    tiny = build_pipeline("flux2-deep")
+    reference = pipeline_reference(tiny)
+    attrs = list(declared_attrs(tiny.pipe.transformer))
+    budget = 2 * 2**20
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=budget, blocks=attrs, resident_blocks=0,
+                                         enable_layerwise_offload=True, backend=chaos_backend(device_memory=budget))
+    assert {c.name for c in handle.plan.components if c.mode == "streamed"} >= {"transformer", "text_encoder"}
+    assert torch.equal(tiny.run(), reference)
+    handle.disable()
