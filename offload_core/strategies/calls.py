@@ -14,7 +14,9 @@ the module. So the work runs *around* the module call, never inside it:
   outside the new compiled function.
 * The wrapper is ``torch.compiler.disable``-d: when a compiled *parent* reaches the module (a
   whole-model ``torch.compile``), Dynamo stops the graph there and runs the work eagerly, and the
-  module's own frames are compiled on their own, once per distinct block code and shapes.
+  module's own frames are compiled on their own, once per distinct block code and shapes. The
+  work runs through its disabled wrappers only while Dynamo is active on the thread (a frame
+  evaluation callback is installed); an eager call skips them.
 * ``forward`` is pinned in the instance dictionary (the class's own bound method, so nothing
   changes for an eager call): without it Dynamo inlines a plain module's ``forward`` directly,
   bypassing ``__call__`` and with it this wrapper.
@@ -64,6 +66,19 @@ def compile_disabled(fn: Callable, recursive: bool = True) -> Callable:
     return disable(fn, recursive=recursive)
 
 
+#: the frame evaluation callback Dynamo installs while it compiles (or runs compiled code);
+#: missing on a torch without it, where the work always goes through the disabled wrappers
+_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+
+
+def _compiling_frames() -> bool:
+    """Whether Dynamo may be looking at the frames called from here: it is tracing this one, or
+    a compiled parent is running. Only then must the work run in frames it is told to skip:
+    their wrappers cost about a microsecond each per call, on every block. (While tracing, the
+    first test is a constant and the callback, which Dynamo cannot trace, is not asked.)"""
+    return torch.compiler.is_compiling() or _eval_frame_callback is None or _eval_frame_callback() is not None
+
+
 def _exporting() -> bool:
     """Whether ``torch.export`` is tracing (``torch.compiler.is_exporting``, torch 2.7 and later;
     on older torch export is not told apart, and fails with torch's own error)."""
@@ -90,6 +105,7 @@ class CallWrapper:
         self._device = device
         self._enter = compile_disabled(self._prepare)
         self._after = compile_disabled(after) if after is not None else None
+        self._after_eager = after
         self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
         self._call = compile_disabled(self._run, recursive=False)
         self._entry = self._checked_call  # one bound method, so that remove() recognises it
@@ -118,15 +134,18 @@ class CallWrapper:
         return args, kwargs
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        # Dynamo skips this frame but compiles the frames it calls: the work is in the two
-        # disabled calls, and the module's own frames between them are compiled as usual.
+        # Dynamo skips this frame but compiles the frames it calls: under it the work is in the
+        # two disabled calls, and the module's own frames between them are compiled as usual.
         with self._lock:
             # taken now: a strategy that re-packs inside ``before`` removes this wrapper, and the
             # call that began here must still end with its ``after``
-            after = self._after
+            if _compiling_frames():
+                enter, after = self._enter, self._after
+            else:  # eager: nothing would trace the work, so the disabled wrappers are skipped
+                enter, after = self._prepare, self._after_eager
             failed = True
             try:
-                args, kwargs = self._enter(args, kwargs)
+                args, kwargs = enter(args, kwargs)
                 inner = self._inner
                 output = inner(*args, **kwargs) if inner is not None else self.module._call_impl(*args, **kwargs)
                 failed = False
@@ -144,7 +163,7 @@ class CallWrapper:
         """Unwrap; a compilation done while wrapped stays with the module. The wrapper's own
         references are dropped too: its wrapped methods refer back to it, and such a cycle would
         keep the strategy (and the memory it still holds) alive until the next garbage collection."""
-        self._work_before = self._enter = self._after = None
+        self._work_before = self._enter = self._after = self._after_eager = None
         state = self.module.__dict__
         if state.get("_compiled_call_impl") is self._entry:
             if self._inner is not None:
