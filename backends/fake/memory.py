@@ -40,10 +40,10 @@ class Pool(AllocationTracker):
         return tensor
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        # Only CPU tensors can be fake device or pinned memory.
-        if tensor.device.type != "cpu":
-            return False
-        return super().owns(tensor) or (tensor.numel() > 0 and self._spans.find(tensor.data_ptr()) is not None)
+        # Only CPU tensors can be fake device or pinned memory. Every allocation is in the span
+        # index, so one lookup by address answers for a whole storage and for a slice of one
+        # (asked on every copy: the allocation table's storage key costs as much again).
+        return tensor.is_cpu and tensor.numel() > 0 and self._spans.find(tensor.data_ptr()) is not None
 
 
 class Spans:
