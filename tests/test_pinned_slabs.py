@@ -14,7 +14,8 @@ import offload_core
 from offload_core.weights import WeightUnit, split_units
 from offload_core.hostmem import slabs as slabs_module
 from offload_core.hostmem.slabs import SlabAllocator, aligned
-from offload_core.weights.unit import ALIGN_BYTES, collect_tensors
+from offload_core.weights.owners import collect_tensors
+from offload_core.weights.unit import ALIGN_BYTES
 
 MIB = 1 << 20
 D = 396  # a float32 DxD weight is 627 264 bytes: 0.598 of a power of two (1 MiB)

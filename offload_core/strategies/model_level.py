@@ -32,7 +32,7 @@ from ..hostmem.placement import SWAP, HostUnit
 from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
-from ..weights.unit import collect_tensors
+from ..weights.owners import collect_tensors
 from .autograd import SavedParameters
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
 from .part import Part, write_back

@@ -13,7 +13,7 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
 from ..weights import WeightUnit
-from ..weights.unit import collect_tensors
+from ..weights.owners import collect_tensors
 from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 

@@ -2,6 +2,7 @@
 
 from ..errors import UnsupportedTensorError
 from .plan import split_units
-from .unit import WeightUnit, nbytes_of, slot_numel
+from .layout import nbytes_of, slot_numel
+from .unit import WeightUnit
 
 __all__ = ["UnsupportedTensorError", "WeightUnit", "nbytes_of", "slot_numel", "split_units"]

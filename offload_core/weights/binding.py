@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from .unit import Owner, WeightUnit
+from .owners import Owner
+from .unit import WeightUnit
 
 #: copies each (home view, device tensor) pair home and returns once they have landed
 WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]

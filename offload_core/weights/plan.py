@@ -13,7 +13,9 @@ from typing import Sequence
 
 from torch import nn
 
-from .unit import WeightUnit, collect_tensors, storage_key
+from .layout import storage_key
+from .owners import collect_tensors
+from .unit import WeightUnit
 
 logger = logging.getLogger(__name__)
 

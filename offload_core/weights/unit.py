@@ -18,7 +18,6 @@ a subclass that cannot be streamed is kept on the device, outside the buffers.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -26,160 +25,11 @@ import torch
 from torch import nn
 
 from ..errors import Unstreamable, UnsupportedTensorError
-from .subclass import assign_param, flatten, has_storage, like, plain_alias
+from .layout import ALIGN_BYTES, Composite, Entry, Kept, Region, extent, nbytes_of, region_tensor, storage_key
+from .owners import SOURCE_ATTRIBUTE, Owner, check_supported
+from .subclass import flatten, has_storage, plain_alias
 
 logger = logging.getLogger(__name__)
-
-ALIGN_BYTES = 512  # region starts aligned as the CUDA caching allocator aligns blocks: kernels pick by alignment
-#: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)
-SOURCE_ATTRIBUTE = "_offload_core_source"
-
-
-@dataclasses.dataclass(eq=False)
-class Owner:
-    """One place a tensor is reachable from: ``module.<name>`` as a parameter or a buffer.
-
-    ``param`` is the Parameter object the unit manages: rebinding changes that object's data, never
-    a Parameter the user has put in its place since (that one is the user's truth)."""
-
-    module: nn.Module
-    name: str
-    param: nn.Parameter | None = None  # None for a buffer
-
-    @property
-    def is_param(self) -> bool:
-        return self.param is not None
-
-    def get(self) -> torch.Tensor | None:
-        """What the module holds under this name now."""
-        return (self.module._parameters if self.param is not None else self.module._buffers).get(self.name)
-
-    def rebind(self, tensor: torch.Tensor) -> None:
-        if self.param is not None:
-            assign_param(self.param, tensor)
-        else:
-            current = self.module._buffers.get(self.name)
-            self.module._buffers[self.name] = tensor if current is None else like(current, tensor)
-
-    def bound_to(self, view: torch.Tensor) -> bool:
-        """True while this owner still shows ``view`` (the tensor it was last bound to), i.e. the
-        user has neither replaced the Parameter or buffer nor assigned the parameter new data."""
-        current = self.get()
-        if self.param is None:
-            return current is view
-        return current is self.param and current.data_ptr() == view.data_ptr() and current.shape == view.shape
-
-    def replace(self, tensor: torch.Tensor) -> None:
-        """Install ``tensor`` itself (a new parameter object, which the unit manages from now on):
-        ``.data`` cannot move a parameter off the meta device."""
-        if self.param is not None:
-            self.module._parameters[self.name] = self.param = tensor
-        else:
-            self.module._buffers[self.name] = tensor
-
-
-@dataclasses.dataclass
-class Entry:
-    """One distinct tensor (by identity) of a unit, with every owner and its place in the buffer."""
-
-    owners: list[Owner]
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int = 0  # element offset of this view in the unit's buffer for ``dtype``
-    region: int = 0  # index of the storage region it views
-
-
-@dataclasses.dataclass
-class Composite:
-    """A wrapper subclass (a quantized weight): its owners, the entries of its plain parts, and
-    how to rebuild it around views of them."""
-
-    owners: list[Owner]
-    leaves: range  # indices into the unit's entries
-    rebuild: Callable[[Sequence[torch.Tensor]], torch.Tensor]
-
-
-@dataclasses.dataclass
-class Kept:
-    """A tensor that cannot be streamed: it goes to the device as it is, and back at unpack."""
-
-    tensor: torch.Tensor
-    owners: list[Owner]
-    reason: str
-    moved: bool = False
-
-
-def storage_key(t: torch.Tensor) -> tuple:
-    """Identifies the memory a tensor views, so that aliasing tensors are packed together."""
-    if t.numel() == 0 or not has_storage(t):
-        return ("empty", id(t))  # a wrapper subclass's parts are keyed when they are packed
-    if t.is_meta:  # no memory, so no address: the storage object itself tells views apart
-        return ("meta", t.untyped_storage()._cdata)
-    return (t.device.type, t.device.index, plain_alias(t).untyped_storage().data_ptr())
-
-
-def extent(t: torch.Tensor) -> int:
-    """Elements of storage a strided tensor spans from its first element."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-
-
-def collect_tensors(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tensor, list[Owner]]]:
-    """Every parameter and buffer reachable from ``modules``, by tensor identity, with owners."""
-    found: dict[int, tuple[torch.Tensor, list[Owner]]] = {}
-    seen_modules: set[int] = set()
-    for root in modules:
-        for module in root.modules():
-            if id(module) in seen_modules:
-                continue
-            seen_modules.add(id(module))
-            for is_param, table in ((True, module._parameters), (False, module._buffers)):
-                for name, t in table.items():
-                    if t is None:
-                        continue
-                    found.setdefault(id(t), (t, []))[1].append(Owner(module, name, t if is_param else None))
-    return found
-
-
-def check_supported(t: torch.Tensor, where: str) -> None:
-    if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
-        raise UnsupportedTensorError(f"{where} is on the meta device: load real weights before enabling offload")
-    if t.is_sparse or t.layout != torch.strided:
-        raise UnsupportedTensorError(f"{where} has layout {t.layout}; only strided tensors can be offloaded")
-
-
-@dataclasses.dataclass
-class Region:
-    """A span of one source storage that the unit's tensors view, and where it goes in the buffer."""
-
-    source: torch.Tensor | None  # any tensor viewing the storage; dropped once packed
-    first: int  # first element of the span in the source storage
-    numel: int
-    dtype: torch.dtype
-    start: int  # element offset in the unit's buffer for ``dtype``
-    reader: object = None  # where a meta region's values are: ``read(start, count, out)``
-    entries: list[int] = dataclasses.field(default_factory=list)  # indices of the entries viewing it
-
-    def fill(self, out: torch.Tensor) -> None:
-        """Write the region's values into ``out`` (flat, ``numel`` elements)."""
-        if self.reader is not None:
-            self.reader.read(0, self.numel, out)
-        else:
-            out.copy_(self.source.as_strided((self.numel,), (1,), self.first))
-
-
-def region_tensor(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
-    """Elements ``start .. start + numel`` of the flat tensor ``flat`` as a 1-D tensor whose
-    storage is exactly that span: a slice of ``flat``'s storage that shares its memory (and keeps
-    it alive). Meta tensors have no memory to slice and get a plain view."""
-    if flat.is_meta or numel == 0:
-        return flat[start : start + numel]
-    size = flat.element_size()
-    first = (flat.storage_offset() + start) * size
-    storage = flat.untyped_storage()[first : first + numel * size]
-    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, 0, (numel,), (1,))
 
 
 class WeightUnit:
@@ -451,6 +301,7 @@ class WeightUnit:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
 
 
+
 def _bind_entry(entry: Entry, view: torch.Tensor) -> list[tuple[Owner, torch.Tensor]]:
     """Re-point every owner of ``entry`` at ``view``; a parameter still on the meta device is
     replaced by one new parameter object shared by all its owners, so ties survive. Returns the
@@ -467,16 +318,3 @@ def _bind_entry(entry: Entry, view: torch.Tensor) -> list[tuple[Owner, torch.Ten
         replaced.append((owner, owner.param if owner.is_param else owner.get()))
         owner.replace(replacement)
     return replaced
-
-
-def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:
-    """Per-dtype size of a slot that can hold any of ``units``."""
-    need: dict[torch.dtype, int] = {}
-    for unit in units:
-        for dtype, n in unit.numel.items():
-            need[dtype] = max(need.get(dtype, 0), n)
-    return need
-
-
-def nbytes_of(numel: Mapping[torch.dtype, int]) -> int:
-    return sum(n * dtype.itemsize for dtype, n in numel.items())
