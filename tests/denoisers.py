@@ -171,7 +171,7 @@ def _inputs_cosmos3(model, g) -> dict[str, Any]:
     """
     from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 
-    from offload_core.tiny.encoders import autoencoder_kl_wan
+    from offload_core.tiny.vaes import autoencoder_kl_wan
     from offload_core.tiny.tokenizers import qwen2_tokenizer
 
     tokenizer = qwen2_tokenizer()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _finish, _seeded_components
+from offload_core.tiny.spec import PipelineSpec, TinyPipeline, _finish, _seeded_components
 
 
 def _stable_audio(seed: int) -> TinyPipeline:

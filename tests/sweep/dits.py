@@ -12,11 +12,12 @@ from typing import Any
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _seeded_components
+from offload_core.tiny import vaes as vae
+from offload_core.tiny.spec import PipelineSpec, TinyPipeline, _call, _finish, _seeded_components
 
 
 def _vae(latent_channels: int = 4):
-    return enc.autoencoder_kl(latent_channels=latent_channels, shift_factor=0.06, scaling_factor=1.5)
+    return vae.autoencoder_kl(latent_channels=latent_channels, shift_factor=0.06, scaling_factor=1.5)
 
 
 def _flow():

@@ -12,7 +12,8 @@ from typing import Any
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
+from offload_core.tiny import vaes as vae
+from offload_core.tiny.spec import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
 from .sd import _mask_image
 
 T5_DIM = 32  # the T5 width: the DiTs' joint attention width
@@ -38,7 +39,7 @@ def _flux_dit(cls_name: str = "FluxTransformer2DModel", **extra: Any):
 
 
 def _vae():
-    return enc.autoencoder_kl(latent_channels=4, shift_factor=0.06, scaling_factor=1.5)
+    return vae.autoencoder_kl(latent_channels=4, shift_factor=0.06, scaling_factor=1.5)
 
 
 def _flux_components(seed: int) -> dict[str, Any]:

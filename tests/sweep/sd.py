@@ -11,7 +11,8 @@ from typing import Any
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
+from offload_core.tiny import vaes as vae
+from offload_core.tiny.spec import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
 
 CROSS_DIM = 16  # the CLIP text width, the UNets' cross-attention width
 
@@ -52,7 +53,7 @@ def _sd_components(seed: int, unet_in_channels: int = 4, **unet_extra: Any) -> d
         **_seeded_components(
             seed,
             text_encoder=lambda: enc.clip_text(tokenizer, hidden_size=CROSS_DIM, projection_dim=CROSS_DIM),
-            vae=lambda: enc.autoencoder_kl(latent_channels=4),
+            vae=lambda: vae.autoencoder_kl(latent_channels=4),
             unet=lambda: _sd_unet(unet_in_channels, **unet_extra),
         ),
     }
@@ -174,7 +175,7 @@ def _sdxl_components(seed: int, **unet_overrides: Any) -> dict[str, Any]:
         ),
         **_seeded_components(
             seed,
-            vae=lambda: enc.autoencoder_kl(latent_channels=4),
+            vae=lambda: vae.autoencoder_kl(latent_channels=4),
             unet=lambda: build_dit("sdxl-unet", **unet_overrides),
         ),
     }

@@ -11,7 +11,8 @@ from typing import Any
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
+from offload_core.tiny import vaes as vae
+from offload_core.tiny.spec import PipelineSpec, TinyPipeline, _call, _finish, _reference_image, _seeded_components
 
 
 def _video_call(size: int, frames: int, **settings: Any) -> dict[str, Any]:
@@ -301,7 +302,7 @@ def _latte(seed: int) -> TinyPipeline:
     components = _seeded_components(
         seed,
         text_encoder=lambda: enc.t5_encoder(tokenizer, d_model=32),
-        vae=lambda: enc.autoencoder_kl(latent_channels=4),
+        vae=lambda: vae.autoencoder_kl(latent_channels=4),
         transformer=transformer,
     )
     pipe = LattePipeline(scheduler=DDIMScheduler(), tokenizer=tokenizer, **components)
@@ -351,7 +352,7 @@ def _skyreels_v2(seed: int) -> TinyPipeline:
     components = _seeded_components(
         seed,
         text_encoder=lambda: enc.umt5_encoder(tokenizer, d_model=16),
-        vae=lambda: enc.autoencoder_kl_wan(z_dim=4),
+        vae=lambda: vae.autoencoder_kl_wan(z_dim=4),
         transformer=transformer,
     )
     scheduler = UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction")
