@@ -35,10 +35,6 @@ class Fit:
     plan: Plan
     config: OffloadConfig
 
-    @property
-    def strategy(self) -> str:
-        return self.plan.strategy
-
     def mode(self, name: str) -> str:
         return self.plan.component(name).mode
 
