@@ -155,6 +155,21 @@ def _distributed_worker(rank: int, port: int) -> None:
     handle.disable()
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+    # no strategy flag: a budget with a process group streams across the ranks
+    import torch.distributed as dist
+
+    model = build_stack(StackSpec(d=32, layer_dtypes=[[torch.float32]] * 8, seed=2))
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(x)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    handle = offload_core.enable_offload(model, backend=backend, device_memory=int(0.7 * weights),
+                                         activation_memory=2**10, process_group=dist.group.WORLD)
+    assert handle.strategy == "distributed" and handle.plan.chosen_by == "budget", str(handle.plan)
+    assert handle.parts[0].kept and handle.parts[0].transport.sharded
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    handle.disable()
 
 
 @pytest.mark.fake_only("ranks over gloo on the fake backend")
