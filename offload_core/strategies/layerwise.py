@@ -81,11 +81,15 @@ class LayerwiseOffload(Streaming, Part):
         self._bound = -1  # the block whose tensors show its slot
         self._queued = False  # copies were queued since the host last waited for the copy stream
         self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
-        self.ring: SlotRing | None = None
+        self.ring: SlotRing | None = None  # made by enable, dropped by disable, like the rest of this group
         self.plans: list[BlockPlan] = []
+        self.copy_stream = None
+        self.resident_device: dict[torch.dtype, torch.Tensor] = {}
+        self.resident_views: list[torch.Tensor] = []
         self.saved = SavedSlots(self)
         self.epoch = 0  # counts enables: autograd's references to slots are valid within one
         self.activation_bytes: int | None = None  # device memory a forward took beyond the weights, once measured
+        self._measure_from = 0  # device memory allocated when the first pass began
         self._plan(list(blocks))
 
     def _plan(self, blocks: list[tuple[str, nn.Module]]) -> None:
