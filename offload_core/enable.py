@@ -123,7 +123,8 @@ def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend, fi
     if not modules:
         raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
     if config.strategy == "model":
-        return [ModelLevelOffload(model_level_groups(pipe, modules), backend)]
+        limit = fitted.plan.budget if fitted is not None else None
+        return [ModelLevelOffload(model_level_groups(pipe, modules), backend, device_limit=limit)]
     modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
     layout = layerwise_layout(pipe, modules, config, modes)
     parts: list = []

@@ -152,3 +152,18 @@ def test_blocks_name_the_dits_lists_when_the_plan_streams_an_encoder_too():
     assert {c.name for c in handle.plan.components if c.mode == "streamed"} >= {"transformer", "text_encoder"}
     assert torch.equal(tiny.run(), reference)
     handle.disable()
+
+
+def test_model_level_chosen_by_the_budget_prefetches_only_within_it():
+    """On a device larger than the budget, model-level's prefetch of the next group (from the
+    second call, once the active group's activations are known) must still fit the budget."""
+    tiny = build_pipeline("flux2")
+    reference = pipeline_reference(tiny)
+    budget = int(0.6 * sum(c.total_bytes for c in components(tiny.pipe)))
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=budget, activation_memory=2**12,
+                                         backend=chaos_backend())  # no capacity: the device is larger
+    assert handle.strategy == "model" and handle.plan.chosen_by == "budget"
+    for _ in range(2):
+        assert torch.equal(tiny.run(), reference)
+    assert handle.stats()["device_peak_bytes"] <= budget
+    handle.disable()

@@ -74,9 +74,11 @@ class ModelLevelOffload(Part):
         groups: Sequence[tuple[str, Sequence[tuple[str, nn.Module]]]],
         backend: DeviceBackend,
         prefetch: bool = True,
+        device_limit: int | None = None,
     ) -> None:
         super().__init__(backend)
         self.prefetch = prefetch
+        self.device_limit = device_limit  # a device budget: prefetches stay within it, whatever the device has
         self._spec = [(name, list(members)) for name, members in groups]
         self._plan()
         # the group that usually runs next: the declared order first, then what was observed within
@@ -328,6 +330,8 @@ class ModelLevelOffload(Part):
         if needed is None:  # the active group's first call: how much its compute takes is not known yet
             return
         free, total = self.backend.mem_get_info()
+        if self.device_limit is not None:
+            free, total = min(free, self.device_limit - self.backend.memory_allocated()), self.device_limit
         if group.nbytes <= free - max(RESERVE_FRACTION * total, needed):
             logger.debug("prefetching %s while %s computes", group.name, self.groups[self._active].name)
             try:
