@@ -1,7 +1,7 @@
 """``offload-core plan``: what offloading would do with a pipeline under a device budget, without running it.
 
-The plan comes from :func:`offload_core.planning.make_plan` (the planner that ``enable_offload(...,
-device_memory=...)`` is being wired to): the strategy, per component the resident and streamed blocks, device
+The plan comes from :func:`offload_core.planning.make_plan` (the planner ``enable_offload(...,
+device_memory=...)`` uses): the strategy, per component the resident and streamed blocks, device
 and host bytes, the copies per forward and their predicted time. Nothing runs on a device; the
 embedded tiny pipelines are built on the CPU, the real-size ones on the meta device (no weights at
 all), and a ``--model`` folder is loaded into RAM.
@@ -30,7 +30,8 @@ Without --strategy the budget chooses: everything resident if it fits with activ
 else model-level if the largest component group fits, else layerwise with as many blocks resident
 as fit. Activation headroom is an estimate (each component's largest block, or all of a component
 without blocks) unless --activation-memory gives it. The copy time per forward assumes
---bandwidth (default {DEFAULT_BANDWIDTH / 1e9:.0f} GB/s, a PCIe 4.0 x16 link); with
+--bandwidth (default {DEFAULT_BANDWIDTH / 1e9:.0f} GB/s, a PCIe 4.0 x16 link; 'measure': pinned copies
+timed on this machine's backend, the simulator when it has no accelerator); with
 --block-compute-ms the plan also predicts each streamed component's forward time against the
 all-resident one. Exit status: 0 planned, 2 bad input or a budget nothing fits (the message names
 the smallest that works)."""
@@ -64,6 +65,10 @@ def _bytes(text: str) -> int:
     if parsed.nbytes is None:
         raise argparse.ArgumentTypeError(f"expected bytes or a size such as 2GiB, got {text!r}")
     return parsed.nbytes
+
+
+def _bandwidth(text: str) -> float | str:
+    return text if text == "measure" else _positive(text)
 
 
 def _positive(text: str) -> float:
@@ -104,8 +109,9 @@ def add_plan(subparsers: Any) -> None:
                         help="host RAM budget for weights (bytes, 64GiB, or a fraction of RAM such as 0.5)")
     parser.add_argument("--pinned-memory", type=_size, metavar="SIZE",
                         help="pinned host memory budget (bytes, 32GiB, or a fraction of RAM)")
-    parser.add_argument("--bandwidth", type=_positive, metavar="GB/S",
-                        help=f"host-to-device copy bandwidth in GB/s (default {DEFAULT_BANDWIDTH / 1e9:.0f})")
+    parser.add_argument("--bandwidth", type=_bandwidth, metavar="GB/S",
+                        help=f"host-to-device copy bandwidth in GB/s (default {DEFAULT_BANDWIDTH / 1e9:.0f}), "
+                        "or 'measure' (timed on this machine's backend)")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
     parser.add_argument("--activation-memory", type=_bytes, metavar="SIZE",
@@ -146,11 +152,42 @@ def _components(args: argparse.Namespace):
         modules = pipeline_modules(pipe)
     components = components_from_modules(modules, {name: component_kind(pipe, name) for name, _ in modules})
     groups = [[name for name, _ in members] for _, members in model_level_groups(pipe, modules)]
-    measured = dict(copy_bandwidth=args.bandwidth * 1e9 if args.bandwidth else DEFAULT_BANDWIDTH,
+    measured = dict(copy_bandwidth=_copy_bandwidth(args)[0],
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
         measured["activation_bytes"] = args.activation_memory
     return [c.with_measurements(**measured) for c in components], groups
+
+
+def _copy_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
+    """Bytes per second the plan's copy times assume, and where the figure comes from."""
+    if args.bandwidth == "measure":
+        if not hasattr(args, "_measured_bandwidth"):
+            args._measured_bandwidth = measure_bandwidth()
+        return args._measured_bandwidth
+    if args.bandwidth:
+        return args.bandwidth * 1e9, "--bandwidth"
+    return DEFAULT_BANDWIDTH, "default: a PCIe 4.0 x16 link"
+
+
+def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20, repeats: int = 4) -> tuple[float, str]:
+    """Host-to-device bytes per second of pinned copies on ``backend`` (default: the one
+    auto-detection picks), one warm-up copy, then ``repeats`` timed back to back on one stream."""
+    import time
+
+    from .plugins import get_backend
+
+    backend = backend if backend is not None else get_backend(None)
+    source, target = backend.empty_pinned(nbytes), backend.empty_device(nbytes)
+    stream = backend.new_stream()
+    backend.copy_async(target, source, stream)
+    stream.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        backend.copy_async(target, source, stream)
+    stream.synchronize()
+    seconds = time.perf_counter() - start
+    return repeats * nbytes / seconds, f"measured: pinned copies on the {backend.name} backend"
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -178,7 +215,7 @@ def run_plan(args: argparse.Namespace) -> int:
             components, budget, groups=groups, strategy=None if args.strategy == "auto" else args.strategy,
             resident_blocks=args.resident_blocks, prefetch_depth=args.prefetch_depth,
             host_memory=args.host_memory, pinned_memory=args.pinned_memory,
-            bandwidth_source="--bandwidth" if args.bandwidth else "default: a PCIe 4.0 x16 link",
+            bandwidth_source=_copy_bandwidth(args)[1],
         )
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None

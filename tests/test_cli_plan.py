@@ -132,3 +132,16 @@ def test_the_command_prints_the_plan_the_handle_runs(capsys):
 
     assert essentials(printed) == essentials(ran)
     assert ran["strategy"] == "layerwise" and any(c["resident_blocks"] for c in ran["components"])
+
+
+def test_a_measured_bandwidth_is_what_the_backend_copies_at(capsys):
+    from offload_core import get_backend
+    from offload_core.cli_plan import measure_bandwidth
+
+    modelled = 2e9  # the fake's bandwidth model: each copy takes its bytes over this
+    measured, source = measure_bandwidth(get_backend("fake", h2d_bandwidth=modelled), nbytes=16 * 2**20)
+    assert 0.75 * modelled < measured <= 1.05 * modelled and "fake" in source
+    data = plan_json(capsys, "--device-memory", "2MiB", "--bandwidth", "measure")
+    assert data["bandwidth_source"].startswith("measured: pinned copies on the") and data["bandwidth"] > 0
+    streamed = next(c for c in data["components"] if c["mode"] == "streamed")
+    assert streamed["copy_s_per_forward"] == pytest.approx(streamed["bytes_per_forward"] / data["bandwidth"])
