@@ -36,6 +36,31 @@ def available_backend(name: str | None) -> plugins.BackendInfo:
     return info
 
 
+def budget_text(text: str) -> object:
+    """A budget flag's value as the options take it: "0.5" is the float read as a fraction,
+    anything else ("64GiB", "1024") the string the budget parser reads."""
+    return float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+
+
+def budget_type(of: str) -> Callable[[str], object]:
+    """The argparse type of a budget flag whose fraction is of ``of`` ("RAM", "the device's
+    memory"): checked by the options' own parser, so a typo fails before anything loads."""
+
+    def parse(text: str) -> object:
+        import argparse
+
+        from .config import parse_budget
+
+        value = budget_text(text)
+        try:
+            parse_budget(value, of=of)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse
+
+
 def columns(rows: Sequence[Sequence[str]]) -> list[str]:
     """``rows`` (the header first, if any) as lines of left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from .cli_common import UsageError
+from .cli_common import UsageError, budget_text, budget_type
 
 #: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
 #: a PCIe 4.0 x16 link (its 32 GB/s raw rate less protocol overhead); measure yours and pass it
@@ -37,29 +37,12 @@ all-resident one. Exit status: 0 planned, 2 bad input or a budget nothing fits (
 the smallest that works)."""
 
 
-def _fraction_or_text(text: str) -> Any:
-    """"0.5" as the float the budget options read as a fraction; anything else as given."""
-    return float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
-
-
-def _size(text: str) -> Any:
-    """A host budget as ``pinned_memory=`` takes it: "0.5" is a fraction of RAM, "64GiB" a size."""
-    from .config import parse_budget
-
-    value = _fraction_or_text(text)
-    try:
-        parse_budget(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
 def _bytes(text: str) -> int:
     """A size ("2GiB", bytes), not a fraction: activations are not a share of anything."""
     from .config import parse_budget
 
     try:
-        parsed = parse_budget(_fraction_or_text(text))
+        parsed = parse_budget(budget_text(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if parsed.nbytes is None:
@@ -102,12 +85,12 @@ def add_plan(subparsers: Any) -> None:
     source.add_argument("--pipeline", metavar="NAME",
                         help=f"embedded or real-size pipeline (default: {DEFAULT_TINY}); 'list' lists them")
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
-    parser.add_argument("--device-memory", metavar="SIZE", type=_fraction_or_text,
+    parser.add_argument("--device-memory", metavar="SIZE", type=budget_text,
                         help="device memory budget: bytes or a size such as 16GiB (required, except with "
                         "'--pipeline list')")
-    parser.add_argument("--host-memory", type=_size, metavar="SIZE",
+    parser.add_argument("--host-memory", type=budget_type("RAM"), metavar="SIZE",
                         help="host RAM budget for weights (bytes, 64GiB, or a fraction of RAM such as 0.5)")
-    parser.add_argument("--pinned-memory", type=_size, metavar="SIZE",
+    parser.add_argument("--pinned-memory", type=budget_type("RAM"), metavar="SIZE",
                         help="pinned host memory budget (bytes, 32GiB, or a fraction of RAM)")
     parser.add_argument("--bandwidth", type=_bandwidth, metavar="GB/S",
                         help=f"host-to-device copy bandwidth in GB/s (default {DEFAULT_BANDWIDTH / 1e9:.0f}), "
@@ -134,10 +117,11 @@ def pipeline_names() -> dict[str, str]:
             **{name: f"real size, meta device: {what}" for name, (what, _) in PIPELINES.items()}}
 
 
-def _components(args: argparse.Namespace):
-    """The plan inputs of the pipeline the flags name, and its model-level swap groups."""
-    from .pipelines import component_kind, model_level_groups, pipeline_modules
-    from .planning.modules import components_from_modules
+def _components(args: argparse.Namespace, bandwidth: float):
+    """The plan inputs of the pipeline the flags name (copies at ``bandwidth`` bytes per second),
+    and its model-level swap groups."""
+    from .fitting import plan_inputs
+    from .pipelines import pipeline_modules
 
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
         from .planning.realsize import build_modules
@@ -150,9 +134,8 @@ def _components(args: argparse.Namespace):
         pipeline_class(load_args)  # checks a --model folder before loading it
         pipe = load(load_args).pipe
         modules = pipeline_modules(pipe)
-    components = components_from_modules(modules, {name: component_kind(pipe, name) for name, _ in modules})
-    groups = [[name for name, _ in members] for _, members in model_level_groups(pipe, modules)]
-    measured = dict(copy_bandwidth=_copy_bandwidth(args)[0],
+    components, groups = plan_inputs(pipe, modules)
+    measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
         measured["activation_bytes"] = args.activation_memory
@@ -162,32 +145,20 @@ def _components(args: argparse.Namespace):
 def _copy_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
     """Bytes per second the plan's copy times assume, and where the figure comes from."""
     if args.bandwidth == "measure":
-        if not hasattr(args, "_measured_bandwidth"):
-            args._measured_bandwidth = measure_bandwidth()
-        return args._measured_bandwidth
+        return measure_bandwidth()
     if args.bandwidth:
         return args.bandwidth * 1e9, "--bandwidth"
     return DEFAULT_BANDWIDTH, "default: a PCIe 4.0 x16 link"
 
 
-def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20, repeats: int = 4) -> tuple[float, str]:
-    """Host-to-device bytes per second of pinned copies on ``backend`` (default: the one
-    auto-detection picks), one warm-up copy, then ``repeats`` timed back to back on one stream."""
-    import time
-
+def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20) -> tuple[float, str]:
+    """Host-to-device bytes per second of a pinned copy on ``backend`` (default: the one
+    auto-detection picks), as the real-size benchmark measures it, and where it comes from."""
+    from .bench.realsize import pinned_copy_bandwidth
     from .plugins import get_backend
 
     backend = backend if backend is not None else get_backend(None)
-    source, target = backend.empty_pinned(nbytes), backend.empty_device(nbytes)
-    stream = backend.new_stream()
-    backend.copy_async(target, source, stream)
-    stream.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        backend.copy_async(target, source, stream)
-    stream.synchronize()
-    seconds = time.perf_counter() - start
-    return repeats * nbytes / seconds, f"measured: pinned copies on the {backend.name} backend"
+    return pinned_copy_bandwidth(backend, nbytes), f"measured: pinned copies on the {backend.name} backend"
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -209,13 +180,14 @@ def run_plan(args: argparse.Namespace) -> int:
         budget = device_budget(args.device_memory)
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None
-    components, groups = _components(args)
+    bandwidth, bandwidth_source = _copy_bandwidth(args)
+    components, groups = _components(args, bandwidth)
     try:
         plan = make_plan(
             components, budget, groups=groups, strategy=None if args.strategy == "auto" else args.strategy,
             resident_blocks=args.resident_blocks, prefetch_depth=args.prefetch_depth,
             host_memory=args.host_memory, pinned_memory=args.pinned_memory,
-            bandwidth_source=_copy_bandwidth(args)[1],
+            bandwidth_source=bandwidth_source,
         )
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None

@@ -47,15 +47,18 @@ def fit(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBacke
     only ``resident_blocks`` is given), or None when neither is set."""
     if config.device_budget.auto and config.resident_blocks is None:
         return None
-    modules = pipeline_modules(target) if pipeline else [(component_name(target), target)]
-    if not modules:
-        raise ValueError(f"{type(target).__name__} has no component with weights to offload")
-    kinds = {name: component_kind(target, name) for name, _ in modules} if pipeline else {modules[0][0]: "dit"}
-    components = components_from_modules(modules, kinds, config.blocks)
+    if pipeline:
+        modules = pipeline_modules(target)
+        if not modules:
+            raise ValueError(f"{type(target).__name__} has no component with weights to offload")
+        components, groups = plan_inputs(target, modules, config.blocks)
+    else:
+        components = components_from_modules([(component_name(target), target)],
+                                             {component_name(target): "dit"}, config.blocks)
+        groups = None
     if config.activation_memory is not None:
         components = [c.with_measurements(activation_bytes=config.activation_memory) for c in components]
     free, total = backend.mem_get_info()
-    groups = [[name for name, _ in members] for _, members in model_level_groups(target, modules)] if pipeline else None
     world = _world(config)
     plan = make_plan(
         components, free if config.device_budget.auto else config.device_memory, device_total=total, groups=groups,
@@ -67,6 +70,15 @@ def fit(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBacke
     flag = FLAGS.get(plan.strategy)
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
     return Fit(plan, chosen)
+
+
+def plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None) -> tuple[list, list[list[str]]]:
+    """The planner's components of a pipeline's ``(name, module)`` pairs, each of its kind (with
+    ``pipe`` None, read from the names alone), and the pipeline's model-level swap groups: what
+    enable and ``offload-core plan`` both plan from."""
+    components = components_from_modules(modules, {name: component_kind(pipe, name) for name, _ in modules}, blocks)
+    groups = [[name for name, _ in members] for _, members in model_level_groups(pipe, modules)]
+    return components, groups
 
 
 def component_name(module: nn.Module) -> str:

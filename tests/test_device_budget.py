@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.pipelines import component_kind, pipeline_modules
+from offload_core.fitting import plan_inputs
+from offload_core.pipelines import pipeline_modules
 from offload_core.planning import make_plan
-from offload_core.planning.modules import components_from_modules
 from offload_core.tiny import build_pipeline
 
 from helpers import chaos_backend, pipeline_reference
@@ -27,13 +27,28 @@ ACTIVATION = 16 * 2**10  # given: the fake counts the weights' device memory, no
 
 
 def components(pipe):
-    modules = pipeline_modules(pipe)
-    return components_from_modules(modules, {n: component_kind(pipe, n) for n, _ in modules})
+    return plan_inputs(pipe, pipeline_modules(pipe))[0]
 
 
 def streamed_copies(handle) -> dict[str, tuple[int, int]]:
     """(loads, bytes copied) of each streamed component so far."""
     return {p.label: (p.counters.loads, p.counters.h2d_bytes) for p in handle.parts if hasattr(p, "kept_names")}
+
+
+def copied_as_planned(handle, start: dict[str, tuple[int, int]]) -> int:
+    """The bytes the streamed components copied since ``start`` (a :func:`streamed_copies`), each
+    checked against the plan: its forwards times its bytes per forward, plus the first blocks a
+    call's last forward queued for a next one (``frozen()``), dropped as the call ends."""
+    total = 0
+    for label, now in streamed_copies(handle).items():
+        part = next(p for p in handle.parts if getattr(p, "label", None) == label)
+        loads, copied = now[0] - start[label][0], now[1] - start[label][1]
+        forwards, rest = divmod(loads - part.num_slots, len(part.units))
+        assert rest == 0 and forwards > 0, (label, loads)
+        unused = sum(unit.nbytes for unit in part.units[:part.num_slots])
+        assert copied == forwards * handle.plan.component(label).bytes_per_forward + unused, "plan and copies differ"
+        total += copied
+    return total
 
 
 @pytest.mark.parametrize("name", PIPELINES)
@@ -63,18 +78,7 @@ def test_layerwise_sized_by_the_budget(name):
         stats = handle.stats()
         assert stats["prefetch_misses"] == 0
         assert stats["device_peak_bytes"] <= budget
-        total = 0
-        for label, (loads, copied) in streamed_copies(handle).items():
-            part = next(p for p in handle.parts if getattr(p, "label", None) == label)
-            loads, copied = loads - start[label][0], copied - start[label][1]
-            # a call's last forward queues the next one's first blocks (frozen()), dropped as the call ends
-            ahead = part.num_slots
-            forwards, rest = divmod(loads - ahead, len(part.units))
-            assert rest == 0 and forwards > 0
-            unused = sum(unit.nbytes for unit in part.units[:ahead])
-            assert copied == forwards * handle.plan.component(label).bytes_per_forward + unused, "plan and copies differ"
-            total += copied
-        copied_per_call.append(total)
+        copied_per_call.append(copied_as_planned(handle, start))
         handle.disable()
     assert copied_per_call == sorted(copied_per_call, reverse=True), copied_per_call
     assert copied_per_call[-1] == 0, "everything fits at 100%: nothing streams"
@@ -133,10 +137,7 @@ def test_from_pretrained_plans_the_checkpoint_as_it_will_be_packed(tmp_path):
     for part in streamed:
         planned = handle.plan.component(part.label)
         assert planned.resident_blocks == tuple(part.all_names.index(n) for n in part.kept_names)
-        loads, copied = (now - then for now, then in zip(streamed_copies(handle)[part.label], start[part.label]))
-        forwards, rest = divmod(loads - part.num_slots, len(part.units))
-        assert rest == 0 and copied == forwards * planned.bytes_per_forward + sum(
-            u.nbytes for u in part.units[:part.num_slots])
+    copied_as_planned(handle, start)
     handle.disable()
 
 

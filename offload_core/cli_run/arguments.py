@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..cli_common import UsageError, available_backend, check_writable
+from ..cli_common import UsageError, available_backend, budget_type, check_writable
 
 if TYPE_CHECKING:
     from ..backend import DeviceBackend
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
     parser.add_argument("--strategy", choices=STRATEGIES,
                         help="default: layerwise, or with --device-memory the one the planner picks")
-    parser.add_argument("--device-memory", metavar="SIZE", type=_device_budget,
+    parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
                         help="a device budget (bytes, 16GiB, or a fraction of the device such as 0.5): the planner "
                              "picks the strategy (unless --strategy is given) and the blocks kept on the device")
     parser.add_argument(
@@ -142,23 +142,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object; no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="log offload_core at INFO level on stderr")
     parser.add_argument("--debug", action="store_true", help="log at DEBUG level; print the traceback of a failure")
-
-
-def _device_budget(text: str) -> int | float | str:
-    from ..config import parse_budget
-
-    value: int | float | str = text
-    for number in (int, float):
-        try:
-            value = number(text)
-            break
-        except ValueError:
-            continue
-    try:
-        parse_budget(value, of="the device's memory")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
