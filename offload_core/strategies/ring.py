@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import OffloadedModelError
+from ..weights import nbytes_of
 from ..weights.binding import Binding
 from .common import allocate_device
 
@@ -63,7 +64,7 @@ class SlotRing:
 
     @property
     def nbytes(self) -> int:
-        return sum(n * dtype.itemsize for dtype, n in self.shape.items())
+        return nbytes_of(self.shape)
 
     def forget(self) -> None:
         """No slot holds a block any more (they are refilled before use)."""

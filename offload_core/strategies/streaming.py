@@ -115,9 +115,7 @@ class Streaming:
         self._starting = False
         with self.no_repack("a forward pre-hook of the model"):  # this call's blocks are bound already
             self._reconcile(range(len(self.units)))
-        for j in range(self.num_slots):
-            if self.ring.occupant[j] != j:
-                self.load(j)
+        self._queue(0, self.num_slots)
 
     def _before_kept(self, following: int) -> None:
         """A kept block (on the device for good) is about to run; ``following``: the first streamed
@@ -127,9 +125,7 @@ class Streaming:
         if self._starting:
             self._start_pass()
         if self._passes > 0:
-            for j in range(following, min(following + self.num_slots, len(self.units))):
-                if self.ring.occupant[j % self.num_slots] != j:
-                    self.load(j)
+            self._queue(following, self.num_slots)
 
     def _end_pass(self, failed: bool) -> None:
         self._passes -= 1
@@ -154,8 +150,14 @@ class Streaming:
     def _load_first(self) -> None:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
         between two forwards; only inside ``handle.frozen()``, where weights do not change."""
-        for j in range(self.num_slots):
-            self.load(j)
+        self._queue(0, self.num_slots)
+
+    def _queue(self, first: int, count: int) -> None:
+        """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet."""
+        occupant, slots = self.ring.occupant, self.num_slots
+        for j in range(first, min(first + count, len(self.units))):
+            if occupant[j % slots] != j:
+                self.load(j)
 
     def freeze(self) -> None:
         with self.lock:
@@ -178,15 +180,12 @@ class Streaming:
         in_pass = self._passes > 0
         if not in_pass:
             self._reconcile([i])
-        occupant = self.ring.occupant
-        if occupant[i % self.num_slots] != i:
+        if self.ring.occupant[i % self.num_slots] != i:
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
             self._count_miss(i)
             self.load(i)
         if in_pass:
-            for j in range(i + 1, min(i + 1 + self.depth, len(self.units))):
-                if occupant[j % self.num_slots] != j:
-                    self.load(j)
+            self._queue(i + 1, self.depth)
         self.wait_ready(i)
         self._bound = i
         self.plans[i].binding.to_device()
