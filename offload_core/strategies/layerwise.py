@@ -33,7 +33,7 @@ from ..backend import DeviceBackend
 from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
 from ..weights import nbytes_of, slot_numel, split_units
-from ..weights.binding import Binding
+from ..weights.binding import Binding, Homes
 from .autograd import SavedSlots
 from .common import Transaction, allocate_device, copy_unit, default_placement, unpack_units
 from .part import Part, adopt_foreign, blocks_now, write_back
@@ -83,6 +83,7 @@ class LayerwiseOffload(Streaming, Part):
         self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
         self.ring: SlotRing | None = None  # made by enable, dropped by disable, like the rest of this group
         self.plans: list[BlockPlan] = []
+        self.homes: Homes | None = None  # what every streamed block shows at home, checked before each pass
         self.copy_stream = None
         self.resident_device: dict[torch.dtype, torch.Tensor] = {}
         self.resident_views: list[torch.Tensor] = []
@@ -168,6 +169,7 @@ class LayerwiseOffload(Streaming, Part):
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
         self.epoch += 1
         self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
+        self.homes = Homes([plan.binding for plan in self.plans])
         self.saved.index(self.ring.slots)
         # the ring's own references to each slot, counted at rest: more, later, means that
         # something outside the ring still holds the slot (see ring.py)
@@ -189,7 +191,8 @@ class LayerwiseOffload(Streaming, Part):
         buffers = self.ring.slots[slot]
         transfers, copies, nbytes, image = self.transport.plan(i, unit, buffers)
         binding = Binding(unit, self.home_views(i), unit.views(buffers))
-        return BlockPlan(i, unit, slot, binding, transfers, copies, nbytes, image, ready, ticket)
+        return BlockPlan(i, unit, slot, binding, transfers, copies, nbytes, image, self.transport.write_back(i), ready,
+                         ticket)
 
     def _instrument(self) -> None:
         for i, block in enumerate(self.blocks):
@@ -224,7 +227,7 @@ class LayerwiseOffload(Streaming, Part):
             if not self.enabled:
                 return
             self.quiesce()
-            self.plans = []  # what references the homes goes first, so that each is released once unpacked
+            self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
             if self.resident.host:
                 adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
                 write_back(self.backend, [
@@ -238,6 +241,7 @@ class LayerwiseOffload(Streaming, Part):
     def _release(self) -> None:
         self.ring = None
         self.plans = []
+        self.homes = None
         self.transport.release()
         while self._grad_hooks:
             self._grad_hooks.popitem()[1].remove()

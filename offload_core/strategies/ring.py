@@ -43,6 +43,7 @@ class BlockPlan:
     copies: int  # host-to-device copies per load, for the counters
     nbytes: int  # bytes per load, for the counters and the timeline
     image: Any  # its on-disk image when its home is on disk, else None
+    write_back: Callable  # how a forward's changes to its tensors go home (see Binding.to_home)
     ready: Any  # event recorded once its transfers are queued
     ticket: Any = None  # the stager's ticket of a pending load
 
@@ -57,7 +58,8 @@ class SlotRing:
         self.slots = [allocate_device(backend, shape, functools.partial(name, s)) for s in range(count)]
         self.freed = [backend.new_event() for _ in range(count)]
         self.occupant = [-1] * count
-        self._uses: list[list[tuple[Any, int]]] = [[] for _ in range(count)]
+        # per slot: (its storages, kept alive, their addresses, their use counts at rest)
+        self._uses: list[tuple[list, list[int], list[int]]] = [([], [], []) for _ in range(count)]
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -82,7 +84,8 @@ class SlotRing:
             self._uses[s] = _uses(self.slots[s])
 
     def at_rest(self, slot: int) -> bool:
-        return all(_use_count(storage) == uses for storage, uses in self._uses[slot])
+        _, addresses, counts = self._uses[slot]
+        return list(map(_use_count, addresses)) == counts
 
     def renew(self, slot: int, copy_stream, holding: str, owner: str) -> bool:
         """Before ``slot`` is refilled: True if its memory had to be left to a holder outside the
@@ -111,10 +114,11 @@ class SlotRing:
         return True
 
 
-def _use_count(storage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)
+#: how many tensors reference a storage (by its address, ``storage._cdata``)
+_use_count = torch._C._storage_Use_Count
 
 
-def _uses(slot: dict[torch.dtype, torch.Tensor]) -> list[tuple[Any, int]]:
+def _uses(slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, list[int], list[int]]:
     storages = [b.untyped_storage() for b in slot.values() if b.numel()]
-    return [(storage, _use_count(storage)) for storage in storages]
+    addresses = [storage._cdata for storage in storages]
+    return storages, addresses, list(map(_use_count, addresses))

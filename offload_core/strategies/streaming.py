@@ -37,7 +37,6 @@ import logging
 
 import torch
 
-from ..timeline import UNTRACED
 from .ring import BlockPlan
 
 logger = logging.getLogger(__name__)
@@ -204,7 +203,10 @@ class Streaming:
             plan.ready.wait(reader)
             return
         stream = self.backend.current_stream()
-        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
+        if self.timeline is None:
+            plan.ready.wait(stream)
+            return
+        with self.timeline.compute_after(stream, self._span_name(i)):
             plan.ready.wait(stream)
 
     def _count_miss(self, i: int) -> None:
@@ -226,7 +228,7 @@ class Streaming:
             if self.timeline is not None:
                 self.timeline.end_compute(self.backend.current_stream())
             self._bound = -1
-            if plan.binding.to_home(self.transport.write_back(i)):
+            if plan.binding.to_home(plan.write_back):
                 self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
             if alone:
                 self.quiesce()

@@ -109,7 +109,7 @@ class CopyTransport:
 
     def issue(self, plan, stream) -> None:
         """Queue on ``stream`` what fills ``plan``'s slot."""
-        part = self.part
+        part = self._part()  # once per block: not through the property
         if part.placement.stager is None:  # every source is a host buffer: plain copies
             for dst, src in plan.transfers:
                 part.backend.copy_async(dst, src, stream)
@@ -117,11 +117,14 @@ class CopyTransport:
             part.placement.issue(plan.transfers, stream)
 
     def write_back(self, i: int):
-        """How a forward's changes to block ``i``'s tensors go home."""
+        """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""
         part = self.part
         if not part.units[i].host:
-            return functools.partial(_raise, part.no_ram_home(i))
+            return functools.partial(self._no_ram_home, i)
         return functools.partial(write_back, part.backend)
+
+    def _no_ram_home(self, i: int, pairs) -> None:
+        raise self.part.no_ram_home(i)
 
     # -- keeping the model in step ----------------------------------------------------------------
     def replaced(self, blocks):
@@ -129,6 +132,8 @@ class CopyTransport:
         views, for ``Part.reconcile``; once the copies queued earlier (which read the host as it
         was) are done. A block with no home in RAM cannot take a change."""
         part = self.part
+        if len(blocks) == len(part.plans) and part.homes.at_home():  # the rule, before each pass: one check
+            return
         for i in blocks:
             plan = part.plans[i]
             if not plan.binding.at_home():
@@ -195,10 +200,6 @@ def placeholders(unit) -> list[torch.Tensor]:
             value = torch.iinfo(dtype).max
         poison[dtype] = torch.full((), value, dtype=dtype)
     return [poison[e.dtype].expand(e.size) for e in unit.entries]
-
-
-def _raise(error: Exception, *args) -> None:
-    raise error
 
 
 def _show_home(unit, module, prefix: str, keep_vars: bool) -> None:
