@@ -79,11 +79,9 @@ def _compiling_frames() -> bool:
     return torch.compiler.is_compiling() or _eval_frame_callback is None or _eval_frame_callback() is not None
 
 
-def _exporting() -> bool:
-    """Whether ``torch.export`` is tracing (``torch.compiler.is_exporting``, torch 2.7 and later;
-    on older torch export is not told apart, and fails with torch's own error)."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return is_exporting is not None and is_exporting()
+#: whether ``torch.export`` is tracing (torch 2.7 and later; on older torch export is not told
+#: apart, and fails with torch's own error)
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 class CallWrapper:
@@ -124,7 +122,10 @@ class CallWrapper:
                 "between host and device around every call. Call handle.disable() first, export the plain model, "
                 "then enable offloading again"
             )
-        return self._call(*args, **kwargs)
+        if _compiling_frames():
+            return self._call(self._enter, self._after, args, kwargs)
+        # eager: nothing would trace the work, so its disabled wrappers are skipped
+        return self._run(self._prepare, self._after_eager, args, kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._work_before is not None:
@@ -133,16 +134,12 @@ class CallWrapper:
             return to_device(args, self._device), to_device(kwargs, self._device)
         return args, kwargs
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        # Dynamo skips this frame but compiles the frames it calls: under it the work is in the
-        # two disabled calls, and the module's own frames between them are compiled as usual.
+    def _run(self, enter: Callable, after: Callable[[bool], None] | None, args: tuple, kwargs: dict) -> Any:
+        # Under Dynamo this frame is skipped but the frames it calls are compiled: the work is in
+        # the two disabled calls, and the module's own frames between them are compiled as usual.
         with self._lock:
             # taken now: a strategy that re-packs inside ``before`` removes this wrapper, and the
             # call that began here must still end with its ``after``
-            if _compiling_frames():
-                enter, after = self._enter, self._after
-            else:  # eager: nothing would trace the work, so the disabled wrappers are skipped
-                enter, after = self._prepare, self._after_eager
             failed = True
             try:
                 args, kwargs = enter(args, kwargs)
