@@ -184,7 +184,7 @@ class FakeBackend(DeviceBackend):
         return stack
 
     def current_stream(self) -> FakeStream | DefaultStream:
-        stack = self._stack()
+        stack = getattr(self._local, "stack", None)  # asked twice per streamed block: no helper call
         return stack[-1] if stack else self._default
 
     @contextlib.contextmanager

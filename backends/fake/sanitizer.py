@@ -614,6 +614,11 @@ class Sanitizer:
 # -- installation -----------------------------------------------------------------------------
 
 
+def watching() -> bool:
+    """Whether the access-recording mode is on this thread (else ``suspended`` has nothing to do)."""
+    return getattr(_local, "mode", None) is not None
+
+
 def install() -> None:
     """Put the access-recording dispatch mode on the calling thread's mode stack, once."""
     if getattr(_local, "mode", None) is None:

@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import Callable
 
-from .sanitizer import suspended
+from .sanitizer import suspended, watching
 from .trace import Timeline, now_ns
 
 # Set at interpreter exit: workers stop after their current task and simulated waits end early.
@@ -83,7 +83,8 @@ class _Queue:
         self.timeline = timeline
         self.chaos = chaos
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()  # taken directly where no one waits: a Condition's own ``with`` is Python code
+        self.cond = threading.Condition(self.lock)
         self.waiters = 0  # threads in wait_for: a finished task notifies only when someone waits
         self.enqueued = 0
         self.done = 0
@@ -101,7 +102,7 @@ class _Queue:
         prepare: Callable[[], None] | None = None,
         inline: bool = False,
     ) -> int:
-        with self.cond:
+        with self.lock:
             self.enqueued += 1
             seq = self.enqueued
             if self.closed:
@@ -121,7 +122,9 @@ class _Queue:
                 # no later submission can overtake it. Waking the worker would cost more than a
                 # small copy (two GIL handoffs), a cost no real device has.
                 self._execute(fn, label, nbytes)
-                self._mark_done(seq)
+                self.done = seq
+                if self.waiters:
+                    self.cond.notify_all()
                 return seq
         self.tasks.put((seq, fn, label, nbytes, prepare))
         return seq
@@ -150,7 +153,10 @@ class _Queue:
         start = now_ns()
         try:
             if self.error is None:  # after a failure the stream only drains, as a faulted GPU would
-                with suspended():  # recorded by the sanitizer when it was enqueued
+                if watching():
+                    with suspended():  # recorded by the sanitizer when it was enqueued
+                        fn()
+                else:
                     fn()
         except BaseException as exc:  # noqa: BLE001 - reported at the next synchronisation
             self.error = exc
@@ -214,12 +220,17 @@ class FakeStream:
     def reached(self, seq: int) -> bool:
         return self._q.done >= seq
 
+    def passed(self, seq: int) -> bool:
+        """``reached``, re-raising a failure of the work run so far when it has."""
+        q = self._q
+        if q.done < seq:
+            return False
+        if q.error is not None:
+            q.raise_error()
+        return True
+
     def wait_for(self, seq: int) -> None:
         self._q.wait_for(seq)
-
-    def check(self) -> None:
-        """Re-raise a failure of work already run on this stream."""
-        self._q.raise_error()
 
     def synchronize(self) -> None:
         self._q.wait_for(self._q.enqueued)
@@ -272,10 +283,10 @@ class DefaultStream:
     def reached(self, seq: int) -> bool:
         return True
 
-    def wait_for(self, seq: int) -> None:
-        return None
+    def passed(self, seq: int) -> bool:
+        return True
 
-    def check(self) -> None:
+    def wait_for(self, seq: int) -> None:
         return None
 
     # Its work has run by now; for the sanitizer it is complete only once the host asks.
@@ -331,8 +342,7 @@ class FakeEvent:
         source, seq = self._stream, self._seq
         if source is None or source is target:
             return  # unrecorded, or same-stream order already holds
-        if source.reached(seq):
-            source.check()  # already reached: nothing to wait for, but a failure of that work surfaces
+        if source.passed(seq):  # nothing to wait for, but a failure of that work surfaces
             return
         if isinstance(target, DefaultStream):
             start = now_ns()
