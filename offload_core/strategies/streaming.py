@@ -37,6 +37,7 @@ import logging
 
 import torch
 
+from ..timeline import UNTRACED
 from .ring import BlockPlan
 
 logger = logging.getLogger(__name__)
@@ -203,10 +204,7 @@ class Streaming:
             plan.ready.wait(reader)
             return
         stream = self.backend.current_stream()
-        if self.timeline is None:
-            plan.ready.wait(stream)
-            return
-        with self.timeline.compute_after(stream, self._span_name(i)):
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
             plan.ready.wait(stream)
 
     def _count_miss(self, i: int) -> None:
