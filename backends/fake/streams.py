@@ -122,9 +122,7 @@ class _Queue:
                 # no later submission can overtake it. Waking the worker would cost more than a
                 # small copy (two GIL handoffs), a cost no real device has.
                 self._execute(fn, label, nbytes)
-                self.done = seq
-                if self.waiters:
-                    self.cond.notify_all()
+                self._mark_done(seq)
                 return seq
         self.tasks.put((seq, fn, label, nbytes, prepare))
         return seq
@@ -163,7 +161,7 @@ class _Queue:
         self.timeline.add(self.name, label, start, now_ns(), nbytes)
 
     def _mark_done(self, seq: int) -> None:
-        """With ``cond`` held: tasks up to ``seq`` have run; wake whoever waits."""
+        """With the queue's lock held: tasks up to ``seq`` have run; wake whoever waits."""
         self.done = seq
         if self.waiters:
             self.cond.notify_all()
