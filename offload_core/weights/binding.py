@@ -58,29 +58,31 @@ class Home:
     def at_home(self) -> bool:
         """True while every owner still shows its home view (the user has not given a parameter
         new data nor replaced a buffer)."""
-        if list(map(_data_ptr, self.params)) != self._home_ptrs:
-            return False
-        return all(o.module._buffers.get(o.name) is v for o, v in zip(self.buffers, self.buffers_home))
+        return _shows(self.params, self._home_ptrs, self.buffers, self.buffers_home)
 
 
 class Homes:
     """``Home.at_home`` of many units at once (every streamed block, before each forward): one
     call per tensor, in C, over all of them, instead of a Python loop per unit."""
 
-    __slots__ = ("_params", "_ptrs", "_buffers", "_buffer_names", "_buffers_home")
+    __slots__ = ("_params", "_ptrs", "_buffers", "_buffers_home")
 
     def __init__(self, homes: Sequence[Home]) -> None:
         self._params = [p for h in homes for p in h.params]
         self._ptrs = [ptr for h in homes for ptr in h._home_ptrs]
-        owners = [o for h in homes for o in h.buffers]
-        self._buffers = [o.module._buffers for o in owners]
-        self._buffer_names = [o.name for o in owners]
+        self._buffers = [o for h in homes for o in h.buffers]
         self._buffers_home = [v for h in homes for v in h.buffers_home]
 
     def at_home(self) -> bool:
-        if list(map(_data_ptr, self._params)) != self._ptrs:
-            return False
-        return all(map(operator.is_, map(dict.get, self._buffers, self._buffer_names), self._buffers_home))
+        return _shows(self._params, self._ptrs, self._buffers, self._buffers_home)
+
+
+def _shows(params: list, ptrs: list[int], buffers: list[Owner], views: list[torch.Tensor]) -> bool:
+    """Whether each of ``params`` still shows the memory at its pointer in ``ptrs`` and each buffer
+    owner still holds its view in ``views``."""
+    if list(map(_data_ptr, params)) != ptrs:
+        return False
+    return all(map(operator.is_, map(Owner.get, buffers), views))
 
 
 class Binding(Home):
