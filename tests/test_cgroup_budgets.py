@@ -101,6 +101,8 @@ def test_cgroup_v1_nested_with_the_unlimited_value(tmp_path):
 def test_inside_a_cgroup_namespace_the_mount_is_the_process_cgroup(tmp_path):
     # /proc/self/cgroup names the cgroup from the host's root; the files are at the mount point
     files = v1_level("/sys/fs/cgroup/memory", 12 * GIB, 2 * GIB, 0)
+    # a child of the process's cgroup that shares the path's first name: not the process's
+    files.update(v1_level("/sys/fs/cgroup/memory/process_api", GIB, 0, 0))
     root = system(tmp_path, "4:memory:/process_api/f1a7e0d0", V1_MOUNTS.format(root="/"), files)
     assert budget.physical_memory(root) == 12 * GIB and budget.available_memory(root) == 10 * GIB
     # a container runtime that mounts its own cgroup as the root of the mount: the same folder

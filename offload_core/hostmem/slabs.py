@@ -19,16 +19,17 @@ unit tucked into an earlier slab's tail would keep that slab alive to the end.
 
 The slab size trades waste against that release: a slab wastes less than one request (so at most
 1/``REQUESTS_PER_SLAB`` of it), and ``disable`` holds at most about one slab beyond the weights
-it has not yet given back. Hence a request the backend allocates at its exact size (a backend
-that registers host memory, or the fake without ``pinned_rounding``) gets an allocation of its
-own: nothing would be saved by sharing, and its memory goes as soon as its unit is unpacked.
+it has not yet given back. Hence a request the backend allocates at its exact size (the fake
+without ``pinned_rounding``) gets an allocation of its own: nothing would be saved by sharing,
+and its memory goes as soon as its unit is unpacked.
 
 No allocation is larger than ``backend.pinned_chunk_bytes``: drivers refuse a single huge pinned
 allocation, so slabs are capped at it, and the placement gives a buffer larger than it pageable
 memory (:func:`offload_core.hostmem.placement.plan_placement`). A backend that registers host
 memory (:data:`~offload_core.Capability.HOST_REGISTER`) gets slabs of registered memory instead
-(:mod:`.registered`): exact to the page, so the pinned bytes are the packed bytes plus their
-alignment, registered in chunks, so a buffer of any size can be pinned.
+(:mod:`.registered`), sized as above but exact to the page, so the pinned bytes are the packed
+bytes plus their alignment; each is registered in chunks, so a buffer of any size can be pinned
+(and sharing a slab saves a registration per buffer).
 """
 
 from __future__ import annotations
