@@ -62,9 +62,9 @@ class CudaBackend(AcceleratorBackend):
         return getattr(torch._C, "_host_emptyCache", None) or super().host_cache_emptier()
 
     def _runtime_register(self, ptr: int, nbytes: int) -> None:
-        """``cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault)``: page-locks the range and makes
-        it visible to every device, exactly ``nbytes`` (no rounding). ``cudart()`` initialises CUDA,
-        which a backend in use has done already."""
+        """``cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault)``: page-locks exactly the range
+        (no rounding). ``cudart()`` initialises
+        CUDA, which a backend in use has done already."""
         cudart = self._mod.cudart()
         error = cudart.cudaHostRegister(ptr, nbytes, 0)
         if error != cudart.cudaError.success:
