@@ -63,8 +63,7 @@ class CudaBackend(AcceleratorBackend):
 
     def _runtime_register(self, ptr: int, nbytes: int) -> None:
         """``cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault)``: page-locks exactly the range
-        (no rounding). ``cudart()`` initialises
-        CUDA, which a backend in use has done already."""
+        (no rounding). ``cudart()`` initialises CUDA, which a backend in use has done already."""
         cudart = self._mod.cudart()
         error = cudart.cudaHostRegister(ptr, nbytes, 0)
         if error != cudart.cudaError.success:
