@@ -32,7 +32,7 @@ import torch
 from . import dist as _dist
 from .backend import Capability, DeviceBackend, Event, Stream
 from .errors import BackendUnavailableError
-from .memory_accounting import AllocationTracker, as_shape, power_of_two_ceil
+from .memory_accounting import AllocationTracker, HostRegistrations, as_shape, power_of_two_ceil
 
 __all__ = ["AcceleratorBackend", "BackendUnavailableError", "CollectiveWork"]
 
@@ -108,6 +108,7 @@ class AcceleratorBackend(DeviceBackend):
         self._pinned = AllocationTracker(
             f"{cls.name} pinned host memory", block_size=power_of_two_ceil, caches_freed=True
         )
+        self._registered = HostRegistrations()  # Capability.HOST_REGISTER: ranges the runtime pinned
         self._used_devices: set[int] = set()
 
     def _device_module(self) -> Any:
@@ -173,10 +174,33 @@ class AcceleratorBackend(DeviceBackend):
         return self._pinned.allocate(size, dtype, _pinned_empty)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and tensor.is_pinned()
+        return tensor.device.type == "cpu" and (tensor.is_pinned() or self._registered.covers(tensor.data_ptr()))
 
     def pinned_memory_allocated(self) -> int:
-        return self._pinned.held
+        return self._pinned.held + self._registered.bytes
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        """Through the vendor's runtime call (:meth:`_runtime_register`); counted until unregistered."""
+        if Capability.HOST_REGISTER not in self.capabilities:
+            return super().register_host(ptr, nbytes)
+        self._registered.check(ptr, nbytes)
+        self._runtime_register(ptr, nbytes)
+        self._registered.add(ptr, nbytes)
+
+    def unregister_host(self, ptr: int) -> None:
+        if Capability.HOST_REGISTER not in self.capabilities:
+            return super().unregister_host(ptr)
+        self._registered.remove(ptr)
+        self._runtime_unregister(ptr)
+
+    def _runtime_register(self, ptr: int, nbytes: int) -> None:
+        """The vendor runtime's registration call (``cudaHostRegister``); raises
+        ``torch.OutOfMemoryError`` when it fails. Backends listing :data:`Capability.HOST_REGISTER`
+        implement it and :meth:`_runtime_unregister`."""
+        raise NotImplementedError
+
+    def _runtime_unregister(self, ptr: int) -> None:
+        raise NotImplementedError
 
     def pinned_allocation_size(self, nbytes: int) -> int:
         return power_of_two_ceil(nbytes)

@@ -37,6 +37,11 @@ class Capability:
     #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
     #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
     TIMING = "timing"
+    #: ``register_host`` / ``unregister_host`` page-lock existing page-aligned host memory at its
+    #: exact size (``cudaHostRegister``). Offload-core then pins homes and the bounce ring that
+    #: way, registered in pieces of at most ``pinned_chunk_bytes``, rather than through the caching
+    #: host allocator, which rounds every request up to a power of two
+    HOST_REGISTER = "host_register"
 
 
 @runtime_checkable
@@ -99,6 +104,13 @@ class DeviceBackend(abc.ABC):
     is_accelerator: ClassVar[bool] = True
     #: optional features, names from :class:`Capability`
     capabilities: ClassVar[frozenset[str]] = frozenset({Capability.COLLECTIVES})
+    #: the largest pinned allocation (or registration) offload-core asks for at once: drivers
+    #: refuse a single huge one (above ~200 GB on Ascend), so slabs and registrations are cut to it
+    pinned_chunk_bytes: ClassVar[int] = 4 * 2**30
+    #: False where pinned memory is not charged to the process's memory cgroup (driver DMA memory
+    #: on Ascend): the "auto" host budget then takes this backend's pinned bytes from the cgroup's
+    #: headroom itself (see :mod:`offload_core.hostmem.budget`)
+    pinned_in_cgroup: ClassVar[bool] = True
 
     # -- identity ---------------------------------------------------------------------------
     @classmethod
@@ -177,6 +189,19 @@ class DeviceBackend(abc.ABC):
         either a size the allocator hands out exactly, or the whole rounded block. The default,
         no rounding, is right for a backend that pins memory at exact size (host registration)."""
         return nbytes
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        """Page-lock the host memory ``[ptr, ptr + nbytes)`` (page-aligned, at most
+        ``pinned_chunk_bytes``) for asynchronous copies, at its exact size; counted by
+        :meth:`pinned_memory_allocated` until :meth:`unregister_host`. Only backends with
+        :data:`Capability.HOST_REGISTER`. Raises ``torch.OutOfMemoryError`` when the runtime refuses
+        (a driver or ``memlock`` limit): offload-core then gives the rest of the homes pageable memory."""
+        raise NotImplementedError(f"{self.name} cannot register host memory")
+
+    def unregister_host(self, ptr: int) -> None:
+        """Undo the :meth:`register_host` of the range starting at ``ptr``; the memory stays valid,
+        pageable. Only backends with :data:`Capability.HOST_REGISTER`."""
+        raise NotImplementedError(f"{self.name} cannot register host memory")
 
     def empty_host_cache(self) -> None:
         """Return freed pinned blocks that the host allocator caches to the system. Called when

@@ -8,15 +8,20 @@ storage gives the bytes back when the last tensor viewing that storage dies.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
+import mmap
 import threading
 import weakref
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["AllocationTracker", "as_shape", "power_of_two_ceil"]
+__all__ = ["AllocationTracker", "HostRegistrations", "as_shape", "power_of_two_ceil"]
+
+#: the granularity of host registration: ranges start at page boundaries
+PAGE_BYTES = mmap.PAGESIZE
 
 Factory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -141,3 +146,51 @@ class AllocationTracker:
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.current
+
+
+class HostRegistrations:
+    """Host ranges a backend page-locked through its runtime (``cudaHostRegister``), by first
+    byte: the bytes they pin, and whether an address falls in one (``is_pinned``). Registering a
+    range twice, or unregistering one that is not registered, is refused as the runtimes refuse it."""
+
+    def __init__(self) -> None:
+        self._ends: dict[int, int] = {}  # first byte -> end byte
+        self._starts: list[int] = []  # sorted
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def check(self, ptr: int, nbytes: int) -> None:
+        """Refuse, before the runtime is asked, a range it would refuse: not page-aligned, empty,
+        or overlapping one registered already."""
+        if ptr % PAGE_BYTES or nbytes <= 0:
+            raise ValueError(f"host registration needs page-aligned memory, got {nbytes} bytes at {ptr:#x}")
+        k = bisect.bisect_right(self._starts, ptr)
+        if (k > 0 and self._ends[self._starts[k - 1]] > ptr) or (k < len(self._starts) and self._starts[k] < ptr + nbytes):
+            raise ValueError(f"host memory at {ptr:#x} ({nbytes} bytes) is already registered")
+
+    def add(self, ptr: int, nbytes: int) -> None:
+        """Count a range the runtime registered (``check`` it first)."""
+        with self._lock:
+            self.check(ptr, nbytes)
+            k = bisect.bisect_right(self._starts, ptr)
+            self._starts.insert(k, ptr)
+            self._ends[ptr] = ptr + nbytes
+            self.bytes += nbytes
+
+    def remove(self, ptr: int) -> int:
+        """Forget the range starting at ``ptr``; returns its bytes."""
+        with self._lock:
+            end = self._ends.pop(ptr, None)
+            if end is None:
+                raise ValueError(f"host memory at {ptr:#x} is not registered")
+            self._starts.remove(ptr)
+            self.bytes -= end - ptr
+            return end - ptr
+
+    def covers(self, ptr: int) -> bool:
+        starts = self._starts
+        k = bisect.bisect_right(starts, ptr) - 1
+        if k < 0:
+            return False
+        end = self._ends.get(starts[k])
+        return end is not None and ptr < end

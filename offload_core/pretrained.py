@@ -34,7 +34,7 @@ from .config import OffloadConfig
 from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
-from .hostmem.budget import AUTO_HOST_SHARE, available_memory
+from .hostmem.budget import auto_host_budget
 from .hostmem.disk import read_index
 from .weights.unit import SOURCE_ATTRIBUTE
 
@@ -102,7 +102,7 @@ def from_pretrained(
     if config.strategy is not None:  # else the device budget picks it, and enable checks then
         config.check_applies(kind)
     if config.strategy == "layerwise" and config.host_budget.auto:
-        config = dataclasses.replace(config, host_memory=int(AUTO_HOST_SHARE * available_memory()))
+        config = dataclasses.replace(config, host_memory=auto_host_budget())
     target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
     return enable(target, config)
 

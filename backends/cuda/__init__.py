@@ -11,6 +11,7 @@ import os
 import torch
 
 from offload_core.accelerator import AcceleratorBackend
+from offload_core.backend import Capability
 from offload_core.hookspecs import hookimpl
 
 __all__ = ["CudaBackend"]
@@ -23,6 +24,9 @@ class CudaBackend(AcceleratorBackend):
     device_type = "cuda"
     dist_backend = "nccl"
     priority = 10
+    # cudaHostRegister / cudaHostUnregister are bound in torch.cuda.cudart() of every CUDA and
+    # ROCm (hipHostRegister, under the same names) build of torch
+    capabilities = AcceleratorBackend.capabilities | {Capability.HOST_REGISTER}
 
     @classmethod
     def probe(cls) -> bool:
@@ -56,6 +60,21 @@ class CudaBackend(AcceleratorBackend):
         only), else the generic ``torch.accelerator.empty_host_cache``. There is no
         ``torch.cuda.empty_host_cache``: looking for one silently did nothing."""
         return getattr(torch._C, "_host_emptyCache", None) or super().host_cache_emptier()
+
+    def _runtime_register(self, ptr: int, nbytes: int) -> None:
+        """``cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault)``: page-locks exactly the range
+        (no rounding). ``cudart()`` initialises CUDA, which a backend in use has done already."""
+        cudart = self._mod.cudart()
+        error = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if error != cudart.cudaError.success:
+            raise torch.OutOfMemoryError(
+                f"cudaHostRegister of {nbytes} bytes failed: {cudart.cudaGetErrorString(error)}")
+
+    def _runtime_unregister(self, ptr: int) -> None:
+        cudart = self._mod.cudart()
+        error = cudart.cudaHostUnregister(ptr)
+        if error != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostUnregister at {ptr:#x} failed: {cudart.cudaGetErrorString(error)}")
 
 
 @hookimpl

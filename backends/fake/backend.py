@@ -7,6 +7,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import weakref
@@ -18,9 +19,9 @@ from offload_core import dist as _dist
 from offload_core.backend import Capability, DeviceBackend
 from offload_core.config import check_value, count
 from offload_core.testing.capabilities import SimulatorCapability
-from offload_core.memory_accounting import power_of_two_ceil
+from offload_core.memory_accounting import HostRegistrations, as_shape, power_of_two_ceil
 
-from .memory import Pool
+from .memory import FakeOutOfMemoryError, Pool
 from .options import flag, nbytes, option, positive_number, seconds
 from .sanitizer import Sanitizer, suspended
 from .streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent, _Chaos, pause
@@ -28,10 +29,12 @@ from .trace import Timeline, now_ns
 
 logger = logging.getLogger(__name__)
 
-#: pinned_rounding option -> how the pinned pool counts (see FakeBackend)
+#: pinned_rounding option -> how the pinned pool counts (see FakeBackend); "register" counts as
+#: "exact" and adds host registration
 PINNED_ROUNDING: dict[str, dict] = {
     "exact": {},
     "pow2": {"block_size": power_of_two_ceil, "caches_freed": True},
+    "register": {},
 }
 
 
@@ -40,6 +43,14 @@ def _rounding(value: Any) -> str:
     if value not in PINNED_ROUNDING:
         raise ValueError(f"choose from {', '.join(PINNED_ROUNDING)}")
     return value
+
+
+def _chunk(value: Any) -> int:
+    """A pinned chunk size: bytes > 0."""
+    chunk = nbytes(value)
+    if chunk <= 0:
+        raise ValueError("must be > 0 bytes")
+    return chunk
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -76,7 +87,14 @@ class FakeBackend(DeviceBackend):
     * ``pinned_rounding`` (``OFFLOAD_CORE_FAKE_PINNED_ROUNDING``): ``"exact"`` (default) or
       ``"pow2"``, which models torch's caching host allocator in the pinned accounting: every
       request takes the next power of two, and a freed block stays held (and counted) until
-      :meth:`empty_host_cache`, reused meanwhile by requests of the same block size.
+      :meth:`empty_host_cache`, reused meanwhile by requests of the same block size. ``"register"``
+      models a runtime that registers host memory (:data:`~offload_core.Capability.HOST_REGISTER`,
+      ``cudaHostRegister``): ``register_host`` pins exactly the bytes asked, refuses memory that is
+      not page-aligned or already registered, and counts against ``pinned_memory`` with
+      ``empty_pinned``'s allocations; ``empty_pinned`` stays exact.
+    * ``pinned_chunk_bytes`` (``OFFLOAD_CORE_FAKE_PINNED_CHUNK_BYTES``, default 4 GiB): the largest
+      single pinned allocation or registration the fake "driver" accepts; a larger one raises
+      :class:`FakeOutOfMemoryError`, as real drivers refuse a single huge pinned allocation.
     * ``device_cache`` (``OFFLOAD_CORE_FAKE_DEVICE_CACHE=1``): models a caching device allocator
       that keeps a reserve: device memory once allocated stays reserved after it is freed (the
       fake's "driver" sees it as used) until :meth:`empty_cache`; new allocations reuse it, so
@@ -119,6 +137,7 @@ class FakeBackend(DeviceBackend):
         device_memory: int | None = None,
         pinned_memory: int | None = None,
         pinned_rounding: str | None = None,
+        pinned_chunk_bytes: int | None = None,
         device_cache: bool | None = None,
         h2d_bandwidth: float | None = None,
         seed: int = 0,
@@ -131,6 +150,7 @@ class FakeBackend(DeviceBackend):
         device_memory = option("device_memory", device_memory, nbytes)
         pinned_memory = option("pinned_memory", pinned_memory, nbytes)
         pinned_rounding = option("pinned_rounding", pinned_rounding, _rounding) or "exact"
+        pinned_chunk_bytes = option("pinned_chunk_bytes", pinned_chunk_bytes, _chunk)
         device_cache = option("device_cache", device_cache, flag) or False
         h2d_bandwidth = option("h2d_bandwidth", h2d_bandwidth, positive_number)
         chaos_delay = check_value("chaos_delay", chaos_delay, seconds)
@@ -144,6 +164,11 @@ class FakeBackend(DeviceBackend):
         self._device = Pool("device", device_memory)
         self._pinned = Pool("pinned host memory", pinned_memory, **PINNED_ROUNDING[pinned_rounding])
         self.pinned_rounding = pinned_rounding
+        self._registered = HostRegistrations()
+        if pinned_rounding == "register":
+            self.capabilities = type(self).capabilities | {Capability.HOST_REGISTER}
+        if pinned_chunk_bytes is not None:
+            self.pinned_chunk_bytes = pinned_chunk_bytes
         self.device_cache = device_cache
         self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._local = threading.local()
@@ -216,16 +241,44 @@ class FakeBackend(DeviceBackend):
 
     # -- memory ---------------------------------------------------------------------------
     def empty_pinned(self, size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        self._check_pinned(self._pinned.block_size(math.prod(as_shape(size)) * dtype.itemsize), "allocation")
         tensor = self._pinned.allocate(size, dtype)
         if self.sanitizer is not None:
             self.sanitizer.track(tensor, "pinned")
         return tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return self._pinned.owns(tensor)
+        return self._pinned.owns(tensor) or (tensor.is_cpu and self._registered.covers(tensor.data_ptr()))
 
     def pinned_memory_allocated(self) -> int:
-        return self._pinned.held
+        return self._pinned.held + self._registered.bytes
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        if Capability.HOST_REGISTER not in self.capabilities:
+            return super().register_host(ptr, nbytes)
+        self._registered.check(ptr, nbytes)
+        self._check_pinned(nbytes, "registration")
+        self._registered.add(ptr, nbytes)
+
+    def unregister_host(self, ptr: int) -> None:
+        if Capability.HOST_REGISTER not in self.capabilities:
+            return super().unregister_host(ptr)
+        self._registered.remove(ptr)
+
+    def _check_pinned(self, nbytes: int, what: str) -> None:
+        """The fake driver's limits: one pinned allocation or registration of at most
+        ``pinned_chunk_bytes``, all of them within the ``pinned_memory`` cap."""
+        if nbytes > self.pinned_chunk_bytes:
+            raise FakeOutOfMemoryError(
+                f"fake pinned host memory: a single {what} of {nbytes} bytes is above the driver's limit of "
+                f"{self.pinned_chunk_bytes} bytes")
+        cap, held = self._pinned.capacity, self.pinned_memory_allocated()
+        # (the pool checks its own allocations; registered bytes count against the same cap)
+        shared = what == "registration" or self._registered.bytes
+        if cap is not None and shared and held + nbytes > cap:
+            raise FakeOutOfMemoryError(
+                f"fake pinned host memory out of memory: tried to pin {nbytes} bytes with {held} of "
+                f"{cap} bytes in use")
 
     def pinned_allocation_size(self, nbytes: int) -> int:
         return self._pinned.block_size(nbytes)

@@ -20,9 +20,14 @@ documentation and source; not yet run on Ascend hardware):
   for every accelerator backend): ``NPUGuardImpl`` does not implement the generic
   ``torch.Stream(device=...)`` creation, and torch_npu's ``Event.record``/``wait`` take only NPU
   streams.
-* Pinned memory comes from torch_npu's caching host allocator, assumed (unchecked) to round up
-  to a power of two as CUDA's does; ``empty_host_cache`` goes through torch_npu's
+* Pinned memory is registered host memory where torch_npu binds the runtime's registration
+  (``torch.npu.npurt()``: ``npuHostRegister(ptr, size, flags)`` / ``npuHostUnregister(ptr)``,
+  ``aclrtHostRegisterV2`` underneath, flag ``ACL_HOST_REG_PINNED``; names as torch_npu's own test
+  of them calls them); else torch_npu's caching host allocator, assumed (unchecked) to round up
+  to a power of two as CUDA's does. ``empty_host_cache`` goes through torch_npu's
   ``torch.npu.host_empty_cache`` where that exists, else ``torch.accelerator.empty_host_cache``.
+* Pinned memory is driver DMA memory that the process's memory cgroup is not charged for
+  (``pinned_in_cgroup = False``): the "auto" host budget takes it from the cgroup's headroom.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ from typing import Any
 import torch
 
 from offload_core.accelerator import AcceleratorBackend
+from offload_core.backend import Capability
 from offload_core.hookspecs import hookimpl
 
 __all__ = ["NpuBackend"]
 
 _RUNTIME = "torch_npu"
+#: aclrtHostRegisterV2's flag for page-locking (not mapping into the device's address space)
+ACL_HOST_REG_PINNED = 0x10000000
 _runtime_error: str | None = None  # why the runtime could not be loaded, once it is known
 
 
@@ -73,6 +81,12 @@ class NpuBackend(AcceleratorBackend):
     dist_backend = "hccl"
     priority = 10
     bind_device_id = False
+    pinned_in_cgroup = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        if callable(getattr(self._mod, "npurt", None)):  # torch_npu binds the runtime's registration
+            self.capabilities = type(self).capabilities | {Capability.HOST_REGISTER}
 
     @classmethod
     def probe(cls) -> bool:
@@ -99,6 +113,16 @@ class NpuBackend(AcceleratorBackend):
         """torch_npu's ``torch.npu.host_empty_cache`` (its name for it; there is no
         ``torch.npu.empty_host_cache``), else the generic ``torch.accelerator.empty_host_cache``."""
         return getattr(self._mod, "host_empty_cache", None) or super().host_cache_emptier()
+
+    def _runtime_register(self, ptr: int, nbytes: int) -> None:
+        error = int(self._mod.npurt().npuHostRegister(ptr, nbytes, ACL_HOST_REG_PINNED))
+        if error != 0:
+            raise torch.OutOfMemoryError(f"npuHostRegister of {nbytes} bytes failed: ACL error {error}")
+
+    def _runtime_unregister(self, ptr: int) -> None:
+        error = int(self._mod.npurt().npuHostUnregister(ptr))
+        if error != 0:
+            raise RuntimeError(f"npuHostUnregister at {ptr:#x} failed: ACL error {error}")
 
 
 @hookimpl

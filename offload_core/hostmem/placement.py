@@ -15,6 +15,13 @@ and the blocks that no longer fit go to disk. ``pinned_memory`` bounds page-lock
 bounce ring first (when anything is staged), then units in order of how often they are copied:
 streamed blocks, then swapped components, then weights copied once. This module decides; the
 allocation itself stays with the strategies (``pack_units``) and the backend.
+
+Pinned memory can run out where the plan did not foresee it: a driver or ``memlock`` limit, an
+allocator that refuses. No pinned allocation is larger than ``backend.pinned_chunk_bytes`` (a
+buffer larger than it is pageable unless the backend registers host memory), and when the backend
+refuses one during packing, that unit and every pinned home not yet allocated go to pageable
+memory, staged through the bounce ring (made then, if nothing was staged before), with a warning:
+enable goes on.
 """
 
 from __future__ import annotations
@@ -27,11 +34,12 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..backend import Capability
 from ..config import OffloadConfig
 
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
-from .budget import AUTO_PINNED_SHARE, physical_memory
+from .budget import auto_pinned_budget, physical_memory, size_text as _size
 from .disk import SpillFolder, checkpoint_image
 from .staging import BOUNCE_BUFFERS, BounceRing, Stager, Ticket, ring_chunk_bytes
 
@@ -69,13 +77,6 @@ class HostUnit:
         return sum(aligned(b) for b in self.buffer_bytes())
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
-
-
 def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placement":
     """The tiers of every unit of ``parts`` under ``config``'s budgets. Raises
     :class:`OffloadConfigError` (before anything is touched) when blocks must go to disk and
@@ -84,13 +85,15 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     pin = config.pin_memory
     host = config.host_budget.resolve(physical_memory())
     pinned = config.pinned_budget.resolve(physical_memory())
-    if pinned is None:
-        pinned = max(0, int(AUTO_PINNED_SHARE * physical_memory()) - backend.pinned_memory_allocated())
+    if pinned is None and pin:
+        pinned = auto_pinned_budget(backend)
     largest = max((n * d.itemsize for h in units for d, n in h.unit.numel.items()), default=0)
     ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))  # what the ring takes in a pinned slab
-    tiers = _assign(units, pin, host, pinned, reserve=0)
+    # registration pins a buffer of any size chunk by chunk; an allocator, no more than a chunk at once
+    chunk = None if Capability.HOST_REGISTER in backend.capabilities else backend.pinned_chunk_bytes
+    tiers = _assign(units, pin, host, pinned or 0, reserve=0, chunk=chunk)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
-        tiers = _assign(units, pin, host, pinned, reserve=ring)
+        tiers = _assign(units, pin, host, pinned or 0, reserve=ring, chunk=chunk)
     else:
         ring = 0
     disk = [h for h in units if tiers[id(h.unit)] is Tier.DISK]
@@ -106,13 +109,22 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
         logger.warning(
             "host_memory=%r is below the %s that must stay in RAM (weights outside the streamed blocks, "
             "and the bounce ring); every block is read from disk", config.host_memory, _size(fixed + ring))
+    oversized = [h for h in units if pin and chunk is not None and max(h.buffer_bytes(), default=0) > chunk]
+    if oversized:
+        logger.warning(
+            "%s of homes (%d units) have a buffer larger than %s's largest pinned allocation (%s): "
+            "they are pageable, staged through the bounce ring", _size(sum(h.nbytes for h in oversized)),
+            len(oversized), backend.name, _size(chunk))
     placement = Placement(backend, units, tiers, ring_chunk_bytes(largest) if ring else 0, pin,
-                          config.offload_folder)
+                          config.offload_folder, largest)
     logger.info("host placement: %s", placement.summary())
     return placement
 
 
-def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, reserve: int) -> dict[int, Tier]:
+def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, reserve: int,
+            chunk: int | None = None) -> dict[int, Tier]:
+    """Tiers by the policy of the module docstring; ``chunk``: the largest pinned buffer (None:
+    any size)."""
     tiers: dict[int, Tier] = {}
     room = None if host is None else host - reserve - sum(h.nbytes for h in units if h.role != STREAM)
     in_ram = []
@@ -125,7 +137,8 @@ def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, res
         in_ram.append(h)
     pinned_left = pinned - reserve
     for h in sorted(in_ram, key=lambda h: _PIN_ORDER[h.role]):
-        if pin and h.pinned_bytes <= pinned_left:
+        fits = chunk is None or max(h.buffer_bytes(), default=0) <= chunk
+        if pin and fits and h.pinned_bytes <= pinned_left:
             tiers[id(h.unit)] = Tier.PINNED
             pinned_left -= h.pinned_bytes
         else:
@@ -139,17 +152,21 @@ class Placement:
     to issue loads; it is closed when offloading ends."""
 
     def __init__(self, backend, units: Iterable[HostUnit], tiers: dict[int, Tier], chunk_bytes: int,
-                 pin_memory: bool, folder) -> None:
+                 pin_memory: bool, folder, largest: int = 0) -> None:
         self.backend = backend
         self._tiers = tiers
+        self._units = list(units)
+        self._largest = largest  # the largest host buffer: what a bounce chunk made later must hold
+        self._homed: set[int] = set()  # units whose home has been asked for
+        self.pinned_fallback_bytes = 0  # homes planned pinned that went pageable when pinning failed
         self.bytes = {tier: 0 for tier in Tier}
-        for h in units:
+        for h in self._units:
             self.bytes[tiers[id(h.unit)]] += h.nbytes
         self._chunk_bytes = chunk_bytes
         self._pin_memory = pin_memory
         # Pinned homes (and the bounce ring) are cut from slabs planned for all of them at once,
         # so that the host allocator's rounding wastes nothing (see offload_core.hostmem.slabs).
-        planned = [b for h in units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
+        planned = [b for h in self._units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
         if chunk_bytes and pin_memory:
             planned += [chunk_bytes] * BOUNCE_BUFFERS
         self.slabs = SlabAllocator(backend, planned) if pin_memory else None
@@ -165,10 +182,57 @@ class Placement:
 
     def allocator(self, unit) -> Callable[[int, torch.dtype], torch.Tensor]:
         """How to allocate ``unit``'s home (pinned or pageable)."""
-        return self._pinned if self._tiers[id(unit)] is Tier.PINNED else _pageable
+        self._homed.add(id(unit))
+        if self._tiers[id(unit)] is not Tier.PINNED:
+            return _pageable
+        return functools.partial(self._pinned_home, unit)
+
+    def _pinned_home(self, unit, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``unit``'s pinned home; pageable once pinned memory has run out."""
+        if self._tiers[id(unit)] is Tier.PINNED:
+            try:
+                return self.slabs.allocate(n, dtype)
+            except torch.OutOfMemoryError as exc:
+                self._out_of_pinned(unit, n * dtype.itemsize, exc)
+        return _pageable(n, dtype)
+
+    def _out_of_pinned(self, unit, nbytes: int, exc: BaseException) -> None:
+        """The backend refused a pinned buffer of ``unit``: it and every pinned home not yet
+        allocated go to pageable memory, staged through the bounce ring."""
+        moved = [h for h in self._units if self._tiers[id(h.unit)] is Tier.PINNED
+                 and (h.unit is unit or id(h.unit) not in self._homed)]
+        for h in moved:
+            self._tiers[id(h.unit)] = Tier.STAGED
+            self.bytes[Tier.PINNED] -= h.nbytes
+            self.bytes[Tier.STAGED] += h.nbytes
+        total = sum(h.nbytes for h in moved)
+        self.pinned_fallback_bytes += total
+        self.slabs.unplan(sum(h.pinned_bytes for h in moved))
+        logger.warning(
+            "pinned memory ran out after %s: the backend refused %s (%s); %s of homes (%d units) planned "
+            "pinned are pageable instead, staged through the bounce ring", _size(self.slabs.live_bytes),
+            _size(nbytes), exc, _size(total), len(moved))
+        if self.ring is None:
+            self._chunk_bytes = ring_chunk_bytes(self._largest)
+            self.ring = self._make_ring()
+        if self.stager is None:
+            self.stager = Stager(functools.partial(self.backend.bind_thread, self.backend.device()))
 
     def _pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.slabs.allocate(n, dtype)
+
+    def _make_ring(self) -> BounceRing:
+        """The bounce ring: pinned buffers, or pageable ones (each copy from them waited for) when
+        memory is not pinned or pinning them fails."""
+        if self._pin_memory:
+            try:
+                return BounceRing(self.backend, self._pinned, self._chunk_bytes, copy=self.backend.copy_async)
+            except torch.OutOfMemoryError as exc:
+                logger.warning("no pinned memory for the bounce ring (%s): its buffers are pageable, and each "
+                               "copy from them is waited for", exc)
+        if self._copied is None:
+            self._copied = self.backend.new_event()
+        return BounceRing(self.backend, _pageable, self._chunk_bytes, copy=self._blocking_copy)
 
     @property
     def staging(self) -> bool:
@@ -192,6 +256,8 @@ class Placement:
             # copies from pageable memory (homes, or the ring's buffers), each waited for on the
             # stager thread: they cannot overlap compute the way pinned ones do
             "blocking_copy_bytes": self.blocking_copy_bytes,
+            # homes planned pinned that are pageable because the backend refused pinned memory
+            "pinned_fallback_bytes": self.pinned_fallback_bytes,
         }
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -199,12 +265,10 @@ class Placement:
         """First step of an enable transaction: give ``parts`` this placement and, when some
         unit needs them, allocate the bounce ring and start the stager."""
         txn.on_rollback(self.close)
-        if self.staging:
-            allocate = self._pinned if self._pin_memory else _pageable
-            copy = self.backend.copy_async if self._pin_memory else self._blocking_copy
-            self.ring = BounceRing(self.backend, allocate, self._chunk_bytes, copy=copy)
         if not self._pin_memory:
             self._copied = self.backend.new_event()
+        if self.staging:
+            self.ring = self._make_ring()
         if self.staging or self.bytes[Tier.PAGEABLE]:
             # the device of this (enabling) thread, so that the stager's work goes to it too
             self.stager = Stager(functools.partial(self.backend.bind_thread, self.backend.device()))
@@ -222,6 +286,8 @@ class Placement:
             self.ring = None
         if self._spill is not None:
             self._spill.remove()
+        if self.slabs is not None:
+            self.slabs.close()  # registered slabs a caller still holds a view of
         self.backend.empty_host_cache()  # pinned blocks the host allocator still caches
 
     def unpack(self, unit, bound=None) -> None:

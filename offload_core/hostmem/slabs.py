@@ -19,9 +19,17 @@ unit tucked into an earlier slab's tail would keep that slab alive to the end.
 
 The slab size trades waste against that release: a slab wastes less than one request (so at most
 1/``REQUESTS_PER_SLAB`` of it), and ``disable`` holds at most about one slab beyond the weights
-it has not yet given back. Hence a request the backend allocates at its exact size (a backend
-that registers host memory, or the fake without ``pinned_rounding``) gets an allocation of its
-own: nothing would be saved by sharing, and its memory goes as soon as its unit is unpacked.
+it has not yet given back. Hence a request the backend allocates at its exact size (the fake
+without ``pinned_rounding``) gets an allocation of its own: nothing would be saved by sharing,
+and its memory goes as soon as its unit is unpacked.
+
+No allocation is larger than ``backend.pinned_chunk_bytes``: drivers refuse a single huge pinned
+allocation, so slabs are capped at it, and the placement gives a buffer larger than it pageable
+memory (:func:`offload_core.hostmem.placement.plan_placement`). A backend that registers host
+memory (:data:`~offload_core.Capability.HOST_REGISTER`) gets slabs of registered memory instead
+(:mod:`.registered`), sized as above but exact to the page, so the pinned bytes are the packed
+bytes plus their alignment; each is registered in chunks, so a buffer of any size can be pinned
+(and sharing a slab saves a registration per buffer).
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from typing import Iterable
 
 import torch
 
+from ..backend import Capability
 from ..weights.unit import ALIGN_BYTES
+from .registered import RegisteredMemory, page_round
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,9 @@ class SlabAllocator:
         self.backend = backend
         self.largest = max(sizes, default=0)
         self.slab_bytes = slab_bytes or max(MIN_SLAB_BYTES, REQUESTS_PER_SLAB * self.largest)
+        self.registered = RegisteredMemory(backend) if Capability.HOST_REGISTER in backend.capabilities else None
+        if self.registered is None:  # registration pins a slab of any size, chunk by chunk
+            self.slab_bytes = min(self.slab_bytes, backend.pinned_chunk_bytes)
         self._remaining = sum(sizes)
         self._slabs: list[Slab] = []
         self._lock = threading.RLock()  # a slab's finalizer may run inside allocate()
@@ -112,11 +125,34 @@ class SlabAllocator:
             return None, None
         return slab, storage
 
+    def unplan(self, nbytes: int) -> None:
+        """``nbytes`` of the planned requests will not come (their homes went pageable)."""
+        with self._lock:
+            self._remaining = max(self._remaining - nbytes, 0)
+
+    def close(self) -> None:
+        """Unregister the registered slabs still alive (``disable``: a caller may hold a view)."""
+        if self.registered is not None:
+            self.registered.close()
+
     def _size(self, need: int) -> int:
         """The next slab's size: see the module docstring."""
+        left = self._remaining or self.slab_bytes  # beyond the plan: slabs of the usual size
+        if self.registered is not None:
+            return page_round(max(min(self.slab_bytes, left), need))
+        if self.backend.pinned_allocation_size(need) > self.backend.pinned_chunk_bytes:
+            raise torch.OutOfMemoryError(
+                f"a pinned buffer of {need} bytes is larger than the largest pinned allocation of "
+                f"{self.backend.name} ({self.backend.pinned_chunk_bytes} bytes)")
+        size = self._cached_size(need, left)
+        if size > self.backend.pinned_chunk_bytes:  # a rounded block beyond the chunk: the request alone
+            size = self.backend.pinned_allocation_size(need)
+        return size
+
+    def _cached_size(self, need: int, left: int) -> int:
+        """The next slab's size from a caching host allocator that rounds ``pinned_allocation_size``."""
         if need and self.backend.pinned_allocation_size(need) == need:
             return need  # allocated without rounding: a slab would only hold its memory longer
-        left = self._remaining or self.slab_bytes  # beyond the plan: slabs of the usual size
         target = max(min(self.slab_bytes, left), need)
         block = self.backend.pinned_allocation_size(target)
         if block == target or block <= left or block - target <= self.largest:
@@ -126,20 +162,29 @@ class SlabAllocator:
             return below
         return block
 
+    def _pin(self, size: int) -> torch.Tensor:
+        if self.registered is not None:
+            return self.registered.allocate(size)
+        return self.backend.empty_pinned(size, torch.uint8)
+
+    def _real(self, size: int) -> int:
+        """Pinned bytes a slab of ``size`` really takes."""
+        return page_round(size) if self.registered is not None else self.backend.pinned_allocation_size(size)
+
     def _new_slab(self, need: int) -> tuple[Slab, torch.UntypedStorage]:
         size = self._size(need)
         try:
-            tensor = self.backend.empty_pinned(size, torch.uint8)
+            tensor = self._pin(size)
         except torch.OutOfMemoryError:
-            smallest = self.backend.pinned_allocation_size(need)
+            smallest = self._real(need)
             if size <= smallest:
                 raise
             # A full slab is over a pinned limit that the request alone may fit under.
             logger.debug("a %d-byte pinned slab does not fit; trying %d bytes", size, smallest)
             size = smallest
-            tensor = self.backend.empty_pinned(size, torch.uint8)
+            tensor = self._pin(size)
         storage = tensor.untyped_storage()
-        real = self.backend.pinned_allocation_size(size)
+        real = self._real(size)
         self.live_bytes += real
         self.live_slabs += 1
         weakref.finalize(storage, self._released, real)
