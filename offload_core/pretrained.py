@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
-from .hostmem.disk import read_index
+from .hostmem.disk import FileSlice, read_index
 from .weights.unit import SOURCE_ATTRIBUTE
 
 if TYPE_CHECKING:
@@ -125,19 +125,37 @@ def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[st
     prebuilt = dict(replaced)
     for name, spec in index.items():
         if name in replaced or name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 \
-                or spec[0] != "diffusers":
-            continue
-        cls = getattr(diffusers, spec[1] or "", None)
-        if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+                or spec[0] not in ("diffusers", "transformers"):
             continue
         dtype = torch_dtype.get(name, torch_dtype.get("default", torch.float32)) if isinstance(torch_dtype, dict) \
             else torch_dtype
-        model = build_on_meta(cls, os.path.join(folder, name), dtype)
+        model = _build(spec[0], spec[1], os.path.join(folder, name), dtype)
         if model is not None:
             prebuilt[name] = model
-    logger.info("%s: %s read straight from the checkpoint; diffusers loads the rest",
+    logger.info("%s: %s built by offload-core from the checkpoint; diffusers loads the rest",
                 pipeline_cls.__name__, ", ".join(n for n in prebuilt if n not in replaced) or "no component")
     return pipeline_cls.from_pretrained(folder, dtype=torch_dtype, **prebuilt)
+
+
+def _build(library: str, class_name: str, folder: str, dtype: torch.dtype | None) -> nn.Module | None:
+    """A pipeline component built with its checkpoint tensors attached as file slices (a
+    transformers model that the rules do not cover is read by transformers, see
+    :mod:`.pretrained_transformers`), or None for what diffusers loads itself."""
+    if library == "transformers":
+        import transformers
+
+        cls = getattr(transformers, class_name or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            return None  # tokenizers, processors
+        from .pretrained_transformers import load_from_checkpoint
+
+        return load_from_checkpoint(cls, folder, dtype)
+    import diffusers
+
+    cls = getattr(diffusers, class_name or "", None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+        return None
+    return build_on_meta(cls, folder, dtype)
 
 
 def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
@@ -159,7 +177,9 @@ def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
     if cls is None:
         raise ValueError(f"{folder}/config.json names neither a diffusers class (_class_name) nor a "
                          f"transformers one (architectures: {architectures})")
-    return cls.from_pretrained(folder, dtype=torch_dtype)
+    from .pretrained_transformers import load_from_checkpoint
+
+    return load_from_checkpoint(cls, folder, torch_dtype)
 
 
 def _weight_files(folder: str) -> tuple[list[str], bool] | None:
@@ -201,29 +221,44 @@ def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn
         return None
     keep_fp32 = cls._keep_in_fp32_modules or []
     keep_fp32 = [keep_fp32] if isinstance(keep_fp32, str) else list(keep_fp32)
+
+    def dtype_of(key: str, t: torch.Tensor, source: FileSlice) -> torch.dtype:
+        if torch_dtype is None or not source.dtype.is_floating_point:
+            return t.dtype
+        return torch.float32 if any(m in key.split(".") for m in keep_fp32) else torch_dtype
+
+    attach_slices(model, {key: slices[key] for key in state if key in slices}, dtype_of,
+                  lambda t, dtype: t.requires_grad)
+    model.eval()
+    model.register_to_config(_name_or_path=folder)
+    return model
+
+
+def attach_slices(model: nn.Module, sources: Mapping[str, FileSlice],
+                  dtype_of: Callable[[str, torch.Tensor, FileSlice], torch.dtype],
+                  requires_grad: Callable[[torch.Tensor, torch.dtype], bool]) -> dict[str, torch.Tensor]:
+    """Give each tensor of ``model`` named in ``sources`` (state-dict keys) a meta replacement of
+    the slice's shape and ``dtype_of(key, tensor, slice)`` carrying the slice, which packing reads
+    straight into the tensor's home; returns the replacements by key. Tensors the model shares
+    under several names (ties) get one replacement, so they stay shared."""
+    state = model.state_dict(keep_vars=True)
     replacements: dict[int, torch.Tensor] = {}
-    for key, t in state.items():
-        source = slices.get(key)
-        if source is None:
-            continue  # a buffer the checkpoint does not hold keeps its constructed value
+    attached: dict[str, torch.Tensor] = {}
+    for key, source in sources.items():
+        t = state[key]
         new = replacements.get(id(t))
         if new is None:
-            if torch_dtype is not None and source.dtype.is_floating_point:
-                keep = any(m in key.split(".") for m in keep_fp32)
-                dtype = torch.float32 if keep else torch_dtype
-            else:
-                dtype = t.dtype
+            dtype = dtype_of(key, t, source)
             new = torch.empty(source.shape, dtype=dtype, device="meta")
             if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=t.requires_grad)
+                new = nn.Parameter(new, requires_grad=requires_grad(t, dtype))
             setattr(new, SOURCE_ATTRIBUTE, source)
             replacements[id(t)] = new
         module_name, _, name = key.rpartition(".")
         module = model.get_submodule(module_name)
         (module._parameters if name in module._parameters else module._buffers)[name] = new
-    model.eval()
-    model.register_to_config(_name_or_path=folder)
-    return model
+        attached[key] = new
+    return attached
 
 
 @contextlib.contextmanager
