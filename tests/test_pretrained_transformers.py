@@ -7,6 +7,7 @@ line saying why."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -196,3 +197,52 @@ def test_other_threads_and_later_loads_keep_transformers_own_reading(tmp_path):
     assert attached(pt.load_from_checkpoint(cls, str(tmp_path), None)) > 0
     assert PreTrainedModel.__dict__["_load_pretrained_model"] is original
     assert attached(cls.from_pretrained(tmp_path)) == 0
+
+
+@pytest.mark.parametrize("name", ["wan2.2-t2v", "flux2", "qwen-image"])
+def test_a_pipelines_text_encoder_streams_from_its_checkpoint(name, tmp_path):
+    """``components=("dit", "text_encoder")`` with every block on disk: the encoder's blocks are
+    read from its own checkpoint (no offload_folder), and the pipeline's output equals diffusers'
+    own load without offload."""
+    import diffusers
+    from offload_core.tiny import TinyPipeline, build_pipeline
+
+    tiny = build_pipeline(name)
+    tiny.pipe.save_pretrained(tmp_path)
+    reference = getattr(diffusers, type(tiny.pipe).__name__).from_pretrained(tmp_path)
+    for tensor in [*reference.text_encoder.parameters(), *reference.transformer.parameters()]:
+        # weights read from a mapped file may start anywhere; kernels pick their path by alignment,
+        # and offloaded weights start at aligned addresses: compare alike
+        tensor.data = tensor.data.clone()
+    reference.set_progress_bar_config(disable=True)
+    expected = TinyPipeline("reference", reference, tiny.call_kwargs, tiny.output_attr).run(seed=0)
+    handle = offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, components=("dit", "text_encoder"),
+                                          host_memory=0, backend=chaos_backend())
+    pipe = handle.target
+    encoder = next(p for p in handle.parts if getattr(p, "model", None) is pipe.text_encoder)
+    assert encoder.units and all(u.image is not None for u in encoder.units)  # streamed, from disk
+    pipe.set_progress_bar_config(disable=True)
+    got = TinyPipeline("offloaded", pipe, tiny.call_kwargs, tiny.output_attr)
+    for _ in range(2):
+        assert torch.equal(got.run(seed=0), expected)
+    handle.disable()
+    assert_same_model(pipe.text_encoder, reference.text_encoder)
+
+
+def test_the_refusal_names_the_component_whose_blocks_cannot_stay_on_disk(tmp_path):
+    """A text encoder read by transformers (its weights pickled) holds its values in memory: with
+    host_memory=0 its blocks have nowhere to be read from, and the error names it, not the DiTs,
+    whose blocks stay in their checkpoint."""
+    from offload_core.tiny import build_pipeline
+
+    build_pipeline("wan2.2-t2v").pipe.save_pretrained(tmp_path)
+    _as_pickle(tmp_path / "text_encoder")
+    with pytest.raises(offload_core.OffloadConfigError) as caught:
+        offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, components=("dit", "text_encoder"),
+                                     host_memory=0, backend=chaos_backend())
+    named, _, advice = str(caught.value).partition(" out of RAM")
+    assert re.fullmatch(r"host_memory=0 leaves 2 blocks \(.+\) of text_encoder \(UMT5EncoderModel\)", named), named
+    assert "offload_core.from_pretrained" in advice and "offload_folder=" in advice
+    handle = offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, components=("dit", "text_encoder"),
+                                          host_memory=0, backend=chaos_backend(), offload_folder=tmp_path / "spill")
+    handle.disable()
