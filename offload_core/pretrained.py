@@ -2,18 +2,21 @@
 
 ``diffusers``' own ``from_pretrained`` followed by ``enable_offload`` holds the model twice at the
 peak: the loaded tensors (file-backed, mapped until the last of them dies) and the packed homes.
-Here every diffusers model of the folder is built without allocating its parameters (on the meta
-device), each checkpoint tensor is attached to its meta parameter as the slice of the file it
-lives in, and ``enable_offload`` then reads each slice straight into the unit's pinned or
-pageable home, or leaves it on disk for the blocks beyond ``host_memory``. Everything else
-(schedulers, tokenizers, ``transformers`` encoders, models without safetensors weights) is loaded
-by diffusers as usual and packed as ``enable_offload`` packs any model.
+Here every diffusers and ``transformers`` model of the folder (text encoders included) is built
+without allocating its parameters (on the meta device), each checkpoint tensor is attached to its
+meta parameter as the slice of the file it lives in (:func:`attach_slices`), and
+``enable_offload`` then reads each slice straight into the unit's pinned or pageable home, or
+leaves it on disk for the blocks beyond ``host_memory``. Everything else (schedulers, tokenizers,
+models without safetensors weights) is loaded by diffusers as usual and packed as
+``enable_offload`` packs any model.
 
-Built models follow diffusers' loading rules, so that the result equals diffusers'
+Built diffusers models follow diffusers' loading rules, so that the result equals diffusers'
 ``from_pretrained``: the default dtype during construction, ``torch_dtype`` for floating
 checkpoint tensors except the class's ``_keep_in_fp32_modules``, the model's own dtype otherwise,
 initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A model the rules
 cannot cover (missing weights, mismatched shapes) is left to diffusers, which reports it.
+``transformers`` models follow transformers' rules by running its own ``from_pretrained`` with
+only the reading of the checkpoint replaced (:mod:`.pretrained_transformers`).
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ def from_pretrained(
     activation_memory: int | str | None = None,
     **replaced_components: Any,
 ) -> OffloadHandle:
-    """Load the diffusers pipeline (a folder with ``model_index.json``) or single model (a folder
-    with ``config.json``) at ``path`` and turn offloading on, weights read from the checkpoint
-    straight into their offloaded homes. The options are :func:`enable_offload`'s;
-    ``handle.target`` is the loaded pipeline or model.
+    """Load the diffusers pipeline (a folder with ``model_index.json``) or single diffusers or
+    transformers model (a folder with ``config.json``) at ``path`` and turn offloading on, weights
+    read from the checkpoint straight into their offloaded homes. The options are
+    :func:`enable_offload`'s; ``handle.target`` is the loaded pipeline or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
     (or ``"default"``) to dtype. For a pipeline, ``replaced_components``: a keyword naming one of
