@@ -8,12 +8,13 @@ device under that dtype, ``_keep_in_fp32_modules`` plans, checkpoint key renames
 after loading, non-persistent buffers such as rotary ``inv_freq`` recomputed by the model's own
 initialisers, ``eval()``, the generation config). So transformers' ``from_pretrained`` runs as
 it is, and only the one step that reads the checkpoint, ``_load_pretrained_model``, is replaced,
-for the calling thread and the outermost model of the call: it attaches slices instead of
-reading tensors, applying that step's own renames and dtype rules, and reports missing and
-unexpected keys as it would, so that transformers finishes the model (ties, buffers, init of
-what no file holds). A checkpoint these rules do not cover (a key conversion beyond a rename,
-quantization, weights missing or of another shape, other formats, sharded or distributed
-loading) is read by transformers' own step, with a log line saying why.
+for the calling thread and the model the call builds: it attaches slices instead of reading
+tensors (from every shard of a sharded checkpoint), applying that step's own renames and dtype
+rules, and reports missing and unexpected keys as it would, so that transformers finishes the
+model (ties, buffers, init of what no file holds). A checkpoint these rules do not cover (a key
+conversion beyond a rename, quantization, weights missing or of another shape, other formats, a
+device map, tensor-parallel or DeepSpeed loading) is read by transformers' own step, with a log
+line saying why.
 """
 
 from __future__ import annotations
@@ -58,24 +59,24 @@ class _Uncovered(Exception):
 def load_from_checkpoint(cls: type, folder: str, dtype: torch.dtype | None) -> nn.Module:
     """``cls.from_pretrained(folder, dtype=dtype)`` (as diffusers calls it for a pipeline's
     component), its checkpoint tensors attached as file slices where the rules cover it."""
-    with _slices_instead_of_reads():
+    with _slices_instead_of_reads(cls):
         return cls.from_pretrained(folder, dtype=dtype)
 
 
 @contextlib.contextmanager
-def _slices_instead_of_reads() -> Iterator[None]:
-    """Stand in for transformers' reading step in this thread until the next model it reads; other
-    threads keep transformers' own."""
+def _slices_instead_of_reads(cls: type) -> Iterator[None]:
+    """Stand in for transformers' reading step in this thread for the next ``cls`` model it reads;
+    other threads and other models keep transformers' own."""
     global _users
     with _lock:
         if _users == 0:
             PreTrainedModel._load_pretrained_model = staticmethod(_read_as_slices)
         _users += 1
-    _state.armed = True
+    _state.armed = cls
     try:
         yield
     finally:
-        _state.armed = False
+        _state.armed = None
         with _lock:
             _users -= 1
             if _users == 0:
@@ -86,9 +87,9 @@ def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **k
     """``PreTrainedModel._load_pretrained_model``'s stand-in: the loading report of reading the
     checkpoint, with the tensors attached as slices instead of read."""
     read = _READ_CHECKPOINT.__func__
-    if not getattr(_state, "armed", False):
+    if type(model) is not getattr(_state, "armed", None):
         return read(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-    _state.armed = False  # the outermost model only: adapters and nested loads read as usual
+    _state.armed = None  # that model only: adapters and nested loads read as usual
     try:
         found, missing, unexpected = _plan(model, state_dict, checkpoint_files, load_config, args or kwargs)
     except _Uncovered as why:

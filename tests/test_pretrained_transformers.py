@@ -185,9 +185,8 @@ def test_what_the_rules_do_not_cover_is_read_by_transformers_with_a_log_line(cha
     assert_same_model(model, cls.from_pretrained(tmp_path))
 
 
-def test_other_threads_and_later_loads_keep_transformers_own_reading(tmp_path):
-    """Only the outermost model of the calling thread is read as slices; transformers' own step is
-    back in place afterwards."""
+def test_transformers_own_reading_is_back_in_place_after_a_load(tmp_path):
+    """Only the model of the call is read as slices: a later plain load reads tensors."""
     from transformers import PreTrainedModel
 
     from offload_core import pretrained_transformers as pt
