@@ -4,7 +4,7 @@
 peak: the loaded tensors (file-backed, mapped until the last of them dies) and the packed homes.
 Here every diffusers and ``transformers`` model of the folder (text encoders included) is built
 without allocating its parameters (on the meta device), each checkpoint tensor is attached to its
-meta parameter as the slice of the file it lives in (:func:`attach_slices`), and
+meta parameter as the slice of the file it lives in (``weights.checkpoint.attach_slices``), and
 ``enable_offload`` then reads each slice straight into the unit's pinned or pageable home, or
 leaves it on disk for the blocks beyond ``host_memory``. Everything else (schedulers, tokenizers,
 models without safetensors weights) is loaded by diffusers as usual and packed as
@@ -26,7 +26,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import AUTO_HOST_SHARE, available_memory
 from .hostmem.disk import FileSlice, read_index
-from .weights.unit import SOURCE_ATTRIBUTE
+from .weights.checkpoint import attach_slices
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -235,33 +235,6 @@ def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn
     model.eval()
     model.register_to_config(_name_or_path=folder)
     return model
-
-
-def attach_slices(model: nn.Module, sources: Mapping[str, FileSlice],
-                  dtype_of: Callable[[str, torch.Tensor, FileSlice], torch.dtype],
-                  requires_grad: Callable[[torch.Tensor, torch.dtype], bool]) -> dict[str, torch.Tensor]:
-    """Give each tensor of ``model`` named in ``sources`` (state-dict keys) a meta replacement of
-    the slice's shape and ``dtype_of(key, tensor, slice)`` carrying the slice, which packing reads
-    straight into the tensor's home; returns the replacements by key. Tensors the model shares
-    under several names (ties) get one replacement, so they stay shared."""
-    state = model.state_dict(keep_vars=True)
-    replacements: dict[int, torch.Tensor] = {}
-    attached: dict[str, torch.Tensor] = {}
-    for key, source in sources.items():
-        t = state[key]
-        new = replacements.get(id(t))
-        if new is None:
-            dtype = dtype_of(key, t, source)
-            new = torch.empty(source.shape, dtype=dtype, device="meta")
-            if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=requires_grad(t, dtype))
-            setattr(new, SOURCE_ATTRIBUTE, source)
-            replacements[id(t)] = new
-        module_name, _, name = key.rpartition(".")
-        module = model.get_submodule(module_name)
-        (module._parameters if name in module._parameters else module._buffers)[name] = new
-        attached[key] = new
-    return attached
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled, is_fsdp_enable
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from .hostmem.disk import FileSlice, read_index
-from .pretrained import attach_slices
+from .weights.checkpoint import attach_slices
 
 logger = logging.getLogger(__name__)
 
