@@ -91,7 +91,8 @@ def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **k
         return read(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
     _state.armed = None  # that model only: adapters and nested loads read as usual
     try:
-        found, missing, unexpected = _plan(model, state_dict, checkpoint_files, load_config, args or kwargs)
+        given = state_dict is not None or any(a is not None for a in (*args, *kwargs.values()))
+        found, missing, unexpected = _plan(model, given, checkpoint_files, load_config)
     except _Uncovered as why:
         logger.info("%s (%s): %s; transformers reads its checkpoint into memory",
                     load_config.pretrained_model_name_or_path, type(model).__name__, why)
@@ -115,11 +116,12 @@ def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **k
     return info, None
 
 
-def _plan(model, state_dict, files, load_config, extra) -> tuple[dict[str, FileSlice], set[str], set[str]]:
+def _plan(model, given: bool, files, load_config) -> tuple[dict[str, FileSlice], set[str], set[str]]:
     """The slice of each model key the checkpoint holds (its renames applied as transformers
-    applies them), the keys it lacks, and the checkpoint keys the model has no place for."""
-    if state_dict is not None or extra:
-        raise _Uncovered("it is given a state dict")
+    applies them), the keys it lacks, and the checkpoint keys the model has no place for.
+    ``given``: the step was given a state dict or the keys to expect."""
+    if given:
+        raise _Uncovered("it is given a state dict or the keys to expect")
     if load_config.hf_quantizer is not None:
         raise _Uncovered("it has a quantization config")
     if load_config.device_map is not None or load_config.device_mesh is not None or getattr(model, "_pp_stage", None) \
