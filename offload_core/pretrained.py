@@ -2,18 +2,21 @@
 
 ``diffusers``' own ``from_pretrained`` followed by ``enable_offload`` holds the model twice at the
 peak: the loaded tensors (file-backed, mapped until the last of them dies) and the packed homes.
-Here every diffusers model of the folder is built without allocating its parameters (on the meta
-device), each checkpoint tensor is attached to its meta parameter as the slice of the file it
-lives in, and ``enable_offload`` then reads each slice straight into the unit's pinned or
-pageable home, or leaves it on disk for the blocks beyond ``host_memory``. Everything else
-(schedulers, tokenizers, ``transformers`` encoders, models without safetensors weights) is loaded
-by diffusers as usual and packed as ``enable_offload`` packs any model.
+Here every diffusers and ``transformers`` model of the folder (text encoders included) is built
+without allocating its parameters (on the meta device), each checkpoint tensor is attached to its
+meta parameter as the slice of the file it lives in (``weights.checkpoint.attach_slices``), and
+``enable_offload`` then reads each slice straight into the unit's pinned or pageable home, or
+leaves it on disk for the blocks beyond ``host_memory``. Everything else (schedulers, tokenizers,
+models without safetensors weights) is loaded by diffusers as usual and packed as
+``enable_offload`` packs any model.
 
-Built models follow diffusers' loading rules, so that the result equals diffusers'
+Built diffusers models follow diffusers' loading rules, so that the result equals diffusers'
 ``from_pretrained``: the default dtype during construction, ``torch_dtype`` for floating
 checkpoint tensors except the class's ``_keep_in_fp32_modules``, the model's own dtype otherwise,
 initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A model the rules
 cannot cover (missing weights, mismatched shapes) is left to diffusers, which reports it.
+``transformers`` models follow transformers' rules by running its own ``from_pretrained`` with
+only the reading of the checkpoint replaced (:mod:`.pretrained_transformers`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import auto_host_budget
-from .hostmem.disk import read_index
-from .weights.unit import SOURCE_ATTRIBUTE
+from .hostmem.disk import FileSlice, read_index
+from .weights.checkpoint import attach_slices
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -69,10 +72,10 @@ def from_pretrained(
     activation_memory: int | str | None = None,
     **replaced_components: Any,
 ) -> OffloadHandle:
-    """Load the diffusers pipeline (a folder with ``model_index.json``) or single model (a folder
-    with ``config.json``) at ``path`` and turn offloading on, weights read from the checkpoint
-    straight into their offloaded homes. The options are :func:`enable_offload`'s;
-    ``handle.target`` is the loaded pipeline or model.
+    """Load the diffusers pipeline (a folder with ``model_index.json``) or single diffusers or
+    transformers model (a folder with ``config.json``) at ``path`` and turn offloading on, weights
+    read from the checkpoint straight into their offloaded homes. The options are
+    :func:`enable_offload`'s; ``handle.target`` is the loaded pipeline or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
     (or ``"default"``) to dtype. For a pipeline, ``replaced_components``: a keyword naming one of
@@ -125,19 +128,37 @@ def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[st
     prebuilt = dict(replaced)
     for name, spec in index.items():
         if name in replaced or name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 \
-                or spec[0] != "diffusers":
-            continue
-        cls = getattr(diffusers, spec[1] or "", None)
-        if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+                or spec[0] not in ("diffusers", "transformers"):
             continue
         dtype = torch_dtype.get(name, torch_dtype.get("default", torch.float32)) if isinstance(torch_dtype, dict) \
             else torch_dtype
-        model = build_on_meta(cls, os.path.join(folder, name), dtype)
+        model = _build(spec[0], spec[1], os.path.join(folder, name), dtype)
         if model is not None:
             prebuilt[name] = model
-    logger.info("%s: %s read straight from the checkpoint; diffusers loads the rest",
+    logger.info("%s: %s built by offload-core from the checkpoint; diffusers loads the rest",
                 pipeline_cls.__name__, ", ".join(n for n in prebuilt if n not in replaced) or "no component")
     return pipeline_cls.from_pretrained(folder, dtype=torch_dtype, **prebuilt)
+
+
+def _build(library: str, class_name: str, folder: str, dtype: torch.dtype | None) -> nn.Module | None:
+    """A pipeline component built with its checkpoint tensors attached as file slices (a
+    transformers model that the rules do not cover is read by transformers, see
+    :mod:`.pretrained_transformers`), or None for what diffusers loads itself."""
+    if library == "transformers":
+        import transformers
+
+        cls = getattr(transformers, class_name or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            return None  # tokenizers, processors
+        from .pretrained_transformers import load_from_checkpoint
+
+        return load_from_checkpoint(cls, folder, dtype)
+    import diffusers
+
+    cls = getattr(diffusers, class_name or "", None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+        return None
+    return build_on_meta(cls, folder, dtype)
 
 
 def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
@@ -159,7 +180,9 @@ def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
     if cls is None:
         raise ValueError(f"{folder}/config.json names neither a diffusers class (_class_name) nor a "
                          f"transformers one (architectures: {architectures})")
-    return cls.from_pretrained(folder, dtype=torch_dtype)
+    from .pretrained_transformers import load_from_checkpoint
+
+    return load_from_checkpoint(cls, folder, torch_dtype)
 
 
 def _weight_files(folder: str) -> tuple[list[str], bool] | None:
@@ -201,26 +224,14 @@ def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn
         return None
     keep_fp32 = cls._keep_in_fp32_modules or []
     keep_fp32 = [keep_fp32] if isinstance(keep_fp32, str) else list(keep_fp32)
-    replacements: dict[int, torch.Tensor] = {}
-    for key, t in state.items():
-        source = slices.get(key)
-        if source is None:
-            continue  # a buffer the checkpoint does not hold keeps its constructed value
-        new = replacements.get(id(t))
-        if new is None:
-            if torch_dtype is not None and source.dtype.is_floating_point:
-                keep = any(m in key.split(".") for m in keep_fp32)
-                dtype = torch.float32 if keep else torch_dtype
-            else:
-                dtype = t.dtype
-            new = torch.empty(source.shape, dtype=dtype, device="meta")
-            if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=t.requires_grad)
-            setattr(new, SOURCE_ATTRIBUTE, source)
-            replacements[id(t)] = new
-        module_name, _, name = key.rpartition(".")
-        module = model.get_submodule(module_name)
-        (module._parameters if name in module._parameters else module._buffers)[name] = new
+
+    def dtype_of(key: str, t: torch.Tensor, source: FileSlice) -> torch.dtype:
+        if torch_dtype is None or not source.dtype.is_floating_point:
+            return t.dtype
+        return torch.float32 if any(m in key.split(".") for m in keep_fp32) else torch_dtype
+
+    attach_slices(model, {key: slices[key] for key in state if key in slices}, dtype_of,
+                  lambda t, dtype: t.requires_grad)
     model.eval()
     model.register_to_config(_name_or_path=folder)
     return model

@@ -97,13 +97,8 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     else:
         ring = 0
     disk = [h for h in units if tiers[id(h.unit)] is Tier.DISK]
-    unreadable = [h for h in disk if not h.unit.from_checkpoint]
-    if unreadable and config.offload_folder is None:
-        raise OffloadConfigError(
-            f"host_memory={config.host_memory!r} leaves {len(unreadable)} blocks "
-            f"({_size(sum(h.nbytes for h in unreadable))}) out of RAM, and this model was not loaded with "
-            "offload_core.from_pretrained: set offload_folder= to a folder where they can be spilled"
-        )
+    if config.offload_folder is None:
+        _refuse_unreadable(parts, [h for h in disk if not h.unit.from_checkpoint], config)
     fixed = sum(h.nbytes for h in units if h.role != STREAM)
     if host is not None and fixed + ring > host:
         logger.warning(
@@ -119,6 +114,31 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
                           config.offload_folder, largest)
     logger.info("host placement: %s", placement.summary())
     return placement
+
+
+def _refuse_unreadable(parts: Sequence, unreadable: list[HostUnit], config: OffloadConfig) -> None:
+    """Blocks that must go to disk but hold their values in memory only (no checkpoint slice to
+    read them from, and no spill folder): refused, naming the components they belong to."""
+    if not unreadable:
+        return
+    owner = {id(h.unit): id(part) for part in parts for h in part.host_units()}
+    by_part: dict[int, list[HostUnit]] = {}
+    for h in unreadable:
+        by_part.setdefault(owner[id(h.unit)], []).append(h)
+    named = []
+    for part in parts:
+        blocks = by_part.get(id(part))
+        if blocks:
+            label, kind = getattr(part, "label", None) or part.describe(), part.describe()
+            what = label if label == kind else f"{label} ({kind})"
+            named.append(f"{len(blocks)} blocks ({_size(sum(h.nbytes for h in blocks))}) of {what}")
+    raise OffloadConfigError(
+        f"host_memory={config.host_memory!r} leaves {' and '.join(named)} out of RAM, and their weights are in "
+        "memory, not in a checkpoint they can be read from: the model was built or loaded outside "
+        "offload_core.from_pretrained, or from_pretrained left it to diffusers or transformers (its log says why). "
+        "Load it with offload_core.from_pretrained, or set offload_folder= to a folder where they can be spilled "
+        "(see docs/bigger-than-ram.md)"
+    )
 
 
 def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, reserve: int,

@@ -18,6 +18,10 @@ from .plan import RESIDENT, STAGED, SWAPPED, ComponentPlan
 TIER_NAMES = ("pinned", "pageable", "disk")
 NO_BUDGET_NOTE = ("no host budget given: every host byte is counted as pinned (the default pinned budget, half "
                   "of RAM, may pin less; see docs/bigger-than-ram.md)")
+#: what "disk" takes: blocks there are read from the checkpoint of the component they belong to
+DISK_NOTE = ("{components}: blocks on disk are read from the component's own checkpoint every time they run, "
+             "when the pipeline or model is loaded with offload_core.from_pretrained (text encoders included); a "
+             "model already in memory needs offload_folder= to spill them to (see docs/bigger-than-ram.md)")
 
 
 def _units(part: ComponentPlan, component: Component, world_size: int) -> list[tuple[str, int]]:
@@ -59,4 +63,6 @@ def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], 
     bytes_of = {p.name: dict.fromkeys(TIER_NAMES, 0) for p in parts}
     for name, unit in owned:
         bytes_of[name][names[tiers[id(unit.unit)]]] += unit.nbytes
-    return [dataclasses.replace(p, host=bytes_of[p.name]) for p in parts], None
+    on_disk = [p.name for p in parts if bytes_of[p.name]["disk"]]
+    note = DISK_NOTE.format(components=", ".join(on_disk)) if on_disk else None
+    return [dataclasses.replace(p, host=bytes_of[p.name]) for p in parts], note
