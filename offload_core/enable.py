@@ -29,7 +29,7 @@ from .handle import HANDLE_ATTRIBUTE, OffloadHandle
 from .hostmem.placement import plan_placement
 from .installs import Mark, PipelineClass
 from .other_hooks import weight_hooks
-from .pipelines import is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
+from .pipelines import component_kind, is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
 from .plugins import get_backend
 from .strategies import streaming_part
 from .strategies.common import Transaction
@@ -131,6 +131,7 @@ def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend, fi
     for name, module, blocks in layout.streamed:
         parts.append(streaming_part(module, blocks, config, backend, fitted.kept(name) if fitted is not None else ()))
         parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
+        parts[-1].once_per_call = component_kind(pipe, name) != "dit"
     if layout.staged:
         parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))
     if layout.resident:

@@ -245,3 +245,40 @@ def test_the_refusal_names_the_component_whose_blocks_cannot_stay_on_disk(tmp_pa
     handle = offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, components=("dit", "text_encoder"),
                                           host_memory=0, backend=chaos_backend(), offload_folder=tmp_path / "spill")
     handle.disable()
+
+
+def test_ram_goes_to_the_blocks_read_every_step_before_a_text_encoders(tmp_path):
+    """A budget that holds every DiT block and half of the encoder's: the encoder (read once per
+    prompt) is the one whose blocks stay in its checkpoint, not the DiTs (read every step), though
+    the pipeline runs the encoder first; and the plan's host tiers say the same."""
+    from offload_core.hostmem.placement import BOUNCE_BUFFERS, aligned, ring_chunk_bytes
+    from offload_core.planning.components import Component
+    from offload_core.planning.hosttiers import host_tiers
+    from offload_core.planning.plan import ComponentPlan
+    from offload_core.tiny import build_pipeline
+
+    build_pipeline("wan2.2-t2v").pipe.save_pretrained(tmp_path)
+    options = dict(enable_layerwise_offload=True, components=("dit", "text_encoder"), backend=chaos_backend())
+    handle = offload_core.from_pretrained(tmp_path, **options)
+    encoder_model = handle.target.text_encoder
+    units = {id(p): p.transport.host_units() for p in handle.parts if hasattr(p, "transport")}
+    encoder_blocks = sum(h.nbytes for p in handle.parts if getattr(p, "model", None) is encoder_model
+                         for h in units[id(p)][1:])
+    everything = sum(h.nbytes for p in handle.parts for h in p.host_units())
+    largest = max(n * d.itemsize for p in handle.parts for h in p.host_units() for d, n in h.unit.numel.items())
+    handle.disable()
+    budget = everything - encoder_blocks // 2 + BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))
+    # nothing pinned but the bounce ring: its reserve is taken whatever the budget
+    handle = offload_core.from_pretrained(tmp_path, host_memory=budget, pinned_memory=0, **options)
+    streamed = [p for p in handle.parts if hasattr(p, "transport")]
+    on_disk = {p.label: [u.image is not None for u in p.units] for p in streamed}
+    assert any(on_disk["text_encoder"]) and not all(on_disk["text_encoder"]), on_disk
+    assert not any(on_disk["transformer"]) and not any(on_disk["transformer_2"]), on_disk
+    handle.disable()
+
+    components = [Component("text_encoder", "text_encoder", 0, (100,) * 4), Component("transformer", "dit", 0, (100,) * 4)]
+    plans = [ComponentPlan(c.name, c.kind, "streamed", 400, 0, 0, "given", streamed_blocks=tuple(range(4)))
+             for c in components]
+    ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(100))
+    tiers, _ = host_tiers(plans, components, ring + 600, 0)
+    assert [t.host["disk"] for t in tiers] == [200, 0]

@@ -11,9 +11,10 @@ packed (so a refused plan leaves the model untouched):
 
 Policy. ``host_memory`` bounds the weights held in RAM: units that are not streamed every step
 (resident weights, model-level components) always stay in RAM, streamed blocks follow in order,
-and the blocks that no longer fit go to disk. ``pinned_memory`` bounds page-locked memory: the
-bounce ring first (when anything is staged), then units in order of how often they are copied:
-streamed blocks, then swapped components, then weights copied once. This module decides; the
+those read every denoising step before a text encoder's (read once per pipeline call), and the
+blocks that no longer fit go to disk. ``pinned_memory`` bounds page-locked memory: the bounce ring
+first (when anything is staged), then units in order of how often they are copied: the blocks
+streamed every step, then a text encoder's blocks and swapped components, then weights copied once. This module decides; the
 allocation itself stays with the strategies (``pack_units``) and the backend.
 
 Pinned memory can run out where the plan did not foresee it: a driver or ``memlock`` limit, an
@@ -53,9 +54,12 @@ class Tier(enum.Enum):
     DISK = "disk"
 
 
-#: how a part uses a unit: copied every step, once per pipeline call, or once at enable
-STREAM, SWAP, ONCE = "stream", "swap", "once"
-_PIN_ORDER = {STREAM: 0, SWAP: 1, ONCE: 2}
+#: how a part uses a unit: streamed every denoising step, streamed once per pipeline call (a text
+#: encoder's layers), swapped in once per call, or copied once at enable
+STREAM, PROMPT, SWAP, ONCE = "stream", "prompt", "swap", "once"
+#: the roles of streamed blocks: the only units that may go to disk
+STREAMED = (STREAM, PROMPT)
+_PIN_ORDER = {STREAM: 0, PROMPT: 1, SWAP: 1, ONCE: 2}
 
 
 @dataclasses.dataclass
@@ -81,7 +85,8 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     """The tiers of every unit of ``parts`` under ``config``'s budgets. Raises
     :class:`OffloadConfigError` (before anything is touched) when blocks must go to disk and
     have nowhere to be read from."""
-    units = [h for part in parts for h in part.host_units()]
+    units = [dataclasses.replace(h, role=PROMPT) if h.role == STREAM and part.once_per_call else h
+             for part in parts for h in part.host_units()]
     pin = config.pin_memory
     host = config.host_budget.resolve(physical_memory())
     pinned = config.pinned_budget.resolve(physical_memory())
@@ -99,7 +104,7 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     disk = [h for h in units if tiers[id(h.unit)] is Tier.DISK]
     if config.offload_folder is None:
         _refuse_unreadable(parts, [h for h in disk if not h.unit.from_checkpoint], config)
-    fixed = sum(h.nbytes for h in units if h.role != STREAM)
+    fixed = sum(h.nbytes for h in units if h.role not in STREAMED)
     if host is not None and fixed + ring > host:
         logger.warning(
             "host_memory=%r is below the %s that must stay in RAM (weights outside the streamed blocks, "
@@ -146,10 +151,12 @@ def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, res
     """Tiers by the policy of the module docstring; ``chunk``: the largest pinned buffer (None:
     any size)."""
     tiers: dict[int, Tier] = {}
-    room = None if host is None else host - reserve - sum(h.nbytes for h in units if h.role != STREAM)
+    room = None if host is None else host - reserve - sum(h.nbytes for h in units if h.role not in STREAMED)
     in_ram = []
-    for h in units:
-        if h.role == STREAM and room is not None:
+    # RAM goes to the blocks read every step before those read once per call (a sorted copy:
+    # stable, so each component's blocks keep their order)
+    for h in sorted(units, key=lambda h: h.role == PROMPT):
+        if h.role in STREAMED and room is not None:
             if h.nbytes > room:
                 tiers[id(h.unit)] = Tier.DISK
                 continue

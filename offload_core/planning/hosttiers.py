@@ -1,7 +1,8 @@
 """The host side of a plan: which of each component's bytes are pinned, pageable or on disk.
 
 The tiers come from the placement policy itself (``offload_core.hostmem.placement``: resident
-weights stay in RAM, streamed blocks follow in order and the rest go to disk; pinned memory goes
+weights stay in RAM, streamed blocks follow, those read every step before a text encoder's, and
+the rest go to disk; pinned memory goes
 first to the bounce ring when anything is staged, then to what is copied most often), applied to
 byte counts instead of packed units, so the plan says what ``enable_offload`` will do.
 """
@@ -26,14 +27,15 @@ DISK_NOTE = ("{components}: blocks on disk are read from the component's own che
 
 def _units(part: ComponentPlan, component: Component, world_size: int) -> list[tuple[str, int]]:
     """``(role, bytes)`` of the host units the strategies make of a component under ``part``."""
-    from ..hostmem.placement import ONCE, STREAM, SWAP
+    from ..hostmem.placement import ONCE, PROMPT, STREAM, SWAP
 
     if part.mode in (STAGED, SWAPPED):
         return [(SWAP, component.total_bytes)]
     if part.mode == RESIDENT:
         return [(ONCE, component.resident_bytes)] + [(ONCE, b) for b in component.block_bytes]
     units = [(ONCE, component.resident_bytes)] + [(ONCE, component.block_bytes[i]) for i in part.resident_blocks]
-    return units + [(STREAM, component.block_bytes[i] // world_size) for i in part.streamed_blocks]
+    role = STREAM if component.kind == "dit" else PROMPT  # as enable marks the parts it builds
+    return units + [(role, component.block_bytes[i] // world_size) for i in part.streamed_blocks]
 
 
 def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], host_memory: object,

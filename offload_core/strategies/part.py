@@ -45,6 +45,9 @@ class Part:
         self.enabled = False
         self._hooks: list = []
         self._no_repack: str | None = None  # inside no_repack(): what would have asked for one
+        # its blocks run once per pipeline call (a text encoder's), not every denoising step: the
+        # placement gives RAM to the others' blocks first (hostmem.placement)
+        self.once_per_call = False
 
     def join(self, handle: Any) -> None:
         """Before ``enable``: the part serves ``handle``, sharing its lock, making plain copies
