@@ -147,3 +147,34 @@ def test_read_ahead_stays_within_its_window(checkpoint, kib_chunks, monkeypatch)
         assert torch.equal(forward(handle.target, inputs), expected)
     assert max(sizes) <= read_ahead.peak_bytes <= window < sum(sizes)
     handle.disable()
+
+
+def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_reads_whole(
+        checkpoint, kib_chunks, monkeypatch):
+    """Linux reads only the first max(read_ahead_kb, max_sectors_kb) of a larger WILLNEED range:
+    the read-ahead asks in pieces of at most that (here set to one page), and together they hold
+    every byte the blocks read."""
+    folder, inputs, expected = checkpoint
+    monkeypatch.setattr(disk.SafetensorsFile, "advise_bytes", 4096)
+    asked: list[tuple[int, int]] = []
+    fadvise = disk.os.posix_fadvise
+
+    def recorded(fd, offset, length, advice):
+        if advice == disk.os.POSIX_FADV_WILLNEED:
+            asked.append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(disk.os, "posix_fadvise", recorded)
+    handle = on_disk(folder)
+    assert torch.equal(forward(handle.target, inputs), expected)
+    images = [plan.image for plan in handle.parts[0].plans]
+    handle.disable()  # the read-ahead has made every request
+    assert asked and max(length for _, length in asked) <= 4096
+    covered = set()
+    for offset, length in asked:
+        covered.update(range(offset, offset + length))
+    for image in images:
+        for segments in image.segments.values():
+            for _, _, piece in segments:
+                if isinstance(piece, disk.FileSlice):
+                    assert covered.issuperset(range(piece.offset, piece.offset + piece.nbytes))

@@ -71,6 +71,19 @@ def sequential_read(files: list[str]) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
+def _interleave(variants: list[Callable[[], None]], repeats: int, on_disk, in_ram, inputs) -> None:
+    """A warm-up forward of each model (first-pass measurements, the allocator), then the
+    variants, their order rotating from one repetition to the next."""
+    import torch
+
+    with torch.no_grad():
+        on_disk.target(**inputs)
+        in_ram.target(**inputs)
+        for rep in range(repeats):
+            for variant in variants[rep % len(variants):] + variants[: rep % len(variants)]:
+                variant()
+
+
 def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
     import torch
 
@@ -114,12 +127,12 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
             samples["compute_s"].append(time.perf_counter() - start)
 
         variants: list[Callable[[], None]] = [raw, tier, compute]
-        with torch.no_grad():
-            on_disk.target(**inputs)  # warm-up: first-pass measurements, allocator
-            in_ram.target(**inputs)
-            for rep in range(repeats):
-                for variant in variants[rep % 3:] + variants[: rep % 3]:
-                    variant()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # compute takes one core, as a device would: the host's threads get the rest
+        try:
+            _interleave(variants, repeats, on_disk, in_ram, inputs)
+        finally:
+            torch.set_num_threads(threads)
         read_ahead = on_disk.placement.read_ahead
         peak_ahead = read_ahead.peak_bytes if read_ahead is not None else 0
         stats = on_disk.stats()

@@ -4,12 +4,15 @@ Reads use ``os.preadv`` straight into the destination's memory (a bounce buffer 
 home), never ``mmap``: mapped file pages count in the process's resident memory for as long as
 the mapping lives, positional reads only fill the kernel's page cache, which it reclaims freely.
 What a unit's image asks the kernel to read ahead (:meth:`DiskImage.advise`) is its file bytes
-merged into page-aligned extents, so that the drive sees a few large requests per block rather
-than one per tensor.
+merged into page-aligned extents, asked for in pieces the kernel reads whole: Linux quietly
+reads only the first ``max(read_ahead_kb, max_sectors_kb)`` of a larger ``POSIX_FADV_WILLNEED``
+range, so one request per tensor (or per block) leaves most of a large block to be read when
+the stager gets to it, one request at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -36,6 +39,7 @@ CODES = {dtype: code for code, dtype in DTYPES.items()}
 _HEADER_ALIGN = 64
 _PAGE = 4096  # read-ahead extents start and end on page boundaries
 _EXTENT_GAP = 2**20  # file slices closer than this are read ahead as one extent (the gap comes along)
+_DEFAULT_ADVISE_BYTES = 128 * 1024  # Linux's default read-ahead: where a file's device says nothing
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -80,6 +84,22 @@ class SafetensorsFile:
             self.tensors[name] = FileSlice(self, self.data_start + begin, dtype, tuple(info["shape"]))
         self._fd: int | None = None
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def advise_bytes(self) -> int:
+        """The most one read-ahead request of this file reads: Linux caps ``POSIX_FADV_WILLNEED``
+        at the larger of its device's read-ahead and largest request (``max(read_ahead_kb,
+        max_sectors_kb)``, 8 MiB on a typical NVMe drive), whatever range it is given."""
+        dev = os.stat(self.path).st_dev
+        base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for queue in (f"{base}/queue", f"{base}/../queue"):  # a disk's, or a partition's disk's
+            try:
+                with open(f"{queue}/read_ahead_kb", encoding="ascii") as ra, \
+                        open(f"{queue}/max_sectors_kb", encoding="ascii") as io:
+                    return max(int(ra.read()), int(io.read()), 4) * 1024
+            except (OSError, ValueError):
+                continue
+        return _DEFAULT_ADVISE_BYTES
 
     def fd(self) -> int:
         if self._fd is None:
@@ -190,13 +210,16 @@ class DiskImage:
         return self._extents
 
     def advise(self) -> None:
-        """Ask the kernel to read this image's extents into its page cache (it returns once the
-        reads are queued; they fill the cache, not this process's resident memory)."""
+        """Ask the kernel to read this image's extents into its page cache, in requests no larger
+        than it honours whole (:attr:`SafetensorsFile.advise_bytes`): each returns once its reads
+        are queued, and they fill the cache, not this process's resident memory."""
         for file, offset, length in self.extents():
-            try:
-                os.posix_fadvise(file.fd(), offset, length, os.POSIX_FADV_WILLNEED)
-            except (AttributeError, OSError):  # not offered on this platform: reads just start cold
-                return
+            step = file.advise_bytes
+            for begin in range(offset, offset + length, step):
+                try:
+                    os.posix_fadvise(file.fd(), begin, min(step, offset + length - begin), os.POSIX_FADV_WILLNEED)
+                except (AttributeError, OSError):  # not offered on this platform: reads just start cold
+                    return
 
 
 class SpillFolder:
