@@ -25,8 +25,8 @@ never in this process's resident memory.
 from __future__ import annotations
 
 import atexit
-import logging
 import collections
+import logging
 import queue
 import threading
 import time
