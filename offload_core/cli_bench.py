@@ -20,13 +20,16 @@ def _fmt(value: Any, spread: float | None) -> str:
     return text + (f" ± {spread:.3f}" if spread is not None else "")
 
 
+def _target(row: dict[str, Any]) -> str:
+    if row["target"] is None:
+        return "-"
+    return f"{'>=' if row['at_least'] else '<='} {row['target']:g}"
+
+
 def render(results: dict[str, Any], load: dict[str, Any]) -> str:
     rows = bench.headline_rows(results)
     header = ("figure", "measured ± spread", "target", "status")
-    cells = [
-        (r["figure"], _fmt(r["value"], r["spread"]), "-" if r["target"] is None else f"<= {r['target']:g}", r["status"])
-        for r in rows
-    ]
+    cells = [(r["figure"], _fmt(r["value"], r["spread"]), _target(r), r["status"]) for r in rows]
     lines = [describe(load), "", *columns([header, *cells])]
     if "layerwise_overhead" in results:
         o = results["layerwise_overhead"]

@@ -71,8 +71,10 @@ class OffloadHandle:
         of the backend held before it; ``device_weight_bytes`` the device memory the strategy
         itself holds at most. Host side: ``pinned_host_bytes`` (weights in pinned memory, and the
         bounce ring), ``pageable_host_bytes`` (weights in ordinary memory), ``disk_bytes``
-        (weights read from disk), ``bounce_bytes`` (the ring) and ``staged_bytes`` (bytes copied
-        through the ring so far); ``host_bytes`` is the weights held in RAM.
+        (weights read from disk), ``bounce_bytes`` (the ring), ``staged_bytes`` (bytes copied
+        through the ring so far), ``disk_read_bytes`` and ``disk_read_seconds`` (bytes read from
+        checkpoint or spill files so far, and the stager's time in those reads); ``host_bytes``
+        is the weights held in RAM.
         """
         totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0, "retired_slot_bytes": 0}
         for part in self.parts:

@@ -129,3 +129,30 @@ def test_the_budget_curve_keeps_a_growing_share_and_copies_less(tmp_path):
     assert curve["50"]["kept"] == list(range(0, 16, 2)), "every other block: each copy hides behind two computes"
     assert [curve[f]["ideal"] for f in ("0", "25", "50", "75")] == [2.0, 1.5, 1.0, 1.0]
     assert curve["0"]["ratio"] > curve["75"]["ratio"]
+
+
+def test_bench_disk_quick_reads_every_disk_block_and_reports_against_a_cold_plain_read(capsys):
+    """The quick disk-tier run: each forward reads the bytes of the blocks on disk (counted by
+    ``handle.stats()``), the plain read reads the whole checkpoint, both with a cold cache; its
+    small model is compute-bound, so the throughput share is reported as unreliable, never ok."""
+    assert cli.main(["bench", "--only", "disk", "--quick", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    disk = printed["results"]["disk"]
+    samples = disk["samples"]
+    assert disk["cold_cache"] == "fadvise_dontneed"
+    assert set(samples["tier_bytes"]) == {disk["bytes_read_per_forward_gb"] * 1e9}
+    assert 0 < disk["disk_bytes"] < disk["model_bytes"] <= min(samples["raw_bytes"])
+    assert samples["tier_bytes"][0] <= disk["disk_bytes"]  # what the homes hold, less alignment gaps
+    assert disk["read_ahead_peak_bytes"] > 0 and disk["repeats"] == len(samples["tier_s"]) == 2
+    rows = {r["figure"]: r for r in printed["headlines"] if r["figure"].startswith(("disk", "disk-bound"))}
+    assert len(rows) == 2 and all(r["status"] in ("ok", "MISSED", UNRELIABLE) for r in rows.values())
+    share = next(r for r in rows.values() if r["at_least"])
+    assert share["target"] == 0.8
+    if not disk["disk_bound"]:
+        assert share["status"] == UNRELIABLE
+
+
+def test_a_figure_held_from_below_is_ok_only_at_or_above_its_target():
+    assert status(0.9, 0.02, 0.8, None, at_least=True) == "ok"
+    assert status(0.6, 0.02, 0.8, None, at_least=True) == "MISSED"
+    assert status(0.78, 0.05, 0.8, None, at_least=True) == UNRELIABLE

@@ -3,10 +3,16 @@
 Reads use ``os.preadv`` straight into the destination's memory (a bounce buffer or a packed
 home), never ``mmap``: mapped file pages count in the process's resident memory for as long as
 the mapping lives, positional reads only fill the kernel's page cache, which it reclaims freely.
+What a unit's image asks the kernel to read ahead (:meth:`DiskImage.advise`) is its file bytes
+merged into page-aligned extents, asked for in pieces the kernel reads whole: Linux quietly
+reads only the first ``max(read_ahead_kb, max_sectors_kb)`` of a larger ``POSIX_FADV_WILLNEED``
+range, so one request per tensor (or per block) leaves most of a large block to be read when
+the stager gets to it, one request at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,6 +37,9 @@ DTYPES = {
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 _HEADER_ALIGN = 64
+_PAGE = 4096  # read-ahead extents start and end on page boundaries
+_EXTENT_GAP = 2**20  # file slices closer than this are read ahead as one extent (the gap comes along)
+_DEFAULT_ADVISE_BYTES = 128 * 1024  # Linux's default read-ahead: where a file's device says nothing
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -76,6 +85,22 @@ class SafetensorsFile:
         self._fd: int | None = None
         self._lock = threading.Lock()
 
+    @functools.cached_property
+    def advise_bytes(self) -> int:
+        """The most one read-ahead request of this file reads: Linux caps ``POSIX_FADV_WILLNEED``
+        at the larger of its device's read-ahead and largest request (``max(read_ahead_kb,
+        max_sectors_kb)``, 8 MiB on a typical NVMe drive), whatever range it is given."""
+        dev = os.stat(self.path).st_dev
+        base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for queue in (f"{base}/queue", f"{base}/../queue"):  # a disk's, or a partition's disk's
+            try:
+                with open(f"{queue}/read_ahead_kb", encoding="ascii") as ra, \
+                        open(f"{queue}/max_sectors_kb", encoding="ascii") as io:
+                    return max(int(ra.read()), int(io.read()), 4) * 1024
+            except (OSError, ValueError):
+                continue
+        return _DEFAULT_ADVISE_BYTES
+
     def fd(self) -> int:
         if self._fd is None:
             with self._lock:
@@ -106,23 +131,21 @@ class FileSlice:
             n *= s
         return n
 
-    def read(self, start: int, count: int, out: torch.Tensor) -> None:
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def read(self, start: int, count: int, out: torch.Tensor) -> int:
         """Elements ``start .. start + count`` into ``out`` (flat); one read, plus a conversion
-        through a buffer of this slice's size when the dtypes differ."""
+        through a buffer of this slice's size when the dtypes differ. Returns the bytes read."""
         where = self.offset + start * self.dtype.itemsize
         if out.dtype == self.dtype:
             pread_into(self.file.fd(), out, where)
-            return
-        raw = torch.empty(count, dtype=self.dtype)
-        pread_into(self.file.fd(), raw, where)
-        out.copy_(raw)
-
-    def advise(self) -> None:
-        """Ask the kernel to start reading this slice into its page cache (readahead)."""
-        try:
-            os.posix_fadvise(self.file.fd(), self.offset, self.numel * self.dtype.itemsize, os.POSIX_FADV_WILLNEED)
-        except (AttributeError, OSError):  # not offered on this platform: reads just start cold
-            pass
+        else:
+            raw = torch.empty(count, dtype=self.dtype)
+            pread_into(self.file.fd(), raw, where)
+            out.copy_(raw)
+        return count * self.dtype.itemsize
 
 
 class MemorySlice:
@@ -134,11 +157,9 @@ class MemorySlice:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
-    def read(self, start: int, count: int, out: torch.Tensor) -> None:
+    def read(self, start: int, count: int, out: torch.Tensor) -> int:
         out.copy_(self.tensor[start : start + count])
-
-    def advise(self) -> None:
-        pass
+        return 0  # nothing from disk
 
 
 class DiskImage:
@@ -147,21 +168,58 @@ class DiskImage:
 
     def __init__(self) -> None:
         self.segments: dict[torch.dtype, list[tuple[int, int, object]]] = {}  # (start, count, slice)
+        self._extents: list[tuple[SafetensorsFile, int, int]] | None = None
+        self._file_bytes = 0
 
     def add(self, dtype: torch.dtype, start: int, count: int, source) -> None:
         self.segments.setdefault(dtype, []).append((start, count, source))
+        self._extents = None
 
-    def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
-        end = start + count
+    def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
+        """Elements ``start .. start + count`` of the ``dtype`` home into ``out``; returns the
+        bytes read from files (what ``disk_read_bytes`` counts)."""
+        end, read = start + count, 0
         for seg_start, seg_count, source in self.segments.get(dtype, ()):
             lo, hi = max(start, seg_start), min(end, seg_start + seg_count)
             if lo < hi:
-                source.read(lo - seg_start, hi - lo, out[lo - start : hi - start])
+                read += source.read(lo - seg_start, hi - lo, out[lo - start : hi - start])
+        return read
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes a full read of this image takes from files."""
+        self.extents()
+        return self._file_bytes
+
+    def extents(self) -> list[tuple["SafetensorsFile", int, int]]:
+        """(file, offset, length): this image's file bytes as page-aligned extents in file order,
+        slices less than ``_EXTENT_GAP`` apart merged."""
+        if self._extents is None:
+            spans = sorted(((s.file, s.offset, s.offset + s.nbytes) for segments in self.segments.values()
+                            for _, _, s in segments if isinstance(s, FileSlice) and s.nbytes),
+                           key=lambda span: (span[0].path, span[1]))
+            self._file_bytes = sum(end - begin for _, begin, end in spans)
+            merged: list[list] = []
+            for file, begin, end in spans:
+                begin, end = begin - begin % _PAGE, -(-end // _PAGE) * _PAGE
+                if merged and merged[-1][0] is file and begin <= merged[-1][2] + _EXTENT_GAP:
+                    merged[-1][2] = max(merged[-1][2], end)
+                else:
+                    merged.append([file, begin, end])
+            self._extents = [(file, begin, end - begin) for file, begin, end in merged]
+        return self._extents
 
     def advise(self) -> None:
-        for segments in self.segments.values():
-            for _, _, source in segments:
-                source.advise()
+        """Ask the kernel to read this image's extents into its page cache, in requests no larger
+        than it honours whole (:attr:`SafetensorsFile.advise_bytes`): each returns once its reads
+        are queued, and they fill the cache, not this process's resident memory."""
+        for file, offset, length in self.extents():
+            step = file.advise_bytes
+            for begin in range(offset, offset + length, step):
+                try:
+                    os.posix_fadvise(file.fd(), begin, min(step, offset + length - begin), os.POSIX_FADV_WILLNEED)
+                except (AttributeError, OSError):  # not offered on this platform: reads just start cold
+                    return
 
 
 class SpillFolder:

@@ -42,7 +42,7 @@ from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .budget import auto_pinned_budget, physical_memory, size_text as _size
 from .disk import SpillFolder, checkpoint_image
-from .staging import BOUNCE_BUFFERS, BounceRing, Stager, Ticket, ring_chunk_bytes
+from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_chunk_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +200,7 @@ class Placement:
         self._spill = SpillFolder(folder) if folder is not None else None
         self.ring: BounceRing | None = None
         self.stager: Stager | None = None
+        self.read_ahead: ReadAhead | None = None
         self._copied = None  # the event a blocking copy from a pageable home waits for
         self.blocking_copy_bytes = 0  # written on the stager thread only
 
@@ -280,6 +281,8 @@ class Placement:
             "disk_bytes": self.bytes[Tier.DISK],
             "bounce_bytes": ring,
             "staged_bytes": self.ring.staged_bytes if self.ring is not None else 0,
+            "disk_read_bytes": self.ring.disk_read_bytes if self.ring is not None else 0,
+            "disk_read_seconds": self.ring.disk_read_seconds if self.ring is not None else 0.0,
             # copies from pageable memory (homes, or the ring's buffers), each waited for on the
             # stager thread: they cannot overlap compute the way pinned ones do
             "blocking_copy_bytes": self.blocking_copy_bytes,
@@ -299,6 +302,8 @@ class Placement:
         if self.staging or self.bytes[Tier.PAGEABLE]:
             # the device of this (enabling) thread, so that the stager's work goes to it too
             self.stager = Stager(functools.partial(self.backend.bind_thread, self.backend.device()))
+        if self.bytes[Tier.DISK]:
+            self.read_ahead = ReadAhead()
         for part in parts:
             part.placement = self
 
@@ -307,6 +312,9 @@ class Placement:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+            self.read_ahead = None
         if self.ring is not None:
             for event in self.ring.read_done:
                 event.synchronize()
@@ -337,9 +345,11 @@ class Placement:
     def transfers(self, unit, dst: dict[torch.dtype, torch.Tensor]) -> list[tuple[torch.Tensor, object]]:
         """(device view, source) per dtype: the source is the pinned or pageable host buffer to
         copy straight, or a reader whose elements go through the bounce ring."""
-        if self._tiers[id(unit)] in (Tier.PINNED, Tier.PAGEABLE):
+        tier = self._tiers[id(unit)]
+        if tier in (Tier.PINNED, Tier.PAGEABLE):
             return [(dst[dtype][: src.numel()], src) for dtype, src in unit.host.items()]
-        return [(dst[dtype][:n], functools.partial(unit.read, dtype)) for dtype, n in unit.numel.items()]
+        read = functools.partial(_read_image, unit) if tier is Tier.DISK else unit.read
+        return [(dst[dtype][:n], functools.partial(read, dtype)) for dtype, n in unit.numel.items()]
 
     def copies(self, transfers) -> int:
         """The copies ``transfers`` take: one per direct buffer, one per bounce chunk."""
@@ -370,6 +380,11 @@ class Placement:
         self._copied.synchronize()
         self.blocking_copy_bytes += src.nbytes
 
+    def staging_block(self, blocks, i: int) -> None:
+        """The stager starts staging block ``i`` of ``blocks`` (run order): read ahead after it."""
+        if self.read_ahead is not None:
+            self.read_ahead.staging(blocks, i)
+
     def run(self, task: Callable[[], None]) -> Ticket | None:
         """Run ``task`` (a load: waits, copies, a ready event) now, or hand it to the stager."""
         if self.stager is None:
@@ -385,6 +400,11 @@ class Placement:
         """Block until every load handed to the stager has been issued."""
         if self.stager is not None:
             self.stager.drain()
+
+
+def _read_image(unit, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
+    """A disk unit's reader: the bytes it read from files count in ``disk_read_bytes``."""
+    return unit.image.read(dtype, start, count, out)
 
 
 def _pageable(n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -12,16 +12,26 @@ never held up: a strategy hands each load (waits, copies, the ready event) to th
 task, tasks run in the order they were submitted, and the strategy waits for a task's ticket
 before it makes compute wait on the task's ready event (an event must be recorded before a
 stream can wait on it).
+
+Blocks on disk are read every time they run, so the drive must never wait for the stager. The
+stager tells a :class:`ReadAhead` which block it starts staging; on its own thread, that asks
+the kernel to read the blocks that run next (in run order, wrapping to the first block for the
+next step) into its page cache, as far as a window of bytes reaches. The stager's reads then find
+their bytes arriving or arrived, the drive has large requests queued while the stager copies and
+while compute runs, and what is read ahead sits in the page cache, which the kernel reclaims,
+never in this process's resident memory.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import queue
 import threading
+import time
 import weakref
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from ..errors import StagingError
@@ -33,8 +43,12 @@ logger = logging.getLogger(__name__)
 #: ones are copied, and four chunks of read-ahead cover a disk read's latency spikes
 BOUNCE_CHUNK_BYTES = 16 * 2**20
 BOUNCE_BUFFERS = 4
+#: bytes of disk blocks read ahead beyond the one being staged (at least the next block): two
+#: blocks of the largest models' streamed stacks, a few seconds of a drive's sequential read
+READ_AHEAD_BYTES = 1536 * 2**20
 
-Reader = Callable[[int, int, torch.Tensor], None]  # read(start, count, out): elements into ``out``
+#: read(start, count, out): elements into ``out``; returns the bytes it read from disk (or None)
+Reader = Callable[[int, int, torch.Tensor], "int | None"]
 
 
 def ring_chunk_bytes(largest: int) -> int:
@@ -56,7 +70,10 @@ class BounceRing:
         self.read_done = [backend.new_event() for _ in range(count)]
         self._used = [False] * count
         self._next = 0
-        self.staged_bytes = 0  # written on the stager thread only
+        # written on the stager thread only
+        self.staged_bytes = 0
+        self.disk_read_bytes = 0  # bytes read from files into the ring
+        self.disk_read_seconds = 0.0  # time those reads took (waiting for the drive included)
 
     @property
     def nbytes(self) -> int:
@@ -79,11 +96,77 @@ class BounceRing:
             if self._used[k]:
                 self.read_done[k].synchronize()  # the copy that last read buffer k has run
             bounce = self.buffers[k][: count * dtype.itemsize].view(dtype)
-            read(start, count, bounce)
+            began = time.perf_counter()
+            from_disk = read(start, count, bounce)
+            if from_disk:
+                self.disk_read_bytes += from_disk
+                self.disk_read_seconds += time.perf_counter() - began
             self.copy(dst[start : start + count], bounce, stream)
             self.read_done[k].record(stream)
             self._used[k] = True
             self.staged_bytes += count * dtype.itemsize
+
+
+class ReadAhead:
+    """Keeps the kernel reading the disk blocks that run next (see the module's docstring).
+
+    Told on the stager thread which block it starts staging (:meth:`staging`), it decides there
+    what to ask for: the images after that block in run order, until ``window`` bytes are asked
+    for beyond it (always at least the next one), each once per pass; the blocks the stager has
+    reached are forgotten. Its own thread makes the requests, in that order: a request returns once
+    the kernel has queued the reads, which can take a while on a busy drive."""
+
+    def __init__(self, window: int | None = None) -> None:
+        self.window = READ_AHEAD_BYTES if window is None else window
+        self.peak_bytes = 0  # the most bytes ever asked for ahead of the block being staged
+        self._blocks: Sequence | None = None
+        self._ahead: collections.deque = collections.deque()  # (index, bytes) asked for, in run order
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_advise, args=(self._requests,), name="offload-core-readahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def staging(self, blocks: Sequence, i: int) -> None:
+        """The stager starts staging block ``i`` of ``blocks`` (a part's block plans in run order,
+        each with its ``image``, None for a block in RAM)."""
+        if blocks is not self._blocks:
+            self._blocks = blocks
+            self._ahead.clear()
+        ahead = self._ahead
+        if any(j == i for j, _ in ahead):
+            while ahead.popleft()[0] != i:  # the stager has gone past these
+                pass
+        else:  # a pass starts, or a block runs out of order: what was asked for is stale
+            ahead.clear()
+            if blocks[i].image is not None:
+                self._requests.put(blocks[i].image)
+        n, asked = len(blocks), sum(size for _, size in ahead)
+        j = (ahead[-1][0] if ahead else i) + 1
+        while j % n != i:
+            image = blocks[j % n].image
+            if image is not None:
+                size = image.file_bytes
+                if ahead and asked + size > self.window:
+                    break
+                self._requests.put(image)
+                ahead.append((j % n, size))
+                asked += size
+                self.peak_bytes = max(self.peak_bytes, asked)
+            j += 1
+
+    def close(self) -> None:
+        """Stop once the requests made so far are made."""
+        self._requests.put(None)
+        self._thread.join()
+
+
+def _advise(requests: queue.SimpleQueue) -> None:
+    """The read-ahead thread: ask for each image in turn (it holds only the queue)."""
+    while (image := requests.get()) is not None:
+        try:
+            image.advise()
+        except Exception:  # noqa: BLE001 - a hint that failed: the stager's reads still read
+            logger.exception("reading ahead failed")
 
 
 class Ticket:

@@ -27,7 +27,8 @@ see, which is what the promise is about.
 Blocks whose home is not pinned (a ``pinned_memory`` budget, or on disk with ``host_memory``) are
 loaded by the placement's stager thread through its bounce ring: a load then hands the whole
 load (slot wait, copies, ready event) to the stager, and the block's ticket is waited before
-compute waits on its ready event.
+compute waits on its ready event. As the stager starts each load, the blocks on disk that run
+after it (wrapping to the first for the next step) are read ahead.
 """
 
 from __future__ import annotations
@@ -61,11 +62,9 @@ class Streaming:
         if stager is None:
             self._queue_load(plan)
         else:
-            if plan.image is not None:  # on disk: the kernel reads ahead while earlier loads are staged
-                plan.image.advise()
             # The stager waits on the slot's free event later: safe, because it is recorded again
             # only after block i has run, and block i runs only after this load's ticket.
-            plan.ticket = stager.submit(functools.partial(self._queue_load, plan))
+            plan.ticket = stager.submit(functools.partial(self._stage_load, plan))
         ring.occupant[slot] = i
         counters = self.counters
         counters.loads += 1
@@ -84,6 +83,12 @@ class Streaming:
             self.plans[plan.index] = self._block_plan(plan.index, plan.ready, plan.ticket)
         self.saved.index(self.ring.slots)
         self.ring.settle(slot)
+
+    def _stage_load(self, plan: BlockPlan) -> None:
+        """A load on the stager thread: the blocks on disk after this one are read ahead while
+        it is staged (see ``hostmem.staging.ReadAhead``)."""
+        self.placement.staging_block(self.plans, plan.index)
+        self._queue_load(plan)
 
     def _queue_load(self, plan: BlockPlan) -> None:
         stream = self.copy_stream

@@ -1,0 +1,180 @@
+"""The disk tier: blocks beyond ``host_memory`` are read from their checkpoint in every forward,
+the blocks that run next asked of the kernel ahead of the stager (wrapping to the first block for
+the next step) within a bounded window, and the bytes read counted in ``handle.stats()``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import offload_core
+from offload_core.hostmem import disk, staging
+
+from helpers import chaos_backend, forward
+
+pytestmark = pytest.mark.fake_only
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Wan DiT of four blocks saved as diffusers saves one, and its output without
+    offloading (more blocks than slots: read-ahead reaches past what the slots hold)."""
+    from diffusers import WanTransformer3DModel
+    from denoisers import build_transformer
+
+    folder = tmp_path_factory.mktemp("wan")
+    small, inputs = build_transformer("wan-t2v")
+    torch.manual_seed(0)
+    model = WanTransformer3DModel.from_config({**small.config, "num_layers": 4})
+    model.save_pretrained(folder)
+    expected = forward(WanTransformer3DModel.from_pretrained(folder), inputs)
+    return folder, inputs, expected
+
+
+@pytest.fixture
+def kib_chunks(monkeypatch):
+    """Bounce buffers of 4 KiB: each block takes several chunks, the ring wraps within a block."""
+    monkeypatch.setattr(staging, "BOUNCE_CHUNK_BYTES", 4096)
+
+
+def block_bytes_in_checkpoint(folder) -> int:
+    """What the checkpoint holds for the streamed blocks, read with safetensors itself."""
+    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
+        return sum(f.get_tensor(key).nbytes for key in f.keys() if key.startswith("blocks."))
+
+
+def on_disk(folder, **options):
+    return offload_core.from_pretrained(folder, enable_layerwise_offload=True, backend=chaos_backend(),
+                                        host_memory=0, **options)
+
+
+def test_disk_read_stats_count_exactly_the_bytes_of_the_disk_blocks_per_forward(checkpoint, kib_chunks):
+    folder, inputs, expected = checkpoint
+    handle = on_disk(folder)
+    per_forward = block_bytes_in_checkpoint(folder)
+    assert per_forward > 0
+    last = handle.stats()
+    for _ in range(2):
+        assert torch.equal(forward(handle.target, inputs), expected)
+        now = handle.stats()
+        assert now["disk_read_bytes"] - last["disk_read_bytes"] == per_forward
+        assert now["disk_read_seconds"] > last["disk_read_seconds"]
+        last = now
+    handle.disable()
+
+
+class Recorder:
+    """What the drive is asked for and read, in the order it happens across threads: the
+    read-ahead's requests (``ask``, per block) and the stager's reads (``read``, per chunk), each
+    read slowed down so that the order does not depend on how the threads happen to be scheduled."""
+
+    def __init__(self, monkeypatch, handle) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        index = {id(plan.image): plan.index for plan in handle.parts[0].plans}
+        advise, read = disk.DiskImage.advise, disk.DiskImage.read
+
+        def asked(image):
+            self.add("ask", index[id(image)])
+            advise(image)
+
+        def slow_read(image, *args):
+            time.sleep(0.01)
+            done = read(image, *args)
+            self.add("read", index[id(image)])
+            return done
+
+        monkeypatch.setattr(disk.DiskImage, "advise", asked)
+        monkeypatch.setattr(disk.DiskImage, "read", slow_read)
+
+    def add(self, kind: str, block: int) -> None:
+        with self.lock:
+            self.events.append((kind, block))
+
+
+
+def test_the_next_blocks_are_asked_for_before_the_current_one_is_read_wrapping_to_the_first(
+        checkpoint, kib_chunks, monkeypatch):
+    folder, inputs, expected = checkpoint
+    handle = on_disk(folder)
+    blocks, slots = len(handle.parts[0].units), handle.parts[0].num_slots
+    assert blocks > slots
+    record = Recorder(monkeypatch, handle)
+    with handle.frozen():
+        for _ in range(2):
+            assert torch.equal(forward(handle.target, inputs), expected)
+    events = list(record.events)  # not disable's reads of the homes
+    handle.disable()
+
+    def first_pass_reads(i: int) -> list[int]:
+        """Where block i's chunks are read in the first forward: one run of reads."""
+        start = events.index(("read", i))
+        run = [k for k in range(start, len(events)) if events[k] == ("read", i)]
+        other = next((k for k in range(start, len(events)) if events[k][0] == "read" and events[k][1] != i),
+                     len(events))
+        return [k for k in run if k < other]
+
+    for i in range(blocks):
+        last_read = first_pass_reads(i)[-1]
+        for ahead in range(1, slots + 1):  # as far as the slots reach, and one block beyond them
+            following = (i + ahead) % blocks  # past the last block: the first ones, for the next step
+            wrapped = following < i
+            since = first_pass_reads(following)[0] if wrapped else -1
+            asked = [k for k, e in enumerate(events) if e == ("ask", following) and k > since]
+            assert asked and asked[0] < last_read, (i, following, events)
+    # each block is asked for once per pass: the second pass asks again for what the first read
+    for i in range(blocks):
+        assert events.count(("ask", i)) >= 2, (i, events)
+
+
+def test_read_ahead_stays_within_its_window(checkpoint, kib_chunks, monkeypatch):
+    """No more than the configured read-ahead is asked for beyond the block being staged (but
+    always the next block), and the output is exact."""
+    folder, inputs, expected = checkpoint
+    handle = on_disk(folder)
+    sizes = [plan.image.file_bytes for plan in handle.parts[0].plans]
+    handle.disable()
+    window = max(sizes) + 1  # one block ahead at a time
+    monkeypatch.setattr(staging, "READ_AHEAD_BYTES", window)
+    handle = on_disk(folder)
+    read_ahead = handle.placement.read_ahead
+    assert read_ahead.window == window
+    for _ in range(2):
+        assert torch.equal(forward(handle.target, inputs), expected)
+    assert max(sizes) <= read_ahead.peak_bytes <= window < sum(sizes)
+    handle.disable()
+
+
+def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_reads_whole(
+        checkpoint, kib_chunks, monkeypatch):
+    """Linux reads only the first max(read_ahead_kb, max_sectors_kb) of a larger WILLNEED range:
+    the read-ahead asks in pieces of at most that (here set to one page), and together they hold
+    every byte the blocks read."""
+    folder, inputs, expected = checkpoint
+    monkeypatch.setattr(disk.SafetensorsFile, "advise_bytes", 4096)
+    asked: list[tuple[int, int]] = []
+    fadvise = disk.os.posix_fadvise
+
+    def recorded(fd, offset, length, advice):
+        if advice == disk.os.POSIX_FADV_WILLNEED:
+            asked.append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(disk.os, "posix_fadvise", recorded)
+    handle = on_disk(folder)
+    assert torch.equal(forward(handle.target, inputs), expected)
+    images = [plan.image for plan in handle.parts[0].plans]
+    handle.disable()  # the read-ahead has made every request
+    assert asked and max(length for _, length in asked) <= 4096
+    covered = set()
+    for offset, length in asked:
+        covered.update(range(offset, offset + length))
+    for image in images:
+        for segments in image.segments.values():
+            for _, _, piece in segments:
+                if isinstance(piece, disk.FileSlice):
+                    assert covered.issuperset(range(piece.offset, piece.offset + piece.nbytes))
