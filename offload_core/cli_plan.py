@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
-from .cli_common import UsageError, budget_text, budget_type
+from .cli_common import UsageError, budget_type
 
 #: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
 #: a PCIe 4.0 x16 link (its 32 GB/s raw rate less protocol overhead); measure yours and pass it
@@ -37,19 +38,6 @@ all-resident one. Exit status: 0 planned, 2 bad input or a budget nothing fits (
 the smallest that works)."""
 
 
-def _bytes(text: str) -> int:
-    """A size ("2GiB", bytes), not a fraction: activations are not a share of anything."""
-    from .config import parse_budget
-
-    try:
-        parsed = parse_budget(budget_text(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if parsed.nbytes is None:
-        raise argparse.ArgumentTypeError(f"expected bytes or a size such as 2GiB, got {text!r}")
-    return parsed.nbytes
-
-
 def _bandwidth(text: str) -> float | str:
     return text if text == "measure" else _positive(text)
 
@@ -59,8 +47,8 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
     return value
 
 
@@ -85,7 +73,7 @@ def add_plan(subparsers: Any) -> None:
     source.add_argument("--pipeline", metavar="NAME",
                         help=f"embedded or real-size pipeline (default: {DEFAULT_TINY}); 'list' lists them")
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
-    parser.add_argument("--device-memory", metavar="SIZE", type=budget_text,
+    parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
                         help="device memory budget: bytes or a size such as 16GiB (required, except with "
                         "'--pipeline list')")
     parser.add_argument("--host-memory", type=budget_type("RAM"), metavar="SIZE",
@@ -97,7 +85,7 @@ def add_plan(subparsers: Any) -> None:
                         "or 'measure' (timed on this machine's backend)")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
-    parser.add_argument("--activation-memory", type=_bytes, metavar="SIZE",
+    parser.add_argument("--activation-memory", type=budget_type(None), metavar="SIZE",
                         help="activation memory of each component's forward (default: an estimate)")
     parser.add_argument("--strategy", choices=("auto", "model", "layerwise"), default="auto",
                         help="auto (default): chosen by the budget; or the strategy the budget then sizes")
@@ -138,7 +126,9 @@ def _components(args: argparse.Namespace, bandwidth: float):
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
-        measured["activation_bytes"] = args.activation_memory
+        from .config import size
+
+        measured["activation_bytes"] = size(args.activation_memory)
     return [c.with_measurements(**measured) for c in components], groups
 
 

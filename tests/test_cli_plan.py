@@ -81,12 +81,19 @@ def test_a_local_folder_plans_as_its_pipeline_built_in_code(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory", "1KiB"], "the smallest budget that works is"),
-    (["--device-memory", "lots"], "invalid device_memory='lots'"),
+    (["--device-memory", "lots"], "argument --device-memory: expected bytes"),
+    (["--device-memory", "24G"], "'G' is ambiguous"),
+    (["--device-memory", "24"], "'24' has no unit: write '24GiB'"),
     (["--device-memory", "0.5"], "fraction of the device's memory, which is unknown"),
     (["--device-memory", "1GiB", "--pipeline", "nope"], "unknown pipeline 'nope'"),
     (["--device-memory", "1GiB", "--resident-blocks", "x"], "expected 'auto' or an integer"),
-    (["--device-memory", "1GiB", "--host-memory", "2.5"], "got 2.5"),
-    (["--device-memory", "1GiB", "--activation-memory", "0.5"], "expected bytes or a size"),
+    (["--device-memory", "1GiB", "--host-memory", "2.5"], "a fraction of RAM is in (0, 1], got '2.5'"),
+    (["--device-memory", "1GiB", "--activation-memory", "0.5"], "'0.5' has no unit"),
+    (["--device-memory", "1GiB", "--block-compute-ms", "inf"], "expected a finite number > 0, got inf"),
+    (["--device-memory", "1GiB", "--block-compute-ms", "nan"], "expected a finite number > 0, got nan"),
+    (["--device-memory", "1GiB", "--block-compute-ms", "-1"], "expected a finite number > 0, got -1"),
+    (["--device-memory", "1GiB", "--bandwidth", "inf"], "expected a finite number > 0, got inf"),
+    (["--device-memory", "1GiB", "--bandwidth=-inf"], "expected a finite number > 0, got -inf"),
     (["--device-memory", "1GiB", "--strategy", "model", "--resident-blocks", "2"], "not to model-level"),
     ([], "--device-memory SIZE is required"),
 ])

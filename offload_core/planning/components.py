@@ -73,19 +73,18 @@ class Component:
 
 
 def device_budget(value: object, total: int | None = None) -> int:
-    """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a float in
-    (0, 1], a fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``). Size
-    strings and fractions are read by the same parser as ``pinned_memory`` / ``host_memory``."""
+    """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a
+    fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``): a float, or a
+    string with a decimal point, in (0, 1]. Read by the one size parser of every option
+    (``offload_core.config.parse_budget``; the table in docs/index.md)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         raise OffloadConfigError("device_memory= needs a budget: bytes, a size such as '16GiB', or a fraction "
                                  "of the device's memory such as 0.9")
     try:
-        parsed = parse_budget(value)
+        parsed = parse_budget(value, of="the device's memory")
     except ValueError as exc:
-        raise OffloadConfigError(f"invalid device_memory={value!r}: {str(exc).replace('of RAM', 'of the device')}"
-                                 ) from None
+        raise OffloadConfigError(f"invalid device_memory={value!r}: {exc}") from None
     if parsed.fraction is not None and total is None:
         raise OffloadConfigError(f"device_memory={value!r} is a fraction of the device's memory, which is unknown "
                                  "here: give bytes or a size such as '16GiB'")
     return parsed.resolve(total or 0)
-
