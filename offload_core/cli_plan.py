@@ -74,8 +74,8 @@ def add_plan(subparsers: Any) -> None:
                         help=f"embedded or real-size pipeline (default: {DEFAULT_TINY}); 'list' lists them")
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
     parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
-                        help="device memory budget: bytes or a size such as 16GiB (required, except with "
-                        "'--pipeline list')")
+                        help="device memory budget: a size such as 16GiB, or a fraction such as 0.9 of the "
+                        "device --backend names (required, except with '--pipeline list')")
     parser.add_argument("--host-memory", type=budget_type("RAM"), metavar="SIZE",
                         help="host RAM budget for weights (bytes, 64GiB, or a fraction of RAM such as 0.5)")
     parser.add_argument("--pinned-memory", type=budget_type("RAM"), metavar="SIZE",
@@ -92,6 +92,10 @@ def add_plan(subparsers: Any) -> None:
     parser.add_argument("--resident-blocks", type=_resident, default="auto", metavar="N",
                         help="blocks each streamed component keeps on the device: auto (default) or a count")
     parser.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="prefetch depth (default 1)")
+    parser.add_argument("--backend", metavar="NAME",
+                        help="check the budget against this backend's device, as enable does: a budget above its "
+                        "free memory is clamped to it, with a note (default: the auto-detected accelerator, if any; "
+                        "without one the plan is for any card)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     parser.set_defaults(run=run_plan)
 
@@ -141,6 +145,23 @@ def _copy_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
     return DEFAULT_BANDWIDTH, "default: a PCIe 4.0 x16 link"
 
 
+def device_memory(name: str | None) -> tuple[int | None, int | None]:
+    """``mem_get_info()`` (free, total) of the device the budget is checked against: the backend
+    ``name``, or with None the auto-detected one if it is an accelerator; (None, None) without."""
+    from .cli_common import available_backend
+    from .plugins import get_backend
+
+    try:
+        info = available_backend(name)
+    except UsageError:
+        if name is not None:
+            raise
+        return None, None  # nothing detected: the plan is for any card
+    if name is None and not info.cls.is_accelerator:
+        return None, None
+    return get_backend(info.name).mem_get_info()
+
+
 def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20) -> tuple[float, str]:
     """Host-to-device bytes per second of a pinned copy on ``backend`` (default: the one
     auto-detection picks), as the real-size benchmark measures it, and where it comes from."""
@@ -166,15 +187,17 @@ def run_plan(args: argparse.Namespace) -> int:
     from .errors import OffloadConfigError
     from .planning import device_budget, make_plan
 
+    free, total = device_memory(args.backend)
     try:
-        budget = device_budget(args.device_memory)
+        budget = device_budget(args.device_memory, total)
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None
     bandwidth, bandwidth_source = _copy_bandwidth(args)
     components, groups = _components(args, bandwidth)
     try:
         plan = make_plan(
-            components, budget, groups=groups, strategy=None if args.strategy == "auto" else args.strategy,
+            components, budget, device_total=total, device_free=free, groups=groups,
+            strategy=None if args.strategy == "auto" else args.strategy,
             resident_blocks=args.resident_blocks, prefetch_depth=args.prefetch_depth,
             host_memory=args.host_memory, pinned_memory=args.pinned_memory,
             bandwidth_source=bandwidth_source,
