@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import traceback
 import warnings
 from typing import Any, Sequence
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from .backend import DeviceBackend
-from .config import FLAG_PRIORITY, OffloadConfig
+from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules
 from .planning import Plan, describe, make_plan
@@ -91,23 +92,25 @@ def describe_parts(target: Any, pipeline: bool, config: OffloadConfig, backend: 
                     pinned_memory=config.pinned_memory)
 
 
-def out_of_memory(exc: BaseException, plan: Plan | None, backend: DeviceBackend) -> BaseException:
+def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, backend: DeviceBackend
+                  ) -> BaseException:
     """The error of an enable that ran out of device memory (rolled back): the allocator's own
-    message, with the budget and the plan's predicted peak, and what to do."""
+    message, with the budget and the plan's predicted peak (``plan``: a budget's), and what to do.
+    The failed frames' locals are cleared first: the traceback would otherwise keep the device
+    tensors enable had allocated for as long as the error lives (in a notebook, until the next
+    error), and the free memory it names would not be what a retry gets."""
+    traceback.clear_frames(exc.__traceback__)
     free, total = backend.mem_get_info()
-    device = f"the device has {size(free)} free of {size(total)} now"
-    if plan is None:  # the plan itself could not be made
-        return torch.OutOfMemoryError(f"the device ran out of memory while offloading was enabled ({device}); "
-                                      f"the model is as it was ({exc})")
-    if plan.budget is None:
-        what = (f"{plan.strategy} offload, which holds up to {size(plan.device_peak)} on the device: give a "
-                "device_memory= budget, and the planner keeps within it")
+    if plan is None:
+        what = (f"{STRATEGY_WORDS.get(strategy or '', strategy)} offload without a device budget: give "
+                "device_memory=, and the planner keeps within it")
     else:
         what = (f"device_memory={size(plan.budget)}, planned to peak at {size(plan.device_peak)}: other users of "
                 "the device took memory meanwhile, or the allocator needs more than the plan counts; give a "
                 "smaller device_memory")
-    return torch.OutOfMemoryError(f"the device ran out of memory while enabling {what} ({device}; the model is as "
-                                  f"it was; the allocator said: {exc})")
+    return torch.OutOfMemoryError(f"the device ran out of memory while enabling {what} (the device has "
+                                  f"{size(free)} free of {size(total)} now; the model is as it was; the allocator "
+                                  f"said: {exc})")
 
 
 def _plan_inputs(target: Any, pipeline: bool, config: OffloadConfig) -> tuple[list, list[list[str]] | None]:
