@@ -152,3 +152,12 @@ def test_a_measured_bandwidth_is_what_the_backend_copies_at(capsys):
     assert data["bandwidth_source"].startswith("measured: pinned copies on the") and data["bandwidth"] > 0
     streamed = next(c for c in data["components"] if c["mode"] == "streamed")
     assert streamed["copy_s_per_forward"] == pytest.approx(streamed["bytes_per_forward"] / data["bandwidth"])
+
+
+def test_the_smallest_budget_named_by_a_refusal_is_accepted_as_printed(capsys):
+    import re
+
+    assert main(["plan", "--device-memory", "1KiB"]) == 2
+    printed = re.search(r"the smallest budget that works is ([\d.]+ \w+)", capsys.readouterr().err).group(1)
+    data = plan_json(capsys, "--device-memory", printed)
+    assert data["budget"] >= data["min_budget"] and data["device_peak"] <= data["budget"]
