@@ -46,8 +46,8 @@ def test_a_large_budget_keeps_everything_resident_and_a_flag_keeps_its_strategy(
 
 
 def test_a_given_activation_memory_replaces_the_estimate(capsys):
-    assert plan_json(capsys, "--device-memory", "5.6MiB")["strategy"] == "layerwise"  # 5.5 MiB of weights + estimate
-    given = plan_json(capsys, "--device-memory", "5.6MiB", "--activation-memory", "0")
+    assert plan_json(capsys, "--device-memory", "5.65MiB")["strategy"] == "layerwise"  # 5.6 MiB of weights + estimate
+    given = plan_json(capsys, "--device-memory", "5.65MiB", "--activation-memory", "0")
     assert given["strategy"] == "resident"
     assert {c["activation_source"] for c in given["components"]} == {"given"}
 

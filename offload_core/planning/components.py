@@ -24,7 +24,9 @@ class Component:
     the weights; None until measured or given, when :attr:`activation` estimates it.
     ``copy_bandwidth``: host-to-device bytes per second; ``block_compute_s``: seconds one block's
     forward takes on the device (one value, or one per block); either may be None (unknown), and
-    the plan then predicts less (see :mod:`.plan`).
+    the plan then predicts less (see :mod:`.plan`). ``unit_bytes``: the bytes of the whole
+    component packed as one unit, which is how it is kept resident, staged or swapped (its
+    alignment padding differs from the resident part's and the blocks' added up); None: that sum.
     """
 
     name: str
@@ -34,6 +36,7 @@ class Component:
     activation_bytes: int | None = None
     copy_bandwidth: float | None = None
     block_compute_s: float | tuple[float, ...] | None = None
+    unit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -44,7 +47,8 @@ class Component:
 
     @property
     def total_bytes(self) -> int:
-        return self.resident_bytes + sum(self.block_bytes)
+        """Its weights on the device when it is there whole (resident, staged or swapped)."""
+        return self.unit_bytes if self.unit_bytes is not None else self.resident_bytes + sum(self.block_bytes)
 
     @property
     def activation(self) -> int:

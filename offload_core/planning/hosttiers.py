@@ -26,8 +26,8 @@ def _units(part: ComponentPlan, component: Component, world_size: int) -> list[t
 
     if part.mode in (STAGED, SWAPPED):
         return [(SWAP, component.total_bytes)]
-    if part.mode == RESIDENT:
-        return [(ONCE, component.resident_bytes)] + [(ONCE, b) for b in component.block_bytes]
+    if part.mode == RESIDENT:  # one unit, copied to the device once
+        return [(ONCE, component.total_bytes)]
     units = [(ONCE, component.resident_bytes)] + [(ONCE, component.block_bytes[i]) for i in part.resident_blocks]
     return units + [(STREAM, component.block_bytes[i] // world_size) for i in part.streamed_blocks]
 
