@@ -101,16 +101,16 @@ def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, b
     error), and the free memory it names would not be what a retry gets."""
     traceback.clear_frames(exc.__traceback__)
     free, total = backend.mem_get_info()
+    device = f"the device, which has {size(free)} free of {size(total)} now"
     if plan is None:
-        what = (f"{STRATEGY_WORDS.get(strategy or '', strategy)} offload without a device budget: give "
-                "device_memory=, and the planner keeps within it")
+        what = (f"{STRATEGY_WORDS.get(strategy or '', strategy)} offload without a device budget; if the device "
+                f"filled ({device}), give device_memory=, and the planner keeps within it")
     else:
-        what = (f"device_memory={size(plan.budget)}, planned to peak at {size(plan.device_peak)}: other users of "
-                "the device took memory meanwhile, or the allocator needs more than the plan counts; give a "
-                "smaller device_memory")
-    return torch.OutOfMemoryError(f"the device ran out of memory while enabling {what} (the device has "
-                                  f"{size(free)} free of {size(total)} now; the model is as it was; the allocator "
-                                  f"said: {exc})")
+        what = (f"device_memory={size(plan.budget)}, planned to peak at {size(plan.device_peak)} on {device}; if "
+                "the device filled, other users took memory meanwhile or the allocator needs more than the plan "
+                "counts: give a smaller device_memory")
+    return torch.OutOfMemoryError(f"enable ran out of memory and was rolled back, the model is as it was ({exc}), "
+                                  f"under {what}")
 
 
 def _plan_inputs(target: Any, pipeline: bool, config: OffloadConfig) -> tuple[list, list[list[str]] | None]:

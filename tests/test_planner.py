@@ -125,9 +125,13 @@ def test_resident_blocks_fixes_the_count_and_must_fit():
 
 
 def test_a_process_group_makes_the_layerwise_stage_distributed():
-    distributed = plan(MODEL_LEVEL - 1, world_size=2, prefetch_depth=3)
-    assert distributed.strategy == "distributed"
-    assert distributed.prefetch_depth == 1 and distributed.component("transformer").slot_bytes == 2 * 50  # 2 slots
+    dit = Component("transformer", "dit", 100_000, (50_000,) * 10)  # resident or model-level: 650,000
+    distributed = make_plan([dit], 400_000, world_size=2, prefetch_depth=3, resident_blocks=0)
+    assert distributed.strategy == "distributed" and distributed.prefetch_depth == 1
+    # 2 slots, a staging buffer of one shard (half a block) per slot, the load headers of 10 blocks on 2 ranks
+    assert distributed.component("transformer").slot_bytes == 2 * 50_000 + 2 * 25_000 + 64 * 11 * 3
+    assert make_plan([dit], 400_000, prefetch_depth=3, resident_blocks=0).component("transformer").slot_bytes == \
+        4 * 50_000
     assert plan(MODEL_LEVEL - 1, prefetch_depth=3).component("transformer").slot_bytes == 4 * 50
     assert plan(ALL_RESIDENT, world_size=2).strategy == "resident"
 

@@ -30,24 +30,37 @@ STRATEGIES = ("resident", "model", "layerwise", "distributed")
 BLOCK_PRIORITY = ("dit", "text_encoder")
 #: distributed layerwise offload always runs two slots (prefetch_depth applies to layerwise only)
 DISTRIBUTED_DEPTH = 1
+#: device bytes of distributed offload's load headers, per streamed block (plus one) and per rank
+#: (plus one): two int64 rows of four, sent and gathered (strategies/gather.py)
+GATHER_HEADER_BYTES = 2 * 4 * 8
 STRATEGY_WORDS_SHORT = {"layerwise": "layerwise", "distributed": "distributed layerwise", "model": "model-level"}
 
 
 @dataclasses.dataclass
 class _State:
-    """One component during the layerwise search: resident, staged, or streamed with some blocks kept."""
+    """One component during the layerwise search: resident, staged, or streamed with some blocks
+    kept; ``world`` > 1: streamed by distributed layerwise offload over that many ranks."""
 
     component: Component
     mode: str
     kept: tuple[int, ...] = ()
+    world: int = 1
 
     def streamed(self) -> list[int]:
         kept = set(self.kept)
         return [i for i in range(len(self.component.block_bytes)) if i not in kept]
 
     def slot_bytes(self, depth: int) -> int:
+        """The slot ring; distributed, also a staging buffer of one shard per slot, which the
+        all-gather fills, and the load headers the ranks exchange (strategies/gather.py)."""
         streamed = self.streamed()
-        return (depth + 1) * max(self.component.block_bytes[i] for i in streamed) if streamed else 0
+        if not streamed:
+            return 0
+        slot = max(self.component.block_bytes[i] for i in streamed)
+        ring = (depth + 1) * slot
+        if self.world > 1:
+            ring += (depth + 1) * -(-slot // self.world) + GATHER_HEADER_BYTES * (len(streamed) + 1) * (self.world + 1)
+        return ring
 
     def held(self, depth: int) -> int:
         c = self.component
@@ -87,8 +100,8 @@ def _keep(state: _State, count: int, depth: int) -> None:
     state.mode = RESIDENT if count == len(c.block_bytes) else STREAMED
 
 
-def _layerwise(components: Sequence[Component], budget: int, depth: int, resident_blocks: int | str
-               ) -> tuple[list[_State], int]:
+def _layerwise(components: Sequence[Component], budget: int, depth: int, resident_blocks: int | str,
+               world: int = 1) -> tuple[list[_State], int]:
     """Layerwise with partial residency, and the smallest budget it needs (every block streamed).
 
     Streamable components (DiTs and text encoders with blocks) start with every block streamed,
@@ -97,7 +110,7 @@ def _layerwise(components: Sequence[Component], budget: int, depth: int, residen
     to keeping staged components resident. A component whose blocks all fit drops its slot ring (so
     when one more block does not fit beside the ring, all of them may fit without it).
     ``resident_blocks`` (an int) fixes every streamable component's resident count instead."""
-    states = [_State(c, STREAMED if c.streamable else STAGED) for c in components]
+    states = [_State(c, STREAMED if c.streamable else STAGED, world=world) for c in components]
     floor = _layerwise_peak(states, depth)
     if floor > budget:
         return states, floor
@@ -230,9 +243,10 @@ def make_plan(
     elif chosen == "resident":
         parts = [_component_plan(c, RESIDENT, prefetch_depth, held=c.total_bytes) for c in components]
         peak = resident_need
-        min_budget = min(resident_need, model_need, _layerwise(components, 0, prefetch_depth, "auto")[1])
+        min_budget = min(resident_need, model_need, _layerwise(components, 0, prefetch_depth, "auto", world_size)[1])
     else:
-        states, floor = _layerwise(components, budget, prefetch_depth, resident_blocks)
+        states, floor = _layerwise(components, budget, prefetch_depth, resident_blocks,
+                                   world_size if chosen == "distributed" else 1)
         smallest = floor if strategy is not None else min(floor, model_need)
         if floor > budget:
             raise OffloadConfigError(
@@ -276,7 +290,8 @@ def describe(
             notes.append("the next group is prefetched beside the running one when the device has room for both: "
                          "the peak may then reach two groups (a device_memory budget keeps it within the budget)")
     else:
-        states = [_State(c, *layout[c.name]) for c in components]
+        states = [_State(c, *layout[c.name], world=world_size if strategy == "distributed" else 1)
+                  for c in components]
         parts = [_component_plan(s.component, s.mode, prefetch_depth, s.kept, s.held(prefetch_depth),
                                  s.slot_bytes(prefetch_depth) if s.mode == STREAMED else 0) for s in states]
         peak = _layerwise_peak(states, prefetch_depth)
