@@ -179,11 +179,11 @@ def resident_blocks(value: object) -> int | str:
 def _unit_hint(number: str, unit: str) -> str:
     """What to write instead of ``number`` + ``unit`` (a unit not in :data:`UNITS`)."""
     prefix = unit[:1].upper()
-    if prefix in _PREFIXES and unit.lower() in (prefix.lower(), prefix.lower() + "b", prefix.lower() + "ib",
-                                                prefix.lower() + "i"):
+    if prefix in _PREFIXES and unit.lower() in (prefix.lower() + tail for tail in ("", "b", "i", "ib")):
+        power = _PREFIXES.index(prefix) + 1
+        decimal_unit = ("k" if prefix == "K" else prefix) + "B"
         return (f"{unit!r} is ambiguous (binary or decimal; a lower-case b is a bit): write '{number}{prefix}iB' "
-                f"({number} * 2**{10 * (_PREFIXES.index(prefix) + 1)} bytes) or '{number}{'k' if prefix == 'K' else prefix}B' "
-                f"({number} * 10**{3 * (_PREFIXES.index(prefix) + 1)} bytes)")
+                f"({number} * 2**{10 * power} bytes) or '{number}{decimal_unit}' ({number} * 10**{3 * power} bytes)")
     if unit.lower() in ("b", "byte", "bytes"):
         return f"{unit!r} is not a unit of bytes (a lower-case b is a bit): write '{number}B' for bytes"
     return f"unknown unit {unit!r}; units: {', '.join(UNITS)} (as written here)"
