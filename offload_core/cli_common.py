@@ -36,27 +36,22 @@ def available_backend(name: str | None) -> plugins.BackendInfo:
     return info
 
 
-def budget_text(text: str) -> object:
-    """A budget flag's value as the options take it: "0.5" is the float read as a fraction,
-    anything else ("64GiB", "1024") the string the budget parser reads."""
-    return float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+def budget_type(of: str | None) -> Callable[[str], str]:
+    """The argparse type of a size flag: the text, once the options' own parser accepts it (so a
+    typo fails before anything loads, and the text means what the same string means in the API).
+    A fraction is of ``of`` ("RAM", "the device's memory"); with ``of`` None the flag takes a size
+    only."""
 
-
-def budget_type(of: str) -> Callable[[str], object]:
-    """The argparse type of a budget flag whose fraction is of ``of`` ("RAM", "the device's
-    memory"): checked by the options' own parser, so a typo fails before anything loads."""
-
-    def parse(text: str) -> object:
+    def parse(text: str) -> str:
         import argparse
 
         from .config import parse_budget
 
-        value = budget_text(text)
         try:
-            parse_budget(value, of=of)
+            parse_budget(text, of=of)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        return value
+        return text
 
     return parse
 

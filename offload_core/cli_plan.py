@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
-from .cli_common import UsageError, budget_text, budget_type
+from .cli_common import UsageError, budget_type
 
 #: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
 #: a PCIe 4.0 x16 link (its 32 GB/s raw rate less protocol overhead); measure yours and pass it
@@ -37,19 +38,6 @@ all-resident one. Exit status: 0 planned, 2 bad input or a budget nothing fits (
 the smallest that works)."""
 
 
-def _bytes(text: str) -> int:
-    """A size ("2GiB", bytes), not a fraction: activations are not a share of anything."""
-    from .config import parse_budget
-
-    try:
-        parsed = parse_budget(budget_text(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if parsed.nbytes is None:
-        raise argparse.ArgumentTypeError(f"expected bytes or a size such as 2GiB, got {text!r}")
-    return parsed.nbytes
-
-
 def _bandwidth(text: str) -> float | str:
     return text if text == "measure" else _positive(text)
 
@@ -59,8 +47,8 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
     return value
 
 
@@ -85,9 +73,9 @@ def add_plan(subparsers: Any) -> None:
     source.add_argument("--pipeline", metavar="NAME",
                         help=f"embedded or real-size pipeline (default: {DEFAULT_TINY}); 'list' lists them")
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
-    parser.add_argument("--device-memory", metavar="SIZE", type=budget_text,
-                        help="device memory budget: bytes or a size such as 16GiB (required, except with "
-                        "'--pipeline list')")
+    parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
+                        help="device memory budget: a size such as 16GiB, or a fraction such as 0.9 of the "
+                        "device --backend names (required, except with '--pipeline list')")
     parser.add_argument("--host-memory", type=budget_type("RAM"), metavar="SIZE",
                         help="host RAM budget for weights (bytes, 64GiB, or a fraction of RAM such as 0.5)")
     parser.add_argument("--pinned-memory", type=budget_type("RAM"), metavar="SIZE",
@@ -97,13 +85,17 @@ def add_plan(subparsers: Any) -> None:
                         "or 'measure' (timed on this machine's backend)")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
-    parser.add_argument("--activation-memory", type=_bytes, metavar="SIZE",
+    parser.add_argument("--activation-memory", type=budget_type(None), metavar="SIZE",
                         help="activation memory of each component's forward (default: an estimate)")
     parser.add_argument("--strategy", choices=("auto", "model", "layerwise"), default="auto",
                         help="auto (default): chosen by the budget; or the strategy the budget then sizes")
     parser.add_argument("--resident-blocks", type=_resident, default="auto", metavar="N",
                         help="blocks each streamed component keeps on the device: auto (default) or a count")
     parser.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="prefetch depth (default 1)")
+    parser.add_argument("--backend", metavar="NAME",
+                        help="check the budget against this backend's device, as enable does: a budget above its "
+                        "free memory is clamped to it, with a note (default: the auto-detected accelerator, if any; "
+                        "without one the plan is for any card)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     parser.set_defaults(run=run_plan)
 
@@ -138,7 +130,9 @@ def _components(args: argparse.Namespace, bandwidth: float):
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
-        measured["activation_bytes"] = args.activation_memory
+        from .config import size
+
+        measured["activation_bytes"] = size(args.activation_memory)
     return [c.with_measurements(**measured) for c in components], groups
 
 
@@ -149,6 +143,23 @@ def _copy_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
     if args.bandwidth:
         return args.bandwidth * 1e9, "--bandwidth"
     return DEFAULT_BANDWIDTH, "default: a PCIe 4.0 x16 link"
+
+
+def device_memory(name: str | None) -> tuple[int | None, int | None]:
+    """``mem_get_info()`` (free, total) of the device the budget is checked against: the backend
+    ``name``, or with None the auto-detected one if it is an accelerator; (None, None) without."""
+    from .cli_common import available_backend
+    from .plugins import get_backend
+
+    try:
+        info = available_backend(name)
+    except UsageError:
+        if name is not None:
+            raise
+        return None, None  # nothing detected: the plan is for any card
+    if name is None and not info.cls.is_accelerator:
+        return None, None
+    return get_backend(info.name).mem_get_info()
 
 
 def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20) -> tuple[float, str]:
@@ -176,15 +187,17 @@ def run_plan(args: argparse.Namespace) -> int:
     from .errors import OffloadConfigError
     from .planning import device_budget, make_plan
 
+    free, total = device_memory(args.backend)
     try:
-        budget = device_budget(args.device_memory)
+        budget = device_budget(args.device_memory, total)
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None
     bandwidth, bandwidth_source = _copy_bandwidth(args)
     components, groups = _components(args, bandwidth)
     try:
         plan = make_plan(
-            components, budget, groups=groups, strategy=None if args.strategy == "auto" else args.strategy,
+            components, budget, device_total=total, device_free=free, groups=groups,
+            strategy=None if args.strategy == "auto" else args.strategy,
             resident_blocks=args.resident_blocks, prefetch_depth=args.prefetch_depth,
             host_memory=args.host_memory, pinned_memory=args.pinned_memory,
             bandwidth_source=bandwidth_source,

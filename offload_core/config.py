@@ -12,6 +12,7 @@ to fail the same way.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import os
 import re
 import warnings
@@ -105,17 +106,21 @@ def _optional(parse: Callable[[Any], T]) -> Callable[[Any], T | None]:
     return lambda value: None if value is None else parse(value)
 
 
-# -- host-memory budgets ---------------------------------------------------------------------
-# A budget is bytes (an ``int``), a string with a unit (``"12GiB"``, ``"512MB"``), a fraction of
-# physical RAM (a ``float`` in (0, 1]), or ``None`` / ``"auto"`` for the documented default. It is
-# parsed with the other options, so a typo fails before anything is touched.
+# -- sizes and budgets -----------------------------------------------------------------------
+# One parser for every size an option or a command-line flag takes (the table in docs/index.md):
+# bytes as an ``int``; a string, a number with a unit spelled exactly as below; a fraction of RAM
+# or of the device's memory (a ``float``, or a string with a decimal point, in (0, 1]) where the
+# option takes one; ``None`` / ``"auto"`` for the documented default. A string means the same in
+# the API and on the command line. Ambiguous spellings are refused with the unambiguous ones:
+# "24G" is 24 GiB to docker and Java but 24e9 bytes to Kubernetes, a lower-case "b" is a bit, and
+# "24" could be bytes or gigabytes.
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+UNITS = {
+    "B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_PREFIXES = "KMGT"
 
 
 class Budget:
@@ -159,11 +164,9 @@ def device_budget(value: object) -> object:
 
 
 def size(value: object) -> int:
-    """Bytes, or a size string: ``activation_memory``."""
-    parsed = parse_budget(value)
-    if parsed.nbytes is None:
-        raise ValueError(f"expected bytes (an int >= 0) or a size string such as '2GiB', got {value!r}")
-    return parsed.nbytes
+    """Bytes, or a size string: ``activation_memory`` (no fraction: activations are not a share
+    of anything)."""
+    return parse_budget(value, of=None).nbytes
 
 
 def resident_blocks(value: object) -> int | str:
@@ -173,28 +176,68 @@ def resident_blocks(value: object) -> int | str:
     return count(0)(value)
 
 
-def parse_budget(value: object, of: str = "RAM") -> Budget:
-    """``value`` as a :class:`Budget` (a fraction is ``of`` what); ``ValueError`` saying what is accepted."""
-    accepted = ("expected bytes (an int >= 0), a size string such as '12GiB' or '512MB', "
-                f"a fraction of {of} in (0, 1] such as 0.5, or None / 'auto'")
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+def _unit_hint(number: str, unit: str) -> str:
+    """What to write instead of ``number`` + ``unit`` (a unit not in :data:`UNITS`)."""
+    prefix = unit[:1].upper()
+    if prefix in _PREFIXES and unit.lower() in (prefix.lower() + tail for tail in ("", "b", "i", "ib")):
+        power = _PREFIXES.index(prefix) + 1
+        decimal_unit = ("k" if prefix == "K" else prefix) + "B"
+        return (f"{unit!r} is ambiguous (binary or decimal; a lower-case b is a bit): write '{number}{prefix}iB' "
+                f"({number} * 2**{10 * power} bytes) or '{number}{decimal_unit}' ({number} * 10**{3 * power} bytes)")
+    if unit.lower() in ("b", "byte", "bytes"):
+        return f"{unit!r} is not a unit of bytes (a lower-case b is a bit): write '{number}B' for bytes"
+    return f"unknown unit {unit!r}; units: {', '.join(UNITS)} (as written here)"
+
+
+def _size_text(text: str, of: str | None) -> Budget:
+    """A string: a number and a unit of :data:`UNITS`, "0", or (where ``of`` names what it is a
+    fraction of) a fraction with a decimal point."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError("not a size")
+    number, unit = match.groups()
+    if unit:
+        if unit not in UNITS:
+            raise ValueError(_unit_hint(number, unit))
+        return Budget(nbytes=int(decimal.Decimal(number) * UNITS[unit]))
+    if decimal.Decimal(number) == 0:
+        return Budget(nbytes=0)  # zero of any unit
+    if "." in number and of is not None:
+        return _fraction(float(number), of, text)
+    whole = number.rstrip(".")
+    hint = f", or '{whole}.0' for all of {of}" if of is not None and decimal.Decimal(number) == 1 else ""
+    raise ValueError(f"{text!r} has no unit: write '{whole}GiB' ({whole} * 2**30 bytes), '{whole}GB' "
+                     f"({whole} * 10**9 bytes) or '{whole}B' (bytes){hint}")
+
+
+def _fraction(value: float, of: str, given: object) -> Budget:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"a fraction of {of} is in (0, 1], got {given!r}; give bytes as an int or a size "
+                         "such as '12GiB'")
+    return Budget(fraction=value)
+
+
+def parse_budget(value: object, of: str | None = "RAM") -> Budget:
+    """``value`` as a :class:`Budget`, or ``ValueError`` saying what is accepted. A fraction is of
+    ``of`` ("RAM", "the device's memory"); with ``of`` None the value is a size, and neither a
+    fraction nor "auto" is accepted."""
+    fraction = f", a fraction of {of} in (0, 1] such as 0.5, or None / 'auto'" if of is not None else ""
+    accepted = f"expected bytes (an int >= 0) or a size such as '12GiB' or '512MB'{fraction}"
+    if of is not None and (value is None or (isinstance(value, str) and value.strip().lower() == "auto")):
         return Budget()
-    if isinstance(value, bool):
+    if isinstance(value, bool) or value is None:
         raise ValueError(f"{accepted}; got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{accepted}; got {value!r}")
         return Budget(nbytes=value)
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"{accepted}; got {value!r} (a float is a fraction of {of}; give bytes as an int)")
-        return Budget(fraction=value)
+    if isinstance(value, float) and of is not None:
+        return _fraction(value, of, value)
     if isinstance(value, str):
-        match = _SIZE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{accepted}; got {value!r}")
-        return Budget(nbytes=int(float(match.group(1)) * _UNITS[unit]))
+        try:
+            return _size_text(value, of)
+        except ValueError as exc:
+            raise ValueError(f"{accepted}; got {value!r}" if str(exc) == "not a size" else str(exc)) from None
     raise ValueError(f"{accepted}; got {type(value).__name__} {value!r}")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import changes
@@ -24,7 +25,7 @@ from .config import OffloadConfig
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .errors import AlreadyEnabledError, OffloadConfigError
-from .fitting import Fit, component_name, fit
+from .fitting import Fit, component_name, describe_parts, fit, out_of_memory
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
 from .hostmem.placement import plan_placement
 from .installs import Mark, PipelineClass
@@ -52,15 +53,29 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
         config = fitted.config
         if config.strategy is not None:  # a strategy the budget chose: its options must apply to it
             config.check_applies("pipeline" if pipeline else "module")
+    try:
+        handle = _open(target, pipeline, roots, config, backend, fitted)
+    except torch.OutOfMemoryError as exc:  # rolled back: say which budget the device could not hold
+        raise out_of_memory(exc, fitted.plan if fitted is not None else None, config.strategy, backend) from exc
+    changes.register(handle)
+    return handle
+
+
+def _open(target: Any, pipeline: bool, roots: list[nn.Module], config: OffloadConfig, backend: DeviceBackend,
+          fitted: Fit | None) -> OffloadHandle:
+    """The transaction itself: parts, homes, installs, the handle; all of it or, on any error,
+    none (and once this frame is gone, nothing of the parts is left referenced)."""
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    handle = OffloadHandle(target, config, backend, baseline=baseline, plan=fitted and fitted.plan)
     with Transaction() as txn, agreement(config) as agreed:
         if pipeline:
             parts = _pipeline_parts(target, config, backend, fitted)
         else:
             parts = [_module_part(target, config, backend, fitted)]
         agreed.parts = parts
+        # without a budget, the plan of what the strategy flag set up
+        plan = fitted.plan if fitted is not None else describe_parts(target, pipeline, config, backend, parts)
+        handle = OffloadHandle(target, config, backend, baseline=baseline, plan=plan)
         placement = plan_placement(parts, config, backend)
         placement.attach(parts, txn)
         for part in parts:
@@ -74,7 +89,6 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
         handle.open(parts, placement, installs)
-    changes.register(handle)
     return handle
 
 

@@ -3,23 +3,30 @@ what it decides for the enable transaction (enable.py): the strategy, which comp
 are staged or stay resident, and which blocks of a streamed component stay on the device.
 
 The plan is made before anything moves, so a budget nothing fits in is an error naming the
-smallest budget that works, and the target is untouched. Without ``device_memory`` and
-``resident_blocks`` there is no plan, and the strategy flags alone decide.
+smallest budget that works, and the target is untouched. A budget above the device's usable
+memory (``mem_get_info``'s free bytes) is clamped to it with a warning naming both: a 24 GB card
+has less than ``"24GiB"`` free, and its owner means "all of my card". Without ``device_memory``
+and ``resident_blocks`` the strategy flags alone decide, and :func:`describe_parts` makes the plan
+of what they set up, so that every handle has one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+import traceback
+import warnings
+from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 from .backend import DeviceBackend
-from .config import FLAG_PRIORITY, OffloadConfig
+from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules
-from .planning import Plan, make_plan
+from .planning import Plan, describe, make_plan
+from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
 from .planning.modules import components_from_modules
 
 logger = logging.getLogger(__name__)
@@ -44,32 +51,77 @@ class Fit:
 
 def fit(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBackend) -> Fit | None:
     """The plan of ``target`` under ``config``'s ``device_memory`` (the device's free memory when
-    only ``resident_blocks`` is given), or None when neither is set."""
+    only ``resident_blocks`` is given, and at most that), or None when neither is set."""
     if config.device_budget.auto and config.resident_blocks is None:
         return None
-    if pipeline:
-        modules = pipeline_modules(target)
-        if not modules:
-            raise ValueError(f"{type(target).__name__} has no component with weights to offload")
-        components, groups = plan_inputs(target, modules, config.blocks)
-    else:
-        components = components_from_modules([(component_name(target), target)],
-                                             {component_name(target): "dit"}, config.blocks)
-        groups = None
+    components, groups = _plan_inputs(target, pipeline, config)
     if config.activation_memory is not None:
         components = [c.with_measurements(activation_bytes=config.activation_memory) for c in components]
     free, total = backend.mem_get_info()
-    world = _world(config)
     plan = make_plan(
-        components, free if config.device_budget.auto else config.device_memory, device_total=total, groups=groups,
-        strategy=config.strategy, resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
-        prefetch_depth=config.prefetch_depth, world_size=world, host_memory=config.host_memory,
+        components, free if config.device_budget.auto else config.device_memory, device_total=total,
+        device_free=free, groups=groups, strategy=config.strategy,
+        resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
+        prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
         pinned_memory=config.pinned_memory,
     )
+    if plan.asked_budget > plan.budget:
+        warnings.warn(plan.notes[0], UserWarning, stacklevel=4)
     logger.info("device plan for %s:\n%s", type(target).__name__, plan.render())
     flag = FLAGS.get(plan.strategy)
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
     return Fit(plan, chosen)
+
+
+def describe_parts(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBackend,
+                   parts: Sequence[Any]) -> Plan:
+    """The plan of what the strategy flag set up without a device budget: each component's mode
+    and resident blocks read from ``parts`` (built, nothing moved yet), its figures the planner's."""
+    components, groups = _plan_inputs(target, pipeline, config)
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for part in parts:
+        if hasattr(part, "kept_names"):  # a streamed component (layerwise, distributed)
+            layout[part.label] = (STREAMED, tuple(part.all_names.index(n) for n in part.kept_names))
+        elif hasattr(part, "groups"):  # model-level: swapped, or staged around its use (prefetch off)
+            layout.update({c.name: (SWAPPED if part.prefetch else STAGED, ()) for g in part.groups
+                           for c in g.components})
+        else:
+            layout.update({name: (RESIDENT, ()) for name, _ in part.members})
+    return describe(components, layout, config.strategy, device_total=backend.mem_get_info()[1], groups=groups,
+                    prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
+                    pinned_memory=config.pinned_memory)
+
+
+def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, backend: DeviceBackend
+                  ) -> BaseException:
+    """The error of an enable that ran out of device memory (rolled back): the allocator's own
+    message, with the budget and the plan's predicted peak (``plan``: a budget's), and what to do.
+    The failed frames' locals are cleared first: the traceback would otherwise keep the device
+    tensors enable had allocated for as long as the error lives (in a notebook, until the next
+    error), and the free memory it names would not be what a retry gets."""
+    traceback.clear_frames(exc.__traceback__)
+    free, total = backend.mem_get_info()
+    device = f"the device, which has {size(free)} free of {size(total)} now"
+    if plan is None:
+        what = (f"{STRATEGY_WORDS.get(strategy or '', strategy)} offload without a device budget; if the device "
+                f"filled ({device}), give device_memory=, and the planner keeps within it")
+    else:
+        what = (f"device_memory={size(plan.budget)}, planned to peak at {size(plan.device_peak)} on {device}; if "
+                "the device filled, other users took memory meanwhile or the allocator needs more than the plan "
+                "counts: give a smaller device_memory")
+    return torch.OutOfMemoryError(f"enable ran out of memory and was rolled back, the model is as it was ({exc}), "
+                                  f"under {what}")
+
+
+def _plan_inputs(target: Any, pipeline: bool, config: OffloadConfig) -> tuple[list, list[list[str]] | None]:
+    """The planner's components of ``target`` and its model-level swap groups (None: a module)."""
+    if not pipeline:
+        name = component_name(target)
+        return components_from_modules([(name, target)], {name: "dit"}, config.blocks), None
+    modules = pipeline_modules(target)
+    if not modules:
+        raise ValueError(f"{type(target).__name__} has no component with weights to offload")
+    return plan_inputs(target, modules, config.blocks)
 
 
 def plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None) -> tuple[list, list[list[str]]]:

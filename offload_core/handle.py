@@ -53,10 +53,11 @@ class OffloadHandle:
 
     @property
     def plan(self) -> Any:
-        """What the planner decided for a device budget (``print(handle.plan)``), with the
-        activation bytes each streamed component's first call measured; None without a budget."""
-        if self._plan is None:
-            return None
+        """What was decided (``print(handle.plan)``): per component resident, streamed, staged or
+        swapped, its resident blocks, the device and host bytes (pinned, pageable, disk) it is
+        expected to take and the bytes copied per forward, with the activation bytes each
+        streamed component's first call measured. The planner's plan under a device budget;
+        without one, the plan of what the strategy flag set up (``budget`` None)."""
         measured = {p.label: p.activation_bytes for p in self.parts if getattr(p, "activation_bytes", None) is not None}
         return self._plan.measured(measured)
 

@@ -46,8 +46,8 @@ def test_a_large_budget_keeps_everything_resident_and_a_flag_keeps_its_strategy(
 
 
 def test_a_given_activation_memory_replaces_the_estimate(capsys):
-    assert plan_json(capsys, "--device-memory", "5.6MiB")["strategy"] == "layerwise"  # 5.5 MiB of weights + estimate
-    given = plan_json(capsys, "--device-memory", "5.6MiB", "--activation-memory", "0")
+    assert plan_json(capsys, "--device-memory", "5.65MiB")["strategy"] == "layerwise"  # 5.6 MiB of weights + estimate
+    given = plan_json(capsys, "--device-memory", "5.65MiB", "--activation-memory", "0")
     assert given["strategy"] == "resident"
     assert {c["activation_source"] for c in given["components"]} == {"given"}
 
@@ -81,12 +81,19 @@ def test_a_local_folder_plans_as_its_pipeline_built_in_code(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory", "1KiB"], "the smallest budget that works is"),
-    (["--device-memory", "lots"], "invalid device_memory='lots'"),
+    (["--device-memory", "lots"], "argument --device-memory: expected bytes"),
+    (["--device-memory", "24G"], "'G' is ambiguous"),
+    (["--device-memory", "24"], "'24' has no unit: write '24GiB'"),
     (["--device-memory", "0.5"], "fraction of the device's memory, which is unknown"),
     (["--device-memory", "1GiB", "--pipeline", "nope"], "unknown pipeline 'nope'"),
     (["--device-memory", "1GiB", "--resident-blocks", "x"], "expected 'auto' or an integer"),
-    (["--device-memory", "1GiB", "--host-memory", "2.5"], "got 2.5"),
-    (["--device-memory", "1GiB", "--activation-memory", "0.5"], "expected bytes or a size"),
+    (["--device-memory", "1GiB", "--host-memory", "2.5"], "a fraction of RAM is in (0, 1], got '2.5'"),
+    (["--device-memory", "1GiB", "--activation-memory", "0.5"], "'0.5' has no unit"),
+    (["--device-memory", "1GiB", "--block-compute-ms", "inf"], "expected a finite number > 0, got inf"),
+    (["--device-memory", "1GiB", "--block-compute-ms", "nan"], "expected a finite number > 0, got nan"),
+    (["--device-memory", "1GiB", "--block-compute-ms", "-1"], "expected a finite number > 0, got -1"),
+    (["--device-memory", "1GiB", "--bandwidth", "inf"], "expected a finite number > 0, got inf"),
+    (["--device-memory", "1GiB", "--bandwidth=-inf"], "expected a finite number > 0, got -inf"),
     (["--device-memory", "1GiB", "--strategy", "model", "--resident-blocks", "2"], "not to model-level"),
     ([], "--device-memory SIZE is required"),
 ])
@@ -145,3 +152,12 @@ def test_a_measured_bandwidth_is_what_the_backend_copies_at(capsys):
     assert data["bandwidth_source"].startswith("measured: pinned copies on the") and data["bandwidth"] > 0
     streamed = next(c for c in data["components"] if c["mode"] == "streamed")
     assert streamed["copy_s_per_forward"] == pytest.approx(streamed["bytes_per_forward"] / data["bandwidth"])
+
+
+def test_the_smallest_budget_named_by_a_refusal_is_accepted_as_printed(capsys):
+    import re
+
+    assert main(["plan", "--device-memory", "1KiB"]) == 2
+    printed = re.search(r"the smallest budget that works is ([\d.]+ \w+)", capsys.readouterr().err).group(1)
+    data = plan_json(capsys, "--device-memory", printed)
+    assert data["budget"] >= data["min_budget"] and data["device_peak"] <= data["budget"]

@@ -125,9 +125,13 @@ def test_resident_blocks_fixes_the_count_and_must_fit():
 
 
 def test_a_process_group_makes_the_layerwise_stage_distributed():
-    distributed = plan(MODEL_LEVEL - 1, world_size=2, prefetch_depth=3)
-    assert distributed.strategy == "distributed"
-    assert distributed.prefetch_depth == 1 and distributed.component("transformer").slot_bytes == 2 * 50  # 2 slots
+    dit = Component("transformer", "dit", 100_000, (50_000,) * 10)  # resident or model-level: 650,000
+    distributed = make_plan([dit], 400_000, world_size=2, prefetch_depth=3, resident_blocks=0)
+    assert distributed.strategy == "distributed" and distributed.prefetch_depth == 1
+    # 2 slots, a staging buffer of one shard (half a block) per slot, the load headers of 10 blocks on 2 ranks
+    assert distributed.component("transformer").slot_bytes == 2 * 50_000 + 2 * 25_000 + 64 * 11 * 3
+    assert make_plan([dit], 400_000, prefetch_depth=3, resident_blocks=0).component("transformer").slot_bytes == \
+        4 * 50_000
     assert plan(MODEL_LEVEL - 1, prefetch_depth=3).component("transformer").slot_bytes == 4 * 50
     assert plan(ALL_RESIDENT, world_size=2).strategy == "resident"
 
@@ -290,3 +294,33 @@ def test_growing_budgets_never_exceed_the_budget_and_never_copy_more():
         assert chosen.device_peak <= budget
         copied.append(chosen.component("transformer").bytes_per_forward)
     assert copied == sorted(copied, reverse=True) and copied[0] > 0 and copied[-1] == 0
+
+
+def _smallest_printed(message: str) -> str:
+    import re
+
+    return re.search(r"(?:smallest budget that works is|is below the|needs) ([\d.]+ [KMGT]?i?B)", message).group(1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("strategy", [None, "layerwise", "model"])
+def test_the_smallest_budget_printed_works_when_typed_back(seed, strategy):
+    """Block sizes that are no round number of KiB or MiB: the printed figure is rounded up, so
+    the budget typed back as printed is accepted by the same plan (rounded down, "2.2MiB" was
+    refused after the planner had said 2.2 MiB works)."""
+    import random
+
+    rng = random.Random(seed)
+    scale = rng.choice((2**10, 2**20, 2**30))
+    dit = Component("transformer", "dit", rng.randrange(scale, 9 * scale),
+                    tuple(rng.randrange(scale, 3 * scale) for _ in range(8)))
+    te = Component("text_encoder", "text_encoder", rng.randrange(scale), (rng.randrange(scale, 2 * scale),) * 3)
+    components = [te, dit, Component("vae", "vae", rng.randrange(scale))]
+    with pytest.raises(OffloadConfigError) as refused:
+        make_plan(components, 1, strategy=strategy)
+    printed = _smallest_printed(str(refused.value))
+    accepted = make_plan(components, printed, strategy=strategy)
+    assert accepted.min_budget <= accepted.budget
+    assert f"the smallest budget that works: {printed}" in accepted.render()
+    exact = device_budget(printed)
+    assert exact - accepted.min_budget < scale // 10, "rounded up by less than the last printed digit"

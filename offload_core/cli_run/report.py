@@ -89,7 +89,7 @@ def make_report(
         "strategy": handle.strategy if handle is not None else args.strategy,
         "backend": handle.backend.name if handle is not None else None,
         "prefetch_depth": (args.prefetch_depth or 1) if handle is not None and handle.strategy == "layerwise" else None,
-        "plan": _plan_summary(handle.plan) if handle is not None and handle.plan is not None else None,
+        "plan": _plan_summary(handle.plan) if handle is not None and handle.plan.budget is not None else None,
         "steps": steps,
         "seed": args.seed,
         "height": int(frames.shape[-2]),

@@ -4,7 +4,8 @@ device, what streams, and what that costs, made from byte counts and timings alo
 - :class:`Component`: what the planner knows of one component (bytes, blocks, activations, timings);
   :mod:`.modules` makes them from torch modules (a pipeline's components included), :mod:`.realsize` from real-size
   configs on the meta device.
-- :func:`make_plan`: the :class:`Plan`; :func:`choose_resident` / :func:`simulate`: which blocks stay
+- :func:`make_plan`: the :class:`Plan` of a budget; :func:`describe`: the plan of what a strategy
+  flag alone set up; :func:`choose_resident` / :func:`simulate`: which blocks stay
   resident, from a discrete-event model of the copy and compute streams.
 
 Importing this package imports no torch (the CLI's ``plan --help`` stays fast); :mod:`.modules` and
@@ -13,8 +14,8 @@ Importing this package imports no torch (the CLI's ``plan --help`` stays fast); 
 
 from .components import Component, device_budget
 from .plan import ComponentPlan, Plan
-from .planner import make_plan
+from .planner import describe, make_plan
 from .timing import Forward, choose_resident, simulate
 
-__all__ = ["Component", "ComponentPlan", "Forward", "Plan", "choose_resident", "device_budget", "make_plan",
-           "simulate"]
+__all__ = ["Component", "ComponentPlan", "Forward", "Plan", "choose_resident", "describe", "device_budget",
+           "make_plan", "simulate"]

@@ -24,7 +24,9 @@ class Component:
     the weights; None until measured or given, when :attr:`activation` estimates it.
     ``copy_bandwidth``: host-to-device bytes per second; ``block_compute_s``: seconds one block's
     forward takes on the device (one value, or one per block); either may be None (unknown), and
-    the plan then predicts less (see :mod:`.plan`).
+    the plan then predicts less (see :mod:`.plan`). ``unit_bytes``: the bytes of the whole
+    component packed as one unit, which is how it is kept resident, staged or swapped (its
+    alignment padding differs from the resident part's and the blocks' added up); None: that sum.
     """
 
     name: str
@@ -34,6 +36,7 @@ class Component:
     activation_bytes: int | None = None
     copy_bandwidth: float | None = None
     block_compute_s: float | tuple[float, ...] | None = None
+    unit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -44,7 +47,8 @@ class Component:
 
     @property
     def total_bytes(self) -> int:
-        return self.resident_bytes + sum(self.block_bytes)
+        """Its weights on the device when it is there whole (resident, staged or swapped)."""
+        return self.unit_bytes if self.unit_bytes is not None else self.resident_bytes + sum(self.block_bytes)
 
     @property
     def activation(self) -> int:
@@ -73,19 +77,18 @@ class Component:
 
 
 def device_budget(value: object, total: int | None = None) -> int:
-    """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a float in
-    (0, 1], a fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``). Size
-    strings and fractions are read by the same parser as ``pinned_memory`` / ``host_memory``."""
+    """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a
+    fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``): a float, or a
+    string with a decimal point, in (0, 1]. Read by the one size parser of every option
+    (``offload_core.config.parse_budget``; the table in docs/index.md)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         raise OffloadConfigError("device_memory= needs a budget: bytes, a size such as '16GiB', or a fraction "
                                  "of the device's memory such as 0.9")
     try:
-        parsed = parse_budget(value)
+        parsed = parse_budget(value, of="the device's memory")
     except ValueError as exc:
-        raise OffloadConfigError(f"invalid device_memory={value!r}: {str(exc).replace('of RAM', 'of the device')}"
-                                 ) from None
+        raise OffloadConfigError(f"invalid device_memory={value!r}: {exc}") from None
     if parsed.fraction is not None and total is None:
         raise OffloadConfigError(f"device_memory={value!r} is a fraction of the device's memory, which is unknown "
                                  "here: give bytes or a size such as '16GiB'")
     return parsed.resolve(total or 0)
-

@@ -31,8 +31,8 @@ def _units(part: ComponentPlan, component: Component, world_size: int) -> list[t
 
     if part.mode in (STAGED, SWAPPED):
         return [(SWAP, component.total_bytes)]
-    if part.mode == RESIDENT:
-        return [(ONCE, component.resident_bytes)] + [(ONCE, b) for b in component.block_bytes]
+    if part.mode == RESIDENT:  # one unit, copied to the device once
+        return [(ONCE, component.total_bytes)]
     units = [(ONCE, component.resident_bytes)] + [(ONCE, component.block_bytes[i]) for i in part.resident_blocks]
     role = STREAM if component.kind == "dit" else PROMPT  # as enable marks the parts it builds
     return units + [(role, component.block_bytes[i] // world_size) for i in part.streamed_blocks]

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..discovery import find_blocks
 from ..errors import BlockDiscoveryError, UnsupportedTensorError
-from ..weights import split_units
+from ..weights import WeightUnit, split_units
+from ..weights.owners import collect_tensors
 from .components import Component
 
 
@@ -53,7 +54,8 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit",
         found = []
     try:  # the packer's own units: their sizes include the alignment of every region
         resident, units = split_units(module, found)
-        return Component(name, kind, resident.nbytes, tuple(u.nbytes for u in units))
+        whole = WeightUnit(name, collect_tensors([module]))  # as it is kept resident, staged or swapped
+        return Component(name, kind, resident.nbytes, tuple(u.nbytes for u in units), unit_bytes=whole.nbytes)
     except UnsupportedTensorError:  # meta tensors with no checkpoint behind them: a real-size config
         pass
     per_block = [_tensors(block) for _, block in found]

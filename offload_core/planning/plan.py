@@ -7,6 +7,7 @@ A :class:`Plan` is plain data, made by :func:`offload_core.planning.make_plan`; 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 #: what a component does under the plan
@@ -18,12 +19,13 @@ STRATEGY_WORDS = {"resident": "no offload (everything resident)", "model": "mode
                   "layerwise": "layerwise offload", "distributed": "distributed layerwise offload"}
 
 
-def size(n: float) -> str:
-    """Bytes in words, binary units ("23.8 GiB")."""
+def size(n: float, up: bool = False) -> str:
+    """Bytes in words, binary units ("23.8 GiB"). ``up``: rounded up, so that a smallest budget
+    that works, typed back as printed (``device_memory="23.8 GiB"``), is still at least ``n``."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
+            return f"{-(-math.ceil(n) * 10 // scale) / 10:.1f} {unit}" if up else f"{n / scale:.1f} {unit}"
+    return f"{math.ceil(n) if up else int(n)} B"
 
 
 def seconds(s: float) -> str:
@@ -116,25 +118,30 @@ class ComponentPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The plan of one pipeline (or model) under one device budget.
+    """The plan of one pipeline (or model) under one device budget, or, without one, what a
+    strategy flag alone does with it.
 
     ``strategy``: "resident", "model", "layerwise" or "distributed"; ``chosen_by``: "budget" (no
-    strategy was given) or "flag". ``device_peak``: the predicted device memory at its highest
-    (weights held, plus the largest running component's activations, and its weights when staged).
-    ``min_budget``: the smallest budget under which this strategy (or, chosen by budget, any) works.
+    strategy was given) or "flag". ``budget``: the device budget planned for (None without one);
+    ``asked_budget``: the one given, more than ``budget`` when it was above the device's usable
+    memory and clamped to it (a note says so). ``device_peak``: the predicted device memory at its
+    highest (weights held, plus the largest running component's activations, and its weights when
+    staged). ``min_budget``: the smallest budget under which this strategy (or, chosen by budget,
+    any) works; None without a budget.
     """
 
     strategy: str
     chosen_by: str
-    budget: int
+    budget: int | None
     device_total: int | None
     device_peak: int
-    min_budget: int
+    min_budget: int | None
     prefetch_depth: int
     bandwidth: float | None
     bandwidth_source: str
     components: tuple[ComponentPlan, ...]
     notes: tuple[str, ...] = ()
+    asked_budget: int | None = None
 
     def measured(self, activations: dict[str, int]) -> "Plan":
         """This plan with the activation bytes its components' first calls measured. The plan
@@ -175,12 +182,16 @@ class Plan:
         return self.render()
 
     def render(self) -> str:
-        total = f" of {size(self.device_total)}" if self.device_total else ""
-        lines = [
-            f"budget {size(self.budget)}{total}: {STRATEGY_WORDS[self.strategy]}, chosen by "
-            + ("the budget" if self.chosen_by == "budget" else "the strategy flag"),
-            f"predicted device peak {size(self.device_peak)}; the smallest budget that works: {size(self.min_budget)}",
-        ]
+        by = "the budget" if self.chosen_by == "budget" else "the strategy flag"
+        if self.budget is None:
+            lines = [f"no device budget: {STRATEGY_WORDS[self.strategy]}, chosen by {by}",
+                     f"predicted device peak {size(self.device_peak)}"]
+        else:
+            total = f" of {size(self.device_total)}" if self.device_total else ""
+            clamped = f" (clamped from {size(self.asked_budget)})" if (self.asked_budget or 0) > self.budget else ""
+            lines = [f"budget {size(self.budget)}{total}{clamped}: {STRATEGY_WORDS[self.strategy]}, chosen by {by}",
+                     f"predicted device peak {size(self.device_peak)}; the smallest budget that works: "
+                     f"{size(self.min_budget, up=True)}"]
         if self.strategy in ("layerwise", "distributed"):
             bandwidth = f"{self.bandwidth / 1e9:.1f} GB/s ({self.bandwidth_source})" if self.bandwidth else "unknown"
             lines.append(f"prefetch depth {self.prefetch_depth} ({self.prefetch_depth + 1} slots per streamed "

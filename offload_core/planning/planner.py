@@ -16,7 +16,7 @@ only sizes it, and a budget it cannot meet is an error. An impossible budget is 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..errors import OffloadConfigError
 from .components import Component, device_budget
@@ -30,24 +30,37 @@ STRATEGIES = ("resident", "model", "layerwise", "distributed")
 BLOCK_PRIORITY = ("dit", "text_encoder")
 #: distributed layerwise offload always runs two slots (prefetch_depth applies to layerwise only)
 DISTRIBUTED_DEPTH = 1
+#: device bytes of distributed offload's load headers, per streamed block (plus one) and per rank
+#: (plus one): two int64 rows of four, sent and gathered (strategies/gather.py)
+GATHER_HEADER_BYTES = 2 * 4 * 8
 STRATEGY_WORDS_SHORT = {"layerwise": "layerwise", "distributed": "distributed layerwise", "model": "model-level"}
 
 
 @dataclasses.dataclass
 class _State:
-    """One component during the layerwise search: resident, staged, or streamed with some blocks kept."""
+    """One component during the layerwise search: resident, staged, or streamed with some blocks
+    kept; ``world`` > 1: streamed by distributed layerwise offload over that many ranks."""
 
     component: Component
     mode: str
     kept: tuple[int, ...] = ()
+    world: int = 1
 
     def streamed(self) -> list[int]:
         kept = set(self.kept)
         return [i for i in range(len(self.component.block_bytes)) if i not in kept]
 
     def slot_bytes(self, depth: int) -> int:
+        """The slot ring; distributed, also a staging buffer of one shard per slot, which the
+        all-gather fills, and the load headers the ranks exchange (strategies/gather.py)."""
         streamed = self.streamed()
-        return (depth + 1) * max(self.component.block_bytes[i] for i in streamed) if streamed else 0
+        if not streamed:
+            return 0
+        slot = max(self.component.block_bytes[i] for i in streamed)
+        ring = (depth + 1) * slot
+        if self.world > 1:
+            ring += (depth + 1) * -(-slot // self.world) + GATHER_HEADER_BYTES * (len(streamed) + 1) * (self.world + 1)
+        return ring
 
     def held(self, depth: int) -> int:
         c = self.component
@@ -87,8 +100,8 @@ def _keep(state: _State, count: int, depth: int) -> None:
     state.mode = RESIDENT if count == len(c.block_bytes) else STREAMED
 
 
-def _layerwise(components: Sequence[Component], budget: int, depth: int, resident_blocks: int | str
-               ) -> tuple[list[_State], int]:
+def _layerwise(components: Sequence[Component], budget: int, depth: int, resident_blocks: int | str,
+               world: int = 1) -> tuple[list[_State], int]:
     """Layerwise with partial residency, and the smallest budget it needs (every block streamed).
 
     Streamable components (DiTs and text encoders with blocks) start with every block streamed,
@@ -97,7 +110,7 @@ def _layerwise(components: Sequence[Component], budget: int, depth: int, residen
     to keeping staged components resident. A component whose blocks all fit drops its slot ring (so
     when one more block does not fit beside the ring, all of them may fit without it).
     ``resident_blocks`` (an int) fixes every streamable component's resident count instead."""
-    states = [_State(c, STREAMED if c.streamable else STAGED) for c in components]
+    states = [_State(c, STREAMED if c.streamable else STAGED, world=world) for c in components]
     floor = _layerwise_peak(states, depth)
     if floor > budget:
         return states, floor
@@ -107,7 +120,8 @@ def _layerwise(components: Sequence[Component], budget: int, depth: int, residen
             _keep(s, min(int(resident_blocks), len(s.component.block_bytes)), depth)
         if _layerwise_peak(states, depth) > budget:
             raise OffloadConfigError(
-                f"resident_blocks={resident_blocks} needs {size(_layerwise_peak(states, depth))} of device memory, "
+                f"resident_blocks={resident_blocks} needs {size(_layerwise_peak(states, depth), up=True)} of device "
+                "memory, "
                 f"over the budget of {size(budget)}: lower it, or use resident_blocks='auto'")
     else:
         changed = True
@@ -178,6 +192,7 @@ def make_plan(
     device_memory: object,
     *,
     device_total: int | None = None,
+    device_free: int | None = None,
     groups: Sequence[Sequence[str]] | None = None,
     strategy: str | None = None,
     resident_blocks: int | str = "auto",
@@ -188,7 +203,9 @@ def make_plan(
     bandwidth_source: str = "given",
 ) -> Plan:
     """The plan of ``components`` under ``device_memory`` (bytes, "16GiB", or a fraction of
-    ``device_total``). ``groups``: the model-level swap groups, as lists of component names (default:
+    ``device_total``). ``device_free``: the device's usable memory now (``backend.mem_get_info()[0]``),
+    when the plan is for this device: a budget above it is clamped to it, with a note naming both
+    (:func:`clamp_note`). ``groups``: the model-level swap groups, as lists of component names (default:
     each component alone). ``strategy``: None (chosen by the budget) or one of "model", "layerwise",
     "distributed" (sized by the budget). ``resident_blocks``: "auto" or an int, the resident block
     count of every streamed component. ``world_size`` > 1: the layerwise stage is distributed, which
@@ -198,10 +215,11 @@ def make_plan(
     and block compute times feed the predictions (``bandwidth_source`` says where the bandwidth
     came from, for the text)."""
     _check_options(components, strategy, resident_blocks, prefetch_depth)
-    budget = device_budget(device_memory, device_total)
+    asked = device_budget(device_memory, device_total)
+    budget = asked if device_free is None else min(asked, device_free)
     groups = [list(g) for g in groups] if groups is not None else [[c.name] for c in components]
     layered = "distributed" if world_size > 1 else "layerwise"
-    notes: list[str] = []
+    notes: list[str] = [clamp_note(asked, device_free, device_total)] if budget < asked else []
     if (strategy or layered) == "distributed":
         prefetch_depth = DISTRIBUTED_DEPTH
 
@@ -218,37 +236,91 @@ def make_plan(
             notes.append(f"resident_blocks={resident_blocks} unused: the budget allows {chosen} placement")
     if chosen == "model":
         if model_need > budget:
-            raise OffloadConfigError(f"device_memory={size(budget)} is below the {size(model_need)} model-level "
-                                     "offload needs (its largest group and that group's activations)")
+            raise OffloadConfigError(f"device_memory={size(budget)} is below the {size(model_need, up=True)} "
+                                     "model-level offload needs (its largest group and that group's activations)")
         parts = [_component_plan(c, SWAPPED, prefetch_depth) for c in components]
         peak, min_budget = model_need, model_need
     elif chosen == "resident":
         parts = [_component_plan(c, RESIDENT, prefetch_depth, held=c.total_bytes) for c in components]
         peak = resident_need
-        min_budget = min(resident_need, model_need, _layerwise(components, 0, prefetch_depth, "auto")[1])
+        min_budget = min(resident_need, model_need, _layerwise(components, 0, prefetch_depth, "auto", world_size)[1])
     else:
-        states, floor = _layerwise(components, budget, prefetch_depth, resident_blocks)
+        states, floor = _layerwise(components, budget, prefetch_depth, resident_blocks,
+                                   world_size if chosen == "distributed" else 1)
         smallest = floor if strategy is not None else min(floor, model_need)
         if floor > budget:
             raise OffloadConfigError(
-                f"device_memory={size(budget)} is too small: the smallest budget that works is {size(smallest)} "
+                f"device_memory={size(budget)} is too small: the smallest budget that works is "
+                f"{size(smallest, up=True)} "
                 f"({STRATEGY_WORDS_SHORT[layered if smallest == floor else 'model']}"
                 + (", every block streamed" if smallest == floor else "") + ")")
         parts = [_component_plan(s.component, s.mode, prefetch_depth, s.kept, s.held(prefetch_depth),
                                  s.slot_bytes(prefetch_depth) if s.mode == STREAMED else 0) for s in states]
         peak, min_budget = _layerwise_peak(states, prefetch_depth), smallest
+    return _finish(components, parts, notes, strategy=chosen, chosen_by="flag" if strategy is not None else "budget",
+                   budget=budget, asked_budget=asked, device_total=device_total, device_peak=peak,
+                   min_budget=min_budget, prefetch_depth=prefetch_depth, world_size=world_size,
+                   host_memory=host_memory, pinned_memory=pinned_memory, bandwidth_source=bandwidth_source)
+
+
+def describe(
+    components: Sequence[Component],
+    layout: Mapping[str, tuple[str, tuple[int, ...]]],
+    strategy: str,
+    *,
+    device_total: int | None = None,
+    groups: Sequence[Sequence[str]] | None = None,
+    prefetch_depth: int = 1,
+    world_size: int = 1,
+    host_memory: object = None,
+    pinned_memory: object = None,
+) -> Plan:
+    """The plan of what a strategy flag does without a device budget: ``layout`` gives each
+    component's mode (resident, streamed, staged, swapped) and resident blocks as the strategy
+    set them up; the figures (device bytes held and at the peak, host tiers, bytes copied per
+    forward) are the planner's, by the same rules as :func:`make_plan`'s."""
+    if strategy == "distributed":
+        prefetch_depth = DISTRIBUTED_DEPTH
+    notes: list[str] = []
+    if strategy == "model":
+        groups = [list(g) for g in groups] if groups is not None else [[c.name] for c in components]
+        parts = [_component_plan(c, SWAPPED, prefetch_depth) for c in components]
+        peak = _model_peak(components, groups)
+        if len(groups) > 1:
+            notes.append("the next group is prefetched beside the running one when the device has room for both: "
+                         "the peak may then reach two groups (a device_memory budget keeps it within the budget)")
+    else:
+        states = [_State(c, *layout[c.name], world=world_size if strategy == "distributed" else 1)
+                  for c in components]
+        parts = [_component_plan(s.component, s.mode, prefetch_depth, s.kept, s.held(prefetch_depth),
+                                 s.slot_bytes(prefetch_depth) if s.mode == STREAMED else 0) for s in states]
+        peak = _layerwise_peak(states, prefetch_depth)
+    return _finish(components, parts, notes, strategy=strategy, chosen_by="flag", budget=None, asked_budget=None,
+                   device_total=device_total, device_peak=peak, min_budget=None, prefetch_depth=prefetch_depth,
+                   world_size=world_size, host_memory=host_memory, pinned_memory=pinned_memory,
+                   bandwidth_source="given")
+
+
+def _finish(components: Sequence[Component], parts: list[ComponentPlan], notes: list[str], *, strategy: str,
+            world_size: int, host_memory: object, pinned_memory: object, **plan) -> Plan:
+    """The :class:`Plan` of ``parts``, with its host tiers and the notes every plan shares."""
     if any(c.activation_source == "estimate" for c in components):
         notes.append("activation headroom is an estimate (each component's largest block, or all its weights "
                      "without blocks): activation_memory= (--activation-memory) gives the real figure")
-    if chosen == "distributed":
+    if strategy == "distributed":
         notes.append(f"distributed over {world_size} ranks: each rank's device holds the plan above; with "
                      "shard_host_weights=True (the default) each rank's host keeps 1/N of each streamed block")
     bandwidths = {c.copy_bandwidth for c in components if c.copy_bandwidth}
-    if chosen != "resident":  # with no offload, the weights have no host copy
+    if strategy != "resident":  # with no offload, the weights have no host copy
         parts, host_note = host_tiers(parts, components, host_memory, pinned_memory, world_size)
         notes.extend([host_note] if host_note else [])
-    return Plan(strategy=chosen, chosen_by="flag" if strategy is not None else "budget", budget=budget,
-                device_total=device_total, device_peak=peak, min_budget=min_budget, prefetch_depth=prefetch_depth,
-                bandwidth=max(bandwidths) if bandwidths else None, bandwidth_source=bandwidth_source,
-                components=tuple(parts), notes=tuple(notes))
+    return Plan(strategy=strategy, bandwidth=max(bandwidths) if bandwidths else None, components=tuple(parts),
+                notes=tuple(notes), **plan)
 
+
+def clamp_note(asked: int, free: int, total: int | None) -> str:
+    """What a plan says of a budget above the device's usable memory: both figures, in words and
+    in bytes (a 24 GB card has less than "24GiB" free, and one decimal cannot show by how much)."""
+    of = f" of {size(total)}" if total else ""
+    return (f"device_memory={size(asked)} ({asked} bytes) is more than the device's usable memory, {size(free)} "
+            f"({free} bytes) free{of}: the plan uses {size(free)}; give at most that to plan for it exactly")
