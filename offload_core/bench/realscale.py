@@ -478,7 +478,7 @@ def _compare(plan: dict[str, Any], ours: _Child, theirs: _Child) -> dict[str, An
         "load_s": mine["load_s"],
         "forward_s": mine["forward_s"],
         "disk_read_bytes": read,
-        "disk_read_mb_per_s": read / seconds / 1e6 if seconds > 0 else float("nan"),
+        "disk_read_mb_per_s": read / seconds / 1e6 if read > 0 and seconds > 0 else 0.0,
         "outputs_equal": bool(torch.equal(a, b)),
         "differing_elements": int((a != b).sum()) if a.shape == b.shape else a.numel(),
         "output_finite": bool(torch.isfinite(a.float()).all()),
