@@ -123,3 +123,14 @@ def test_the_dry_run_matches_the_streaming_reference_inside_the_budget(tmp_path,
     rows = [r for r in document["headlines"] if "differing" in r["figure"]]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert not os.path.exists(results["cache_dir"])  # the dry run's cache is temporary
+
+
+def test_plain_bench_does_not_run_realscale(monkeypatch, capsys):
+    """Without --only, every section but realscale runs: a plain bench never writes 40 GB."""
+    from offload_core import bench
+
+    ran = []
+    for name in bench.SECTIONS:
+        monkeypatch.setitem(bench.SECTIONS, name, lambda quick, name=name: ran.append(name) or {})
+    assert cli.main(["bench", "--json"]) == 0
+    assert ran == [name for name in bench.SECTIONS if name != "realscale"] and ran
