@@ -25,6 +25,7 @@ share of each model, in a temporary cache: what CI runs.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -277,6 +278,8 @@ def offloaded(model: Model, folder: str, config: dict[str, Any], host_memory: in
                 raise
             # a model from_pretrained handed to its library: only a spill copy keeps it in budget
             result["refused"] = str(exc)
+        if result["refused"] is not None:  # outside the handler: the refused model is freed first
+            gc.collect()
             spill = tempfile.mkdtemp(prefix="spill-", dir=os.path.dirname(out))
             handle = offload_core.from_pretrained(folder, offload_folder=spill, **options)
     io.append(_disk_read_bytes())
