@@ -12,7 +12,8 @@ from typing import Any
 
 from . import bench
 from .bench.load import LoadMeter, describe
-from .cli_common import check_writable, columns, write_all
+from .bench.realscale import NotEnoughDisk, clean, default_cache_dir
+from .cli_common import UsageError, check_writable, columns, write_all
 
 
 def _fmt(value: Any, spread: float | None) -> str:
@@ -44,11 +45,29 @@ def render(results: dict[str, Any], load: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _realscale_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    given = [flag for flag, value in (("--dry-run", args.dry_run), ("--cache-dir", args.cache_dir)) if value]
+    if "realscale" not in (args.only or []):
+        if given:
+            raise UsageError(f"{' and '.join(given)} apply to the realscale section: add --only realscale")
+        return {}
+    return {"realscale": {"dry_run": args.dry_run, "cache_dir": args.cache_dir}}
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if args.clean:
+        cache = args.cache_dir or default_cache_dir()
+        removed = clean(cache)
+        print(f"removed {', '.join(removed)}" if removed else f"no realscale checkpoints in {cache}")
+        return 0
+    options = _realscale_options(args)
     if args.out:
         check_writable("--out", args.out)  # before minutes of benchmarks, not after
     meter = LoadMeter()
-    results = bench.run(args.only, quick=args.quick)
+    try:
+        results = bench.run(args.only, quick=args.quick, options=options)
+    except NotEnoughDisk as exc:
+        raise UsageError(str(exc)) from None
     load = meter.figures()
     rows = bench.headline_rows(results)
     document = {"results": results, "headlines": rows, "quick": args.quick, "load": load}
@@ -72,10 +91,18 @@ def add_bench(subparsers: Any) -> None:
         "the machine's load; a figure the run cannot vouch for is 'unreliable (machine busy)', never 'ok'.",
     )
     parser.add_argument("--only", nargs="+", choices=list(bench.SECTIONS), metavar="SECTION",
-                        help=f"run only these sections: {', '.join(bench.SECTIONS)}")
+                        help=f"run only these sections: {', '.join(bench.SECTIONS)} (without it, all but "
+                        f"{', '.join(bench.ON_REQUEST)})")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller stack (for smoke tests)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--out", metavar="FILE.json", help="also write the results as JSON to this file")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a figure misses its target or is unreliable (CI use)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="realscale: tiny configs of the same models, in a temporary cache (CI use)")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="realscale: the folder its checkpoints are written to and reused from (default: "
+                        "$XDG_CACHE_HOME/offload-core/realscale, or ~/.cache/offload-core/realscale)")
+    parser.add_argument("--clean", action="store_true",
+                        help="remove realscale's checkpoints from the cache folder, and run nothing")
     parser.set_defaults(run=run_bench)

@@ -11,13 +11,13 @@ import importlib
 from typing import Any, Callable
 
 
-def _section(module: str, function: str, **arguments: Callable[[bool], Any]) -> Callable[[bool], dict[str, Any]]:
+def _section(module: str, function: str, **arguments: Callable[[bool], Any]) -> Callable[..., dict[str, Any]]:
     """A section that imports ``module`` when it runs and calls ``function`` with ``arguments``,
-    each computed from ``quick``."""
+    each computed from ``quick``, and the section's own command-line options."""
 
-    def run(quick: bool) -> dict[str, Any]:
+    def run(quick: bool, **options: Any) -> dict[str, Any]:
         call = getattr(importlib.import_module(module, __name__), function)
-        return call(**{name: value(quick) for name, value in arguments.items()})
+        return call(**{name: value(quick) for name, value in arguments.items()}, **options)
 
     return run
 
@@ -58,7 +58,7 @@ def _pick(quick: Any, full: Any) -> Callable[[bool], Any]:
     return lambda quick_run: quick if quick_run else full
 
 
-SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
+SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "layerwise_overhead": _section(".layerwise", "overhead_per_block", layers=_pick(32, 32), repeats=_pick(20, 200)),
     "layerwise_compute": _section(".layerwise", "step_ratio", d=_pick(256, 1024), repeats=_pick(3, 8)),
     "layerwise_bandwidth": _section(".layerwise", "step_ratio", d=_pick(256, 1024), copy_to_compute=_pick(0.8, 0.8),
@@ -70,7 +70,10 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "sanitizer": _section(".sanitizer", "sanitizer_cost", repeats=_pick(2, 5)),
     "host_memory": _section(".hostmem", "host_memory", quick=_pick(True, False)),
     "disk": _section(".disk", "disk_tier", quick=_pick(True, False), repeats=_pick(2, 3)),
+    "realscale": _section(".realscale", "realscale"),
 }
+#: sections that run only when named (``--only``): realscale writes 40 GB of checkpoints
+ON_REQUEST = ("realscale",)
 
 HEADLINES = [
     # each block's tensors switch between slot and host views around its forward (two assignments
@@ -112,12 +115,26 @@ HEADLINES = [
              "tier_over_raw", 0.8, at_least=True),
     Headline("disk-bound forward / max(in-RAM forward, bytes read / plain read speed)", "disk",
              "forward_over_ideal", 1.10),
+    *(row for model, name in (("wan", "Wan2.2-A14B transformer"), ("umt5", "UMT5-XXL encoder")) for row in (
+        Headline(f"real scale, {name}: peak RSS / (host_memory + 2.5 GiB)", "realscale",
+                 f"{model}.peak_rss_over_bound", 1.0),
+        Headline("  output elements differing from the streaming reference (0: torch.equal)", "realscale",
+                 f"{model}.differing_elements", 0),
+        Headline("  from_pretrained load, s", "realscale", f"{model}.load_s", None),
+        Headline("  one forward (tiny input), s", "realscale", f"{model}.forward_s", None),
+        Headline("  disk read during the forward, MB/s", "realscale", f"{model}.disk_read_mb_per_s", None),
+        Headline("  streaming reference: peak RSS / the same bound", "realscale",
+                 f"{model}.reference_peak_rss_over_bound", None),
+    )),
 ]
 
 
-def run(sections: list[str] | None = None, quick: bool = False) -> dict[str, Any]:
-    """Run the named sections (default: all) and return their raw results."""
-    return {name: SECTIONS[name](quick) for name in sections or list(SECTIONS)}
+def run(sections: list[str] | None = None, quick: bool = False,
+        options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run the named sections (default: all but :data:`ON_REQUEST`) and return their raw results;
+    ``options``: keyword arguments of a section, by its name."""
+    names = sections or [name for name in SECTIONS if name not in ON_REQUEST]
+    return {name: SECTIONS[name](quick, **(options or {}).get(name, {})) for name in names}
 
 
 def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -129,7 +146,9 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         value: Any = results[h.section]
         for part in h.key.split("."):
-            value = value[part]
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            continue  # a part of the section that did not run (realscale with one model)
         spread = results[h.section].get("spread", {}).get(h.key)
         rows.append({
             "figure": h.label,
@@ -147,4 +166,4 @@ def failed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["status"] in ("MISSED", UNRELIABLE)]
 
 
-__all__ = ["HEADLINES", "SECTIONS", "UNRELIABLE", "failed", "headline_rows", "run", "status"]
+__all__ = ["HEADLINES", "ON_REQUEST", "SECTIONS", "UNRELIABLE", "failed", "headline_rows", "run", "status"]

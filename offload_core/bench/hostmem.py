@@ -42,36 +42,80 @@ SLACK = 2**30  # the "+ 1 GB" of the issue's bounds: interpreter, torch, allocat
 
 
 # -- the checkpoint -----------------------------------------------------------------------------
+#: the random values every checkpoint tensor is a wrapping slice of: N(0, 0.02) in bf16, an odd
+#: number of them, so that tensors of equal shape starting at random places hold different values
+NOISE_VALUES = 2**24 + 2**20 + 3
+
+
+def write_weights(folder: str, model: Any, weights_name: str, max_shard_size: int | str | None = None,
+                  seed: int = 0) -> int:
+    """Random bf16 values for every tensor of ``model``'s state dict (built on the meta device:
+    only names and shapes are read), written as ``save_pretrained`` lays them out: one
+    ``weights_name`` file, or shards of at most ``max_shard_size`` split by huggingface_hub's
+    rule with their ``<weights_name>.index.json``. Tied tensors are written once, under their
+    first name. Only a fixed pool of random values is ever in memory. Returns the tensor bytes."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from tqdm.auto import tqdm
+
+    from ..hostmem.disk import CODES
+
+    state, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if not t.is_floating_point():
+            raise ValueError(f"{type(model).__name__}.{name} is {t.dtype}: random values would not be valid")
+        state[name] = torch.empty(t.shape, dtype=torch.bfloat16, device="meta")
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=max_shard_size or 2**62)
+    generator = torch.Generator().manual_seed(seed)
+    noise = (torch.randn(NOISE_VALUES, generator=generator) * 0.02).to(torch.bfloat16)
+    pool = memoryview(noise.view(torch.uint8).numpy()).cast("B")
+    total = sum(t.numel() * 2 for t in state.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.path.basename(folder)}") as bar:
+        for filename, names in split.filename_to_tensors.items():
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name in names:
+                size = state[name].numel() * 2
+                header[name] = {"dtype": CODES[torch.bfloat16], "shape": list(state[name].shape),
+                                "data_offsets": [offset, offset + size]}
+                offset += size
+            text = json.dumps(header).encode()
+            text += b" " * (-(8 + len(text)) % 64)
+            with open(os.path.join(folder, filename), "wb") as f:
+                f.write(struct.pack("<Q", len(text)) + text)
+                for name in names:
+                    left = state[name].numel() * 2
+                    at = 2 * int(torch.randint(NOISE_VALUES, (1,), generator=generator))
+                    while left:
+                        piece = pool[at : at + left]
+                        f.write(piece)
+                        left -= len(piece)
+                        bar.update(len(piece))
+                        at = 0
+                f.flush()
+                os.fsync(f.fileno())  # on disk, not dirty in the page cache: readers can start cold
+    if split.is_sharded:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        with open(os.path.join(folder, weights_name + ".index.json"), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+    return total
+
+
 def write_checkpoint(folder: str, config: dict[str, Any]) -> int:
     """A Wan transformer folder (config.json, one safetensors file) with random bf16 weights,
     written without building the model's weights: returns the checkpoint's tensor bytes."""
     import torch
     from diffusers import WanTransformer3DModel
 
-    from ..hostmem.disk import CODES
-
     with torch.device("meta"):
         model = WanTransformer3DModel(**config)
     model.save_config(folder)
-    state = model.state_dict()
-    header, offset = {}, 0
-    for name, t in state.items():
-        size = t.numel() * 2
-        header[name] = {"dtype": CODES[torch.bfloat16], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header).encode()
-    text += b" " * (-(8 + len(text)) % 64)
-    # random bf16 values around N(0, 0.02): one block of them, written over and over (cheap)
-    noise = (torch.randn(8 * 2**20, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
-    chunk = noise.view(torch.uint8).numpy().tobytes()
-    with open(os.path.join(folder, "diffusion_pytorch_model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        left = offset
-        while left:
-            n = min(left, len(chunk))
-            f.write(chunk[:n])
-            left -= n
-    return offset
+    return write_weights(folder, model, "diffusion_pytorch_model.safetensors")
 
 
 # -- measuring in the child process -------------------------------------------------------------
