@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -147,6 +147,11 @@ class FakeBackend(DeviceBackend):
         self.device_cache = device_cache
         self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._local = threading.local()
+        #: the stream contexts an accelerator would have entered for the work asked of this backend
+        #: so far: every ``use_stream`` and ``batch`` not nested in one on the same stream, and every
+        #: ``copy_async``, ``all_gather_into_tensor`` and wait on a gather's waitable outside one on
+        #: its stream (the accelerator base enters one for each of them)
+        self.stream_switches = 0
         self.bound_threads: list[tuple[str, torch.device]] = []  # bind_thread calls: (thread name, device)
         self.sanitizer = Sanitizer(self.current_stream) if sanitize else None
         self._default = DefaultStream(self.timeline, self.sanitizer)
@@ -187,14 +192,16 @@ class FakeBackend(DeviceBackend):
         stack = getattr(self._local, "stack", None)  # asked twice per streamed block: no helper call
         return stack[-1] if stack else self._default
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: FakeStream | DefaultStream) -> Iterator[FakeStream | DefaultStream]:
-        stack = self._stack()
-        stack.append(stream)
-        try:
-            yield stream
-        finally:
-            stack.pop()
+    def use_stream(self, stream: FakeStream | DefaultStream) -> contextlib.AbstractContextManager:
+        """Counted in ``stream_switches`` unless ``stream`` is the one selected last on this thread
+        (then an accelerator selects nothing: see :meth:`DeviceBackend.batch`)."""
+        return _Selection(self, stream)
+
+    def _switch(self, stream: FakeStream | DefaultStream) -> None:
+        """Count the stream context an accelerator enters for a call that names ``stream``."""
+        stack = getattr(self._local, "stack", None)
+        if not stack or stack[-1] is not stream:
+            self.stream_switches += 1
 
     def wait_stream(self, waiter: FakeStream | DefaultStream, waitee: FakeStream | DefaultStream) -> None:
         event = self.new_event()
@@ -277,6 +284,7 @@ class FakeBackend(DeviceBackend):
                 f"and src {tuple(src.shape)} {src.dtype}"
             )
         stream = stream if stream is not None else self.current_stream()
+        self._switch(stream)
         nbytes = src.nbytes
         h2d = not self._device.owns(src)
         label = "H2D" if h2d else "D2H"
@@ -349,6 +357,7 @@ class FakeBackend(DeviceBackend):
         stream: FakeStream | DefaultStream | None = None,
     ) -> FakeEvent:
         stream = stream if stream is not None else self.current_stream()
+        self._switch(stream)
         gathered = self.sanitizer.on_collective(output, input, stream) if self.sanitizer is not None else None
         poison = self._poisoner(output, stream)
         read_done = self._queue_read(input)
@@ -366,7 +375,7 @@ class FakeBackend(DeviceBackend):
             output.numel() * output.element_size(),
             prepare=poison,
         )
-        done = self.new_event()
+        done = _GatherDone(self)
         done.record(stream)
         if gathered is not None:
             done._vc = gathered  # for the sanitizer, the gather is done only where its waitable says
@@ -380,3 +389,34 @@ class FakeBackend(DeviceBackend):
     def close(self) -> None:
         for stream in list(self._streams):
             stream.close()
+
+
+class _Selection:
+    """``use_stream``'s context (a class, not a generator: entered for every block)."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: FakeBackend, stream: FakeStream | DefaultStream) -> None:
+        self._backend, self._stream = backend, stream
+
+    def __enter__(self) -> FakeStream | DefaultStream:
+        self._backend._switch(self._stream)
+        self._backend._stack().append(self._stream)
+        return self._stream
+
+    def __exit__(self, *exc: Any) -> None:
+        self._backend._stack().pop()
+
+
+class _GatherDone(FakeEvent):
+    """A gather's waitable: waiting on it selects the waiting stream, as the accelerator base's
+    collective waitable does (counted in ``stream_switches``)."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        super().__init__(backend.current_stream, backend.timeline, backend.sanitizer)
+        self._backend = backend
+
+    def wait(self, stream: FakeStream | DefaultStream | None = None) -> None:
+        target = stream if stream is not None else self._current()
+        self._backend._switch(target)
+        super().wait(target)
