@@ -112,6 +112,8 @@ class AcceleratorBackend(DeviceBackend):
         self._used_devices: set[int] = set()
         self._local = threading.local()
         self.stream_switches = 0
+        if self.host_cache_emptier() is not None:  # what this torch has for this device, once
+            self.capabilities = cls.capabilities | {Capability.HOST_CACHE}
 
     def _device_module(self) -> Any:
         """The torch device module; a method so that a backend can supply a different one."""

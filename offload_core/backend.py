@@ -37,6 +37,11 @@ class Capability:
     #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
     #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
     TIMING = "timing"
+    #: ``empty_host_cache`` gives the host allocator's cached free pinned blocks back to the system
+    #: (and ``pinned_memory_allocated`` drops by them); without it they stay cached and counted.
+    #: Accelerator backends list it where their torch has a call for their device that works there
+    #: (on Ascend never ``torch._C._host_emptyCache``, which torch_npu does not support)
+    HOST_CACHE = "host_cache"
 
 
 @runtime_checkable
@@ -202,7 +207,8 @@ class DeviceBackend(abc.ABC):
         return nbytes
 
     def empty_host_cache(self) -> None:
-        """Return freed pinned blocks that the host allocator caches to the system. Called when
+        """Return freed pinned blocks that the host allocator caches to the system, where the
+        backend lists :data:`Capability.HOST_CACHE`; elsewhere it does nothing. Called when
         offloading is disabled. The default does nothing (no cache)."""
 
     # -- device memory ----------------------------------------------------------------------

@@ -108,6 +108,7 @@ class FakeBackend(DeviceBackend):
         {
             SimulatorCapability.CHAOS, SimulatorCapability.CAPACITY, SimulatorCapability.BANDWIDTH,
             SimulatorCapability.TRACE, SimulatorCapability.SANITIZE, Capability.COLLECTIVES, Capability.TIMING,
+            Capability.HOST_CACHE,
         }
     )
 
