@@ -40,7 +40,7 @@ class Capability:
     #: ``empty_host_cache`` gives the host allocator's cached free pinned blocks back to the system
     #: (and ``pinned_memory_allocated`` drops by them); without it they stay cached and counted.
     #: Accelerator backends list it where their torch has a call for their device that works there
-    #: (on Ascend never ``torch._C._host_emptyCache``, which torch_npu does not support)
+    #: (a vendor backend names its own; CUDA's private call is unsupported on Ascend)
     HOST_CACHE = "host_cache"
 
 
