@@ -10,7 +10,7 @@ may differ from CUDA (see docs/backends.md, "Intel XPU"):
 
 * collectives go through ``xccl`` where this torch was built with it; otherwise there is no
   collective library for XPU tensors (gloo moves host tensors only), so the backend then lists no
-  collectives capability and distributed offloading refuses it;
+  collectives capability: distributed offloading on XPU needs a torch built with XCCL;
 * the communicator is bound by setting the current device before joining the group, not through
   ``device_id`` (as for HCCL): whether XCCL binds eagerly from ``device_id`` is not checked;
 * the pinned host cache is emptied through ``torch.accelerator.empty_host_cache`` (torch 2.12 and
