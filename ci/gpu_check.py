@@ -348,13 +348,16 @@ REGISTERED_PINNED = "host_register"
 
 def check_stream_switches(backend, configs, check: Check) -> None:
     """Stream contexts the backend enters per block of a steady-state forward (the backend's own
-    count): layerwise at depths 1 and 2, and model-level per group load; at most one each."""
+    count), blocks of two dtypes: layerwise at depths 1 and 2, and model-level per group load; at
+    most one each."""
     import offload_core
 
     if backend.stream_switches is None:
         check.summary = f"not available: backend {backend.name!r} does not count its stream switches"
         return
     model, inputs = _stack(configs["copy-bound"])
+    for block in model.blocks:  # a second dtype per block: two copies a block, one stream switch
+        block.register_buffer("scale", torch.ones(block.up.in_features, dtype=torch.bfloat16))
     device = backend.device()
     blocks = len(model.blocks)
     runs = [(f"layerwise depth {d}", {"enable_layerwise_offload": True, "prefetch_depth": d}) for d in (1, 2)]

@@ -4,6 +4,7 @@ step on the fake backend) is CI's last step, over the oldest torch we declare: c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -89,8 +90,8 @@ def test_the_stream_switch_check_fails_a_backend_that_switches_per_copy():
     gpu_check = _gpu_check_module()
 
     class PerCopy(FakeBackend):
-        def _switch(self, stream):
-            self.stream_switches += 1
+        def batch(self, stream):
+            return contextlib.nullcontext(stream)  # holds nothing: every copy selects its stream
 
     check = gpu_check.Check("stream switches", "<= 1")
     backend = PerCopy(chaos=False)
