@@ -5,6 +5,13 @@ shards; rank r keeps shard r in pinned memory. Loading a block copies this rank'
 small staging buffer, then an all-gather on the copy stream rebuilds the whole block in the slot
 on every rank. Host memory per rank is then the resident part plus 1/N of the blocks.
 
+The gathers never run on the compute stream: the copy stream is one side stream per process that
+every distributed part shares (collectives then run in one order on every rank), and compute waits
+for a block through its ready event, recorded there after the gathers' waits. So a collective
+library whose asynchronous collectives still hold their stream (HCCL) delays only the copy stream;
+a block's header gather, shard copies and gathers are queued under one stream context
+(``backend.batch``).
+
 Every rank must run the same forwards in the same order (the all-gathers are collective). The
 ranks are kept honest rather than trusted:
 
