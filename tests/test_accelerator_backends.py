@@ -745,6 +745,7 @@ def test_the_host_cache_is_emptied_by_the_names_this_torch_has(monkeypatch, back
     stand_in = torch_as_of(recorder, **torch_names)
     monkeypatch.setattr("offload_core.accelerator.torch", stand_in)
     monkeypatch.setattr("offload_core_cuda.torch", stand_in)
+    monkeypatch.setattr("offload_core_npu.torch", stand_in)
     monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     if backend_class is StandInNpu:
         monkeypatch.setattr(StandInNpu, "module", NpuModule(recorder if npu_has_it else None), raising=False)
