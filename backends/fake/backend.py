@@ -380,11 +380,11 @@ class FakeBackend(DeviceBackend):
             output.numel() * output.element_size(),
             prepare=poison,
         )
-        done = _GatherDone(self)
+        done = self.new_event()
         done.record(stream)
         if gathered is not None:
             done._vc = gathered  # for the sanitizer, the gather is done only where its waitable says
-        return done
+        return _GatherDone(self, done)
 
     # -- fake-only tools ------------------------------------------------------------------
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
@@ -415,15 +415,23 @@ class _Selection:
         self._backend._stack().pop()
 
 
-class _GatherDone(FakeEvent):
-    """A gather's waitable: waiting on it selects the waiting stream, as the accelerator base's
-    collective waitable does (counted in ``stream_switches``)."""
+class _GatherDone:
+    """A gather's waitable: the backend's event after the gather, waiting on which selects the
+    waiting stream, as the accelerator base's collective waitable does (counted in
+    ``stream_switches``)."""
 
-    def __init__(self, backend: FakeBackend) -> None:
-        super().__init__(backend.current_stream, backend.timeline, backend.sanitizer)
-        self._backend = backend
+    __slots__ = ("_backend", "_event")
+
+    def __init__(self, backend: FakeBackend, event: FakeEvent) -> None:
+        self._backend, self._event = backend, event
 
     def wait(self, stream: FakeStream | DefaultStream | None = None) -> None:
-        target = stream if stream is not None else self._current()
+        target = stream if stream is not None else self._backend.current_stream()
         self._backend._switch(target)
-        super().wait(target)
+        self._event.wait(target)
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
