@@ -15,7 +15,10 @@
 #                   bit-equal to resident, TF32 off), copy/compute overlap (torch.profiler), host
 #                   syncs per forward (sync debug mode), H2D bandwidth against a plain pinned copy,
 #                   pinned bytes against the host allocator over two enable/disable cycles,
-#                   mem_get_info against the driver, model-level offload near capacity;
+#                   mem_get_info against the driver, model-level offload near capacity, stream
+#                   switches per block (layerwise depth 1 and 2, model-level), H2D bandwidth
+#                   from registered pinned memory against the caching allocator's ("not
+#                   available" where the backend has no registration capability);
 #   6. realsize     a Wan2.1-1.3B-size transformer: step ratios to resident.
 #
 # The report goes to --out DIR (8 files): report.md (the table), report.json, log.txt, and what
@@ -26,7 +29,8 @@
 #   --wheels DIR  the carried wheels (default: .whl)
 #   --python PY   the Python with torch to use (default: python3)
 #   --dry-run     no GPU: the same offline install, then every step on the fake backend; the
-#                 checks that need CUDA print "skipped: no GPU" (CI runs this over its oldest torch)
+#                 checks that need CUDA print "skipped: no GPU"; stream switches and the registered
+#                 bandwidth run there too (CI runs this over its oldest torch)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,7 +44,7 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=${2:?--wheels needs a folder}; shift ;;
         --python) PY=${2:?--python needs an interpreter}; shift ;;
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift

@@ -6,8 +6,9 @@ Subcommands (run by the script, with offload-core imported from the wheel it ins
   torch versions this torch has (host-cache emptying, ``compiler.disable``'s ``reason=``, the
   all-gather); fails if offload-core is not the installed wheel, or (not a dry run) no GPU.
 * ``hardware --out FILE.json [--dry-run]``: the checks that need a device, in order; each is one
-  pass/fail line. With ``--dry-run`` the backend-generic one (exactness) runs on the fake backend at
-  tiny sizes and the CUDA-only ones print "skipped: no GPU".
+  pass/fail line. With ``--dry-run`` the backend-generic ones (exactness, stream switches per
+  block, registered pinned bandwidth: "not available" where the backend lacks the capability) run
+  on the fake backend at tiny sizes and the CUDA-only ones print "skipped: no GPU".
 * ``table --report FILE.json --out FILE.md``: the table a user reads, from the script's JSON report.
 
 This file is the check, not the core: it may call ``torch.cuda``.
@@ -339,6 +340,97 @@ def check_near_capacity(backend, check: Check) -> None:
                      f"{retries} allocator retries, {part.counters.loads} group loads")
 
 
+#: the backend capability of registered pinned memory (page-aligned host memory registered with
+#: the runtime at exact size, ``cudaHostRegister``): where a backend lists it, ``empty_pinned``
+#: hands out registered memory; the caching host allocator's is ``torch.empty(pin_memory=True)``
+REGISTERED_PINNED = "host_register"
+
+
+def check_stream_switches(backend, configs, check: Check) -> None:
+    """Stream contexts the backend enters per block of a steady-state forward (the backend's own
+    count), blocks of two dtypes: layerwise at depths 1 and 2, and model-level per group load; at
+    most one each."""
+    import offload_core
+
+    if backend.stream_switches is None:
+        check.summary = f"not available: backend {backend.name!r} does not count its stream switches"
+        return
+    model, inputs = _stack(configs["copy-bound"])
+    for block in model.blocks:  # a second dtype per block: two copies a block, one stream switch
+        block.register_buffer("scale", torch.ones(block.up.in_features, dtype=torch.bfloat16))
+    device = backend.device()
+    blocks = len(model.blocks)
+    runs = [(f"layerwise depth {d}", {"enable_layerwise_offload": True, "prefetch_depth": d}) for d in (1, 2)]
+    runs.append(("model-level", {"enable_cpu_offload": True}))
+    bad = []
+    for key, options in runs:
+        handle = offload_core.enable_offload(model, backend=backend, **options)
+        try:
+            with torch.no_grad():
+                model(inputs[0].to(device))  # warm-up
+                switches, loads = backend.stream_switches, handle.stats()["loads"]
+                for x in inputs[1:4]:
+                    model(x.to(device))
+            backend.synchronize()
+            switches = (backend.stream_switches - switches) / 3
+            loads = (handle.stats()["loads"] - loads) / 3
+        finally:
+            handle.disable()
+        per = blocks if key.startswith("layerwise") else loads
+        check.figures[key] = {"switches_per_forward": switches, "loads_per_forward": loads,
+                              "switches_per_block": switches / per if per else float("nan")}
+        if switches > per:
+            bad.append(key)
+    check.ok = not bad
+    text = ", ".join(f"{k} {v['switches_per_block']:.2f}" for k, v in check.figures.items())
+    check.summary = f"stream switches per block (model-level: per group load): {text}" + (
+        f"; more than one: {', '.join(bad)}" if bad else "")
+
+
+def _h2d_seconds(backend, src: torch.Tensor, dst: torch.Tensor) -> float:
+    """The fastest of three copies of ``src`` into ``dst``, timed on the device where the backend
+    has timing events, else on the host."""
+    from offload_core import Capability
+
+    timing = Capability.TIMING in backend.capabilities
+    stream = backend.new_stream()
+    best = float("inf")
+    for _ in range(3):
+        start, end = backend.new_event(timing=timing), backend.new_event(timing=timing)
+        host_start = time.perf_counter()
+        start.record(stream)
+        backend.copy_async(dst, src, stream)
+        end.record(stream)
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 if timing else time.perf_counter() - host_start)
+    return best
+
+
+def check_registered_bandwidth(backend, check: Check, nbytes: int = 1 << 30) -> None:
+    """H2D bandwidth from registered pinned memory against the caching host allocator's."""
+    if REGISTERED_PINNED not in backend.capabilities:
+        check.summary = f"not available: backend {backend.name!r} lists no {REGISTERED_PINNED!r} capability"
+        return
+    try:
+        cached = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as exc:  # no accelerator torch knows of (a simulator)
+        check.summary = f"not available: no caching host allocator to compare with ({exc})"
+        return
+    dst = backend.empty_device(nbytes)
+    registered = backend.empty_pinned(nbytes)
+    try:
+        seconds = {"registered": _h2d_seconds(backend, registered, dst), "caching allocator": _h2d_seconds(backend, cached, dst)}
+    finally:
+        del registered, cached, dst
+        backend.empty_host_cache()
+    rates = {k: nbytes / v for k, v in seconds.items()}
+    check.figures = {f"{k}_bytes_per_s": v for k, v in rates.items()}
+    check.figures["ratio"] = rates["registered"] / rates["caching allocator"]
+    check.ok = check.figures["ratio"] >= 0.9
+    check.summary = (f"registered pinned {rates['registered'] / 1e9:.1f} GB/s, caching allocator's pinned "
+                     f"{rates['caching allocator'] / 1e9:.1f} GB/s (x{check.figures['ratio']:.2f})")
+
+
 def hardware(dry_run: bool) -> list[Check]:
     import offload_core
 
@@ -354,23 +446,28 @@ def hardware(dry_run: bool) -> list[Check]:
         Check("pinned accounting", "stats() == host allocator, 0 after disable, 2 cycles"),
         Check("mem_get_info", "driver free + idle reserve"),
         Check("model-level near capacity", "0 OOMs, retries reported"),
+        Check("stream switches", "<= 1 per block (layerwise depth 1 and 2), per group load (model-level)"),
+        Check("registered pinned H2D", ">= 90% of the caching allocator's pinned copy"),
     ]
-    exact = checks[0]
+    exact, configs = checks[0], TINY_CONFIGS if dry_run else CONFIGS
     try:
-        check_exact(backend, TINY_CONFIGS if dry_run else CONFIGS, exact)
+        check_exact(backend, configs, exact)
     except Exception as exc:  # noqa: BLE001 - reported as this check's failure; the others still run
         exact.ok, exact.summary = False, f"{type(exc).__name__}: {exc}"
     print(exact.line(), flush=True)
-    runs: list[tuple[Check, Callable[[], None]]] = [
-        (checks[1], lambda: check_overlap(backend, checks[1])),
-        (checks[2], lambda: check_syncs(backend, checks[2])),
-        (checks[3], lambda: check_bandwidth(backend, checks[3], exact.figures)),
-        (checks[4], lambda: check_host_memory(backend, checks[4])),
-        (checks[5], lambda: check_mem_get_info(backend, checks[5])),
-        (checks[6], lambda: check_near_capacity(backend, checks[6])),
+    # (check, run, whether it needs CUDA): the backend-generic ones run on the fake in a dry run too
+    runs: list[tuple[Check, Callable[[], None], bool]] = [
+        (checks[1], lambda: check_overlap(backend, checks[1]), True),
+        (checks[2], lambda: check_syncs(backend, checks[2]), True),
+        (checks[3], lambda: check_bandwidth(backend, checks[3], exact.figures), True),
+        (checks[4], lambda: check_host_memory(backend, checks[4]), True),
+        (checks[5], lambda: check_mem_get_info(backend, checks[5]), True),
+        (checks[6], lambda: check_near_capacity(backend, checks[6]), True),
+        (checks[7], lambda: check_stream_switches(backend, configs, checks[7]), False),
+        (checks[8], lambda: check_registered_bandwidth(backend, checks[8], 1 << 20 if dry_run else 1 << 30), False),
     ]
-    for check, run in runs:
-        if dry_run:
+    for check, run, needs_cuda in runs:
+        if dry_run and needs_cuda:
             check.summary = "skipped: no GPU"
         else:
             try:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -110,6 +111,10 @@ class AcceleratorBackend(DeviceBackend):
         )
         self._registered = HostRegistrations()  # Capability.HOST_REGISTER: ranges the runtime pinned
         self._used_devices: set[int] = set()
+        self._local = threading.local()
+        self.stream_switches = 0
+        if self.host_cache_emptier() is not None:  # what this torch has for this device, once
+            self.capabilities = cls.capabilities | {Capability.HOST_CACHE}
 
     def _device_module(self) -> Any:
         """The torch device module; a method so that a backend can supply a different one."""
@@ -141,13 +146,19 @@ class AcceleratorBackend(DeviceBackend):
         # Returned as the device module made it: its events accept it as it is.
         return self._mod.current_stream(self.device())
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: Stream) -> Iterator[Stream]:
-        # The device module's context manager keeps the previous stream in a fresh object per
-        # use. ``with stream:`` keeps it on the stream object itself, which is not re-entrant in
-        # every torch we support and is shared by all threads using that stream.
-        with self._mod.stream(stream):
-            yield stream
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Stream]:
+        """Selects ``stream`` through the device module, unless it is the stream selected last
+        through this backend on this thread: then nothing is selected again, which is how a
+        :meth:`batch` queues all its work under one stream context (``copy_async`` and the
+        collectives select their stream through here)."""
+        return _Selection(self, stream)
+
+    def _selected(self) -> list:
+        """The streams selected through this backend on the calling thread, innermost last."""
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
         event = self.new_event()
@@ -305,6 +316,33 @@ class AcceleratorBackend(DeviceBackend):
         with self.use_stream(stream):
             work = _dist.all_gather(output, input, group=group, async_op=True)
         return CollectiveWork(self, work, output, input)
+
+
+class _Selection:
+    """``use_stream``'s context (a class, not a generator: entered for every block)."""
+
+    __slots__ = ("_backend", "_stream", "_context")
+
+    def __init__(self, backend: AcceleratorBackend, stream: Stream) -> None:
+        self._backend, self._stream, self._context = backend, stream, None
+
+    def __enter__(self) -> Stream:
+        backend, stream = self._backend, self._stream
+        stack = backend._selected()
+        if not stack or stack[-1] is not stream:
+            # The device module's context manager keeps the previous stream in a fresh object per
+            # use. ``with stream:`` keeps it on the stream object itself, which is not re-entrant in
+            # every torch we support and is shared by all threads using that stream.
+            self._context = backend._mod.stream(stream)
+            self._context.__enter__()
+            backend.stream_switches += 1
+        stack.append(stream)
+        return stream
+
+    def __exit__(self, *exc: Any) -> None:
+        self._backend._selected().pop()
+        if self._context is not None:
+            self._context.__exit__(*exc)
 
 
 def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -42,6 +42,11 @@ class Capability:
     #: way, registered in pieces of at most ``pinned_chunk_bytes``, rather than through the caching
     #: host allocator, which rounds every request up to a power of two
     HOST_REGISTER = "host_register"
+    #: ``empty_host_cache`` gives the host allocator's cached free pinned blocks back to the system
+    #: (and ``pinned_memory_allocated`` drops by them); without it they stay cached and counted.
+    #: Accelerator backends list it where their torch has a call for their device that works there
+    #: (a vendor backend names its own; CUDA's private call is unsupported on Ascend)
+    HOST_CACHE = "host_cache"
 
 
 @runtime_checkable
@@ -111,6 +116,9 @@ class DeviceBackend(abc.ABC):
     #: on Ascend): the "auto" host budget then takes this backend's pinned bytes from the cgroup's
     #: headroom itself (see :mod:`offload_core.hostmem.budget`)
     pinned_in_cgroup: ClassVar[bool] = True
+    #: stream contexts this backend has entered so far (see :meth:`batch`), where it counts them
+    #: (the accelerator base and the fake do); None where it does not
+    stream_switches: int | None = None
 
     # -- identity ---------------------------------------------------------------------------
     @classmethod
@@ -151,6 +159,26 @@ class DeviceBackend(abc.ABC):
     @abc.abstractmethod
     def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Stream]:
         """Context manager making ``stream`` the current stream inside the block."""
+
+    def batch(self, stream: Stream) -> contextlib.AbstractContextManager[Stream]:
+        """Context manager for several pieces of work queued on ``stream`` together (a block's
+        copies, one per dtype, its gathers, the event recorded after them, the blocks prefetched
+        with it), under one stream context: inside the block ``stream`` is the current stream,
+        and this backend's calls that name ``stream`` (``copy_async``, ``all_gather_into_tensor``
+        and waits on the waitable it returns, ``use_stream``) do not select it again.
+
+        Why: selecting a stream costs on some devices (vLLM-Omni measured about 1 ms per switch on
+        Ascend 910B), and a call that selects its stream on every copy pays it per copy. The
+        strategies enter at most one batch per block and direction. Only the backend's own calls
+        and host work (filling a bounce buffer, waiting for an event) belong inside, never
+        compute or allocations: a caching allocator ties memory allocated inside to ``stream``.
+        Event ``record(stream)`` and ``wait(stream)`` with an explicit stream select nothing.
+
+        The default is :meth:`use_stream`: correct on every backend, and all a backend needs
+        whose ``use_stream`` selects nothing for the stream it selected last on the calling
+        thread (the accelerator base and the fake do that); a backend whose calls select their
+        stream in another way overrides this."""
+        return self.use_stream(stream)
 
     @abc.abstractmethod
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
@@ -204,7 +232,8 @@ class DeviceBackend(abc.ABC):
         raise NotImplementedError(f"{self.name} cannot register host memory")
 
     def empty_host_cache(self) -> None:
-        """Return freed pinned blocks that the host allocator caches to the system. Called when
+        """Return freed pinned blocks that the host allocator caches to the system, where the
+        backend lists :data:`Capability.HOST_CACHE`; elsewhere it does nothing. Called when
         offloading is disabled. The default does nothing (no cache)."""
 
     # -- device memory ----------------------------------------------------------------------

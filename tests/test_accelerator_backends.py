@@ -28,7 +28,7 @@ import torch
 import offload_core
 from offload_core import dist as offload_dist
 from offload_core.accelerator import AcceleratorBackend, BackendUnavailableError, CollectiveWork
-from offload_core.backend import DeviceBackend
+from offload_core.backend import Capability, DeviceBackend
 from offload_core.memory_accounting import AllocationTracker
 from offload_core.plugins import registry
 from offload_core_cuda import CudaBackend
@@ -735,6 +735,8 @@ class StandInNpu(NpuBackend):
          "accelerator.empty_host_cache"),  # a torch_npu without it, on torch 2.12 and later
         (StandInNpu, dict(host_empty_cache=False, accelerator_empty=True, accelerator="cuda"), False,
          None),  # torch's accelerator is another device: its host cache is not ours to empty
+        (StandInNpu, dict(host_empty_cache=True, accelerator_empty=False, accelerator="npu"), False,
+         None),  # never CUDA's _host_emptyCache, which torch_npu does not support
     ],
 )
 def test_the_host_cache_is_emptied_by_the_names_this_torch_has(monkeypatch, backend_class, torch_names, npu_has_it,
@@ -743,6 +745,7 @@ def test_the_host_cache_is_emptied_by_the_names_this_torch_has(monkeypatch, back
     stand_in = torch_as_of(recorder, **torch_names)
     monkeypatch.setattr("offload_core.accelerator.torch", stand_in)
     monkeypatch.setattr("offload_core_cuda.torch", stand_in)
+    monkeypatch.setattr("offload_core_npu.torch", stand_in)
     monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     if backend_class is StandInNpu:
         monkeypatch.setattr(StandInNpu, "module", NpuModule(recorder if npu_has_it else None), raising=False)
@@ -751,6 +754,7 @@ def test_the_host_cache_is_emptied_by_the_names_this_torch_has(monkeypatch, back
     del block
     gc.collect()
     assert backend.pinned_memory_allocated() == 1024  # freed, still cached by the host allocator
+    assert (Capability.HOST_CACHE in backend.capabilities) == (expected is not None)
     backend.empty_host_cache()
     assert recorder.calls == ([expected] if expected else [])
     # the count follows what is really held: emptied only where the cache really was

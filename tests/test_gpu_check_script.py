@@ -4,6 +4,7 @@ step on the fake backend) is CI's last step, over the oldest torch we declare: c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -56,17 +57,49 @@ def test_the_environment_step_fails_unless_offload_core_comes_from_the_installed
     assert facts["compiler_disable"].startswith("(fn=None, recursive=True")
 
 
-def test_the_dry_run_hardware_step_runs_exactness_on_the_fake_backend_and_skips_the_rest(tmp_path):
+def test_the_dry_run_hardware_step_runs_the_generic_checks_on_the_fake_backend_and_skips_the_rest(tmp_path):
     proc = _python("hardware", "--dry-run", "--out", str(tmp_path / "hw.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    checks = json.loads((tmp_path / "hw.json").read_text())["checks"]
-    assert [c["name"] for c in checks] == ["exact", "overlap", "host syncs", "H2D bandwidth", "pinned accounting",
-                                           "mem_get_info", "model-level near capacity"]
-    assert checks[0]["ok"] is True and "bit-equal to resident" in checks[0]["summary"]
-    assert set(checks[0]["figures"]) == {f"{c} depth {d}" for c in ("copy-bound", "compute-bound") for d in (1, 2)}
-    for check in checks[1:]:
+    checks = {c["name"]: c for c in json.loads((tmp_path / "hw.json").read_text())["checks"]}
+    assert list(checks) == ["exact", "overlap", "host syncs", "H2D bandwidth", "pinned accounting",
+                            "mem_get_info", "model-level near capacity", "stream switches", "registered pinned H2D"]
+    exact = checks.pop("exact")
+    assert exact["ok"] is True and "bit-equal to resident" in exact["summary"]
+    assert set(exact["figures"]) == {f"{c} depth {d}" for c in ("copy-bound", "compute-bound") for d in (1, 2)}
+    # stream switches per block, counted by the fake as an accelerator enters them: at most one
+    switches = checks.pop("stream switches")
+    assert switches["ok"] is True, switches["summary"]
+    figures = switches["figures"]
+    assert set(figures) == {"layerwise depth 1", "layerwise depth 2", "model-level"}
+    assert all(0 < f["switches_per_block"] <= 1 for f in figures.values()), figures
+    assert figures["model-level"]["switches_per_forward"] == figures["model-level"]["loads_per_forward"] == 1
+    assert "gpu-check: pass: stream switches: stream switches per block" in proc.stdout
+    # the fake has no registered pinned memory: the figure is reported as not available, not passed
+    registered = checks.pop("registered pinned H2D")
+    assert registered["ok"] is None and registered["summary"].startswith("not available: backend 'fake' lists no")
+    assert "gpu-check: skipped: registered pinned H2D: not available" in proc.stdout
+    for check in checks.values():
         assert check["ok"] is None and check["summary"] == "skipped: no GPU", check["name"]
         assert f"gpu-check: skipped: {check['name']}: skipped: no GPU" in proc.stdout
+
+
+def test_the_stream_switch_check_fails_a_backend_that_switches_per_copy():
+    """Against a fake whose batches do not hold the stream (every copy selects it again)."""
+    from offload_core_fake import FakeBackend
+
+    gpu_check = _gpu_check_module()
+
+    class PerCopy(FakeBackend):
+        def batch(self, stream):
+            return contextlib.nullcontext(stream)  # holds nothing: every copy selects its stream
+
+    check = gpu_check.Check("stream switches", "<= 1")
+    backend = PerCopy(chaos=False)
+    try:
+        gpu_check.check_stream_switches(backend, gpu_check.TINY_CONFIGS, check)
+    finally:
+        backend.close()
+    assert check.ok is False and "more than one: layerwise depth 1, layerwise depth 2, model-level" in check.summary
 
 
 def test_the_table_shows_each_step_and_check_with_its_state():

@@ -11,7 +11,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -126,6 +126,7 @@ class FakeBackend(DeviceBackend):
         {
             SimulatorCapability.CHAOS, SimulatorCapability.CAPACITY, SimulatorCapability.BANDWIDTH,
             SimulatorCapability.TRACE, SimulatorCapability.SANITIZE, Capability.COLLECTIVES, Capability.TIMING,
+            Capability.HOST_CACHE,
         }
     )
 
@@ -172,6 +173,11 @@ class FakeBackend(DeviceBackend):
         self.device_cache = device_cache
         self._reserved = 0  # device_cache: bytes the fake allocator holds (allocated or idle)
         self._local = threading.local()
+        #: the stream contexts an accelerator would have entered for the work asked of this backend
+        #: so far: every ``use_stream`` and ``batch`` not nested in one on the same stream, and every
+        #: ``copy_async``, ``all_gather_into_tensor`` and wait on a gather's waitable outside one on
+        #: its stream (the accelerator base enters one for each of them)
+        self.stream_switches = 0
         self.bound_threads: list[tuple[str, torch.device]] = []  # bind_thread calls: (thread name, device)
         self.sanitizer = Sanitizer(self.current_stream) if sanitize else None
         self._default = DefaultStream(self.timeline, self.sanitizer)
@@ -212,14 +218,18 @@ class FakeBackend(DeviceBackend):
         stack = getattr(self._local, "stack", None)  # asked twice per streamed block: no helper call
         return stack[-1] if stack else self._default
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: FakeStream | DefaultStream) -> Iterator[FakeStream | DefaultStream]:
-        stack = self._stack()
-        stack.append(stream)
-        try:
-            yield stream
-        finally:
-            stack.pop()
+    def use_stream(self, stream: FakeStream | DefaultStream) -> contextlib.AbstractContextManager:
+        """Counted in ``stream_switches`` unless ``stream`` is the one selected last on this thread
+        (then an accelerator selects nothing: see :meth:`DeviceBackend.batch`)."""
+        return _Selection(self, stream)
+
+    batch = use_stream  # the ABC's default, without its extra call: entered for every block
+
+    def _switch(self, stream: FakeStream | DefaultStream) -> None:
+        """Count the stream context an accelerator enters for a call that names ``stream``."""
+        stack = getattr(self._local, "stack", None)
+        if not stack or stack[-1] is not stream:
+            self.stream_switches += 1
 
     def wait_stream(self, waiter: FakeStream | DefaultStream, waitee: FakeStream | DefaultStream) -> None:
         event = self.new_event()
@@ -330,6 +340,9 @@ class FakeBackend(DeviceBackend):
                 f"and src {tuple(src.shape)} {src.dtype}"
             )
         stream = stream if stream is not None else self.current_stream()
+        stack = getattr(self._local, "stack", None)  # _switch, inlined: once per copy
+        if not stack or stack[-1] is not stream:
+            self.stream_switches += 1
         nbytes = src.nbytes
         h2d = not self._device.owns(src)
         label = "H2D" if h2d else "D2H"
@@ -402,6 +415,7 @@ class FakeBackend(DeviceBackend):
         stream: FakeStream | DefaultStream | None = None,
     ) -> FakeEvent:
         stream = stream if stream is not None else self.current_stream()
+        self._switch(stream)
         gathered = self.sanitizer.on_collective(output, input, stream) if self.sanitizer is not None else None
         poison = self._poisoner(output, stream)
         read_done = self._queue_read(input)
@@ -423,7 +437,7 @@ class FakeBackend(DeviceBackend):
         done.record(stream)
         if gathered is not None:
             done._vc = gathered  # for the sanitizer, the gather is done only where its waitable says
-        return done
+        return _GatherDone(self, done)
 
     # -- fake-only tools ------------------------------------------------------------------
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
@@ -433,3 +447,44 @@ class FakeBackend(DeviceBackend):
     def close(self) -> None:
         for stream in list(self._streams):
             stream.close()
+
+
+class _Selection:
+    """``use_stream``'s context (a class, not a generator: entered for every block)."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: FakeBackend, stream: FakeStream | DefaultStream) -> None:
+        self._backend, self._stream = backend, stream
+
+    def __enter__(self) -> FakeStream | DefaultStream:
+        stack, stream = self._backend._stack(), self._stream
+        if not stack or stack[-1] is not stream:
+            self._backend.stream_switches += 1
+        stack.append(stream)
+        return stream
+
+    def __exit__(self, *exc: Any) -> None:
+        self._backend._stack().pop()
+
+
+class _GatherDone:
+    """A gather's waitable: the backend's event after the gather, waiting on which selects the
+    waiting stream, as the accelerator base's collective waitable does (counted in
+    ``stream_switches``)."""
+
+    __slots__ = ("_backend", "_event")
+
+    def __init__(self, backend: FakeBackend, event: FakeEvent) -> None:
+        self._backend, self._event = backend, event
+
+    def wait(self, stream: FakeStream | DefaultStream | None = None) -> None:
+        target = stream if stream is not None else self._backend.current_stream()
+        self._backend._switch(target)
+        self._event.wait(target)
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()

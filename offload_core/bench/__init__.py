@@ -77,9 +77,10 @@ ON_REQUEST = ("realscale",)
 
 HEADLINES = [
     # each block's tensors switch between slot and host views around its forward (two assignments
-    # per tensor; see docs/benchmarks.md): well under diffusers' hooks, above the 0.10 of before
+    # per tensor; see docs/benchmarks.md): guarded at DESIGN's 0.25 of diffusers' hooks, not pushed
+    # below it (the offload contract's per-tensor checks stay)
     Headline("layerwise overhead per block, ours / diffusers group offloading", "layerwise_overhead",
-             "ratio_ours_to_diffusers", 0.35, floor=0.0),
+             "ratio_ours_to_diffusers", 0.25, floor=0.0),
     Headline("layerwise step time / resident, compute-heavy stack", "layerwise_compute", "ratio", 1.15, floor=1.0),
     Headline("same, copy = 0.8 x compute (bandwidth model)", "layerwise_bandwidth", "ratio", 1.10, floor=1.0),
     Headline("copies per block per forward (fp32 blocks: 1 dtype)", "copies_per_block", "fp32_copies_per_block", 1.0),

@@ -86,7 +86,12 @@ def copy_unit(unit, dst: dict[torch.dtype, torch.Tensor], placement, stream, cou
     transfers = placement.transfers(unit, dst)
     counters.h2d_copies += placement.copies(transfers)
     counters.h2d_bytes += unit.nbytes
-    return placement.run(functools.partial(placement.issue, transfers, stream))
+    return placement.run(functools.partial(_issue, placement, transfers, stream))
+
+
+def _issue(placement, transfers, stream) -> None:
+    with placement.backend.batch(stream):  # one stream context for every dtype of the unit
+        placement.issue(transfers, stream)
 
 
 @torch.inference_mode(False)  # a load inside the user's inference_mode: later copies write them outside it

@@ -5,6 +5,13 @@ shards; rank r keeps shard r in pinned memory. Loading a block copies this rank'
 small staging buffer, then an all-gather on the copy stream rebuilds the whole block in the slot
 on every rank. Host memory per rank is then the resident part plus 1/N of the blocks.
 
+The gathers never run on the compute stream: the copy stream is one side stream per process that
+every distributed part shares (collectives then run in one order on every rank), and compute waits
+for a block through its ready event, recorded there after the gathers' waits. So a collective
+library whose asynchronous collectives still hold their stream (HCCL) delays only the copy stream;
+a block's header gather, shard copies and gathers are queued under one stream context
+(``backend.batch``).
+
 Every rank must run the same forwards in the same order (the all-gathers are collective). The
 ranks are kept honest rather than trusted:
 
@@ -167,12 +174,16 @@ class ShardedGather(CopyTransport):
         return transfers, copies, sum(s.numel() * s.element_size() for s in shards.values()), None
 
     def issue(self, plan, stream) -> None:
-        self._gather_header(plan.index, self._header_status(plan.index))
-        self._loaded_in_pass = max(self._loaded_in_pass, plan.index)
-        backend = self.part.backend
-        for staging, shard, out in plan.transfers:
-            self.part.placement.issue([(staging, shard)], stream)
-            backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
+        """The block's header gather, then per dtype its shard's copy and gather, all under one
+        stream context (``stream`` is the copy stream the headers are gathered on too)."""
+        part = self.part
+        backend = part.backend
+        with backend.batch(stream):
+            self._gather_header(plan.index, self._header_status(plan.index))
+            self._loaded_in_pass = max(self._loaded_in_pass, plan.index)
+            for staging, shard, out in plan.transfers:
+                part.placement.issue([(staging, shard)], stream)
+                backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
 
     def _gather_header(self, i: int, status: int) -> None:
         """Queue the all-gather of block ``i``'s header (``END``: the end of a pass)."""
@@ -205,9 +216,10 @@ class ShardedGather(CopyTransport):
         self._check_headers()
         slot = part.ring.slots[part.plans[i].slot]
         stream = part.backend.current_stream()
-        for dtype, shard in self.shards[i].items():
-            size = shard.numel()
-            part.backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
+        with part.backend.batch(stream):
+            for dtype, shard in self.shards[i].items():
+                size = shard.numel()
+                part.backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
         done = part.backend.new_event()
         done.record(stream)
         done.synchronize()
@@ -227,16 +239,18 @@ class ShardedGather(CopyTransport):
 
     def finish(self, failed: bool) -> None:
         """Say whether this rank got through, and check every header since the last check."""
+        part = self.part
         try:
-            self.part.placement.drain()  # their gathers come before this one, on every rank alike
-            self._gather_header(END, ABORTED if failed else OK)
-            if failed:
-                try:
+            part.placement.drain()  # their gathers come before this one, on every rank alike
+            with part.backend.batch(part.copy_stream):  # the end header and its read-back
+                self._gather_header(END, ABORTED if failed else OK)
+                if failed:
+                    try:
+                        self._check_headers()
+                    except DistributedOffloadError as exc:
+                        logger.warning("after this rank's failure: %s", exc)
+                else:
                     self._check_headers()
-                except DistributedOffloadError as exc:
-                    logger.warning("after this rank's failure: %s", exc)
-            else:
-                self._check_headers()
         finally:
             self._loaded_in_pass = -1  # loads queued from here on belong to the next pass
 
@@ -321,8 +335,9 @@ class ShardedGather(CopyTransport):
                 part.wait_ready(i, reader)
                 slot = part.ring.slots[part.plans[i].slot]
                 buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
-                for dtype, buf in buffers.items():
-                    part.backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
+                with part.backend.batch(reader):
+                    for dtype, buf in buffers.items():
+                        part.backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
                 reader.synchronize()  # later copies into this slot are queued after this: ordered
                 rebuilt.append(buffers)
             self._check_headers()

@@ -301,15 +301,16 @@ class ModelLevelOffload(Part):
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
         the stager thread when some component is staged)."""
         stream = self.copy_stream
-        freed.wait(stream)
-        try:
-            issue = functools.partial(self.placement.issue, transfers, stream)
-            if self.timeline is None:
-                issue()
-            else:
-                self.timeline.copy(stream, group.name, group.nbytes, issue)
-        finally:  # also after a failure half-way: swapping the group out waits for what was queued
-            group.ready.record(stream)
+        with self.backend.batch(stream):  # one stream context for the whole group
+            freed.wait(stream)
+            try:
+                issue = functools.partial(self.placement.issue, transfers, stream)
+                if self.timeline is None:
+                    issue()
+                else:
+                    self.timeline.copy(stream, group.name, group.nbytes, issue)
+            finally:  # also after a failure half-way: swapping the group out waits for what was queued
+                group.ready.record(stream)
 
     def _issued(self, group: Group) -> None:
         """Block until the stager has queued ``group``'s load, so its ready event is recorded."""

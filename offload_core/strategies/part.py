@@ -179,11 +179,12 @@ def write_back(backend, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     the host waits rather than tracking the copies."""
     stream = backend.current_stream()
     device_type = backend.device().type
-    for dst, src in pairs:
-        if src.device.type != device_type:
-            dst.copy_(src)  # a tensor the user put on the host: no device involved
-        else:
-            backend.copy_async(dst, src, stream)
+    with backend.batch(stream):
+        for dst, src in pairs:
+            if src.device.type != device_type:
+                dst.copy_(src)  # a tensor the user put on the host: no device involved
+            else:
+                backend.copy_async(dst, src, stream)
     done = backend.new_event()
     done.record(stream)
     done.synchronize()

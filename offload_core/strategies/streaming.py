@@ -158,11 +158,18 @@ class Streaming:
         self._queue(0, self.num_slots)
 
     def _queue(self, first: int, count: int) -> None:
-        """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet."""
+        """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet;
+        several under one stream context (``backend.batch``) unless the stager issues them (on its
+        own thread) or a slot must be renewed first (an allocation, which must not happen inside)."""
         occupant, slots = self.ring.occupant, self.num_slots
-        for j in range(first, min(first + count, len(self.units))):
-            if occupant[j % slots] != j:
-                self.load(j)
+        todo = [j for j in range(first, min(first + count, len(self.units))) if occupant[j % slots] != j]
+        if len(todo) > 1 and self.placement.stager is None and all(self.ring.at_rest(j % slots) for j in todo):
+            with self.backend.batch(self.copy_stream):
+                for j in todo:
+                    self.load(j)
+            return
+        for j in todo:
+            self.load(j)
 
     def freeze(self) -> None:
         with self.lock:

@@ -108,13 +108,15 @@ class CopyTransport:
         return transfers, placement.copies(transfers), unit.nbytes, unit.image
 
     def issue(self, plan, stream) -> None:
-        """Queue on ``stream`` what fills ``plan``'s slot."""
+        """Queue on ``stream`` what fills ``plan``'s slot: one stream context for all of it."""
         part = self._part()  # once per block: not through the property
-        if part.placement.stager is None:  # every source is a host buffer: plain copies
-            for dst, src in plan.transfers:
-                part.backend.copy_async(dst, src, stream)
-        else:
-            part.placement.issue(plan.transfers, stream)
+        backend = part.backend
+        with backend.batch(stream):
+            if part.placement.stager is None:  # every source is a host buffer: plain copies
+                for dst, src in plan.transfers:
+                    backend.copy_async(dst, src, stream)
+            else:
+                part.placement.issue(plan.transfers, stream)
 
     def write_back(self, i: int):
         """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""
