@@ -340,12 +340,6 @@ def check_near_capacity(backend, check: Check) -> None:
                      f"{retries} allocator retries, {part.counters.loads} group loads")
 
 
-#: the backend capability of registered pinned memory (page-aligned host memory registered with
-#: the runtime at exact size, ``cudaHostRegister``): where a backend lists it, ``empty_pinned``
-#: hands out registered memory; the caching host allocator's is ``torch.empty(pin_memory=True)``
-REGISTERED_PINNED = "host_register"
-
-
 def check_stream_switches(backend, configs, check: Check) -> None:
     """Stream contexts the backend enters per block of a steady-state forward (the backend's own
     count), blocks of two dtypes: layerwise at depths 1 and 2, and model-level per group load; at
@@ -408,8 +402,11 @@ def _h2d_seconds(backend, src: torch.Tensor, dst: torch.Tensor) -> float:
 
 def check_registered_bandwidth(backend, check: Check, nbytes: int = 1 << 30) -> None:
     """H2D bandwidth from registered pinned memory against the caching host allocator's."""
-    if REGISTERED_PINNED not in backend.capabilities:
-        check.summary = f"not available: backend {backend.name!r} lists no {REGISTERED_PINNED!r} capability"
+    from offload_core import Capability
+    from offload_core.hostmem.registered import RegisteredMemory
+
+    if Capability.HOST_REGISTER not in backend.capabilities:
+        check.summary = f"not available: backend {backend.name!r} lists no {Capability.HOST_REGISTER!r} capability"
         return
     try:
         cached = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -417,11 +414,13 @@ def check_registered_bandwidth(backend, check: Check, nbytes: int = 1 << 30) -> 
         check.summary = f"not available: no caching host allocator to compare with ({exc})"
         return
     dst = backend.empty_device(nbytes)
-    registered = backend.empty_pinned(nbytes)
+    memory = RegisteredMemory(backend)  # what offload-core pins homes with on this backend
+    registered = memory.allocate(nbytes)
     try:
         seconds = {"registered": _h2d_seconds(backend, registered, dst), "caching allocator": _h2d_seconds(backend, cached, dst)}
     finally:
         del registered, cached, dst
+        memory.close()
         backend.empty_host_cache()
     rates = {k: nbytes / v for k, v in seconds.items()}
     check.figures = {f"{k}_bytes_per_s": v for k, v in rates.items()}
