@@ -366,6 +366,20 @@ def test_video_output_is_one_png_per_frame(capsys, tmp_path):
     assert {Image.open(p).size for p in expected} == {(report["width"], report["height"])}
 
 
+def test_a_frame_name_taken_by_a_directory_is_bad_input_and_nothing_is_written(capsys, tmp_path):
+    """How many frames there are is known only after the run: a directory with a frame's name is
+    refused then, before any file is written, and is left where it was (never moved aside)."""
+    taken = tmp_path / "v_0002.png"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("the user's")
+    code, out, err = main(capsys, "--pipeline", "wan2.2-t2v", "--frames", "5", "--output", str(tmp_path / "v.png"),
+                          "--trace", str(tmp_path / "t.json"), "--json")
+    assert (code, out) == (2, "")
+    assert err == f"offload-core: error: {str(taken)!r} is a directory, so it cannot take an output file; " \
+                  "no file was written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v_0002.png"] and (taken / "keep.txt").read_text() == "the user's"
+
+
 @pytest.fixture(scope="module")
 def saved_sd3(tmp_path_factory) -> Path:
     """SD3 saved with save_pretrained (LongCat-Image and JoyImage-Edit do not round-trip: their
