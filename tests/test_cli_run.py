@@ -207,6 +207,22 @@ def test_the_default_demo_streams_most_of_its_weights_and_traces_them(capsys, tm
 
 
 @pytest.mark.quick
+def test_offload_that_costs_device_memory_says_higher_and_why(capsys):
+    """The zoo's FLUX.2 streams a DiT whose blocks are tiny next to its slots and activations:
+    the peak is above every weight resident, and the verdict says "higher", never "-9% lower"."""
+    code, out, _ = main(capsys, "--pipeline", "flux2", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["device_saved_bytes"] < 0
+    added = report["device_peak_bytes"] - report["device_bytes_without_offload"]
+    assert report["verdict"].startswith(
+        f"device memory {-report['device_saved_fraction']:.0%} higher ({added / 1024:.2f} KiB more than every "
+        "weight resident: the slots and activations outweigh the weights")
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in render(report).splitlines())
+    assert "device memory saved" not in table and table["device memory added"].startswith(f"{added / 1024:.2f} KiB")
+    assert "-" not in table["verdict"].split(",")[0]
+
+
+@pytest.mark.quick
 def test_step_times_come_from_the_denoising_loop_not_the_call(monkeypatch):
     """Prompt encoding made slow: the call's time grows by it, each step's time does not."""
     import diffusers

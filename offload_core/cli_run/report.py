@@ -133,7 +133,7 @@ def verdict(r: dict[str, Any]) -> str:
     """What offloading bought and cost, in one line."""
     if r["strategy"] == "none":
         return "no offload: every weight is on the device for the whole call"
-    parts = [f"device memory {r['device_saved_fraction']:.0%} lower ({_bytes(r['device_saved_bytes'])} saved)"]
+    parts = [memory_words(r)]
     if r["overlap"] is not None:
         parts.append(f"copies {r['overlap']:.0%} hidden behind compute")
     elif r["device_timed"] is False:
@@ -144,6 +144,16 @@ def verdict(r: dict[str, Any]) -> str:
         parts.append(f"{r['prefetch_misses']} prefetch misses")
     text = ", ".join(parts)
     return text + (f"; {simulated_words(r)}" if r["simulated"] else "")
+
+
+def memory_words(r: dict[str, Any]) -> str:
+    """The device memory offloading saved, or, on a pipeline so small that the peak's own parts
+    outweigh the weights kept off the device, what it added and why."""
+    saved, fraction = r["device_saved_bytes"], r["device_saved_fraction"]
+    if saved >= 0:
+        return f"device memory {fraction:.0%} lower ({_bytes(saved)} saved)"
+    return (f"device memory {-fraction:.0%} higher ({_bytes(-saved)} more than every weight resident: the slots and "
+            "activations outweigh the weights streaming keeps off the device, which are tiny here)")
 
 
 def simulated_words(r: dict[str, Any]) -> str:
@@ -217,8 +227,10 @@ def render(report: dict[str, Any]) -> str:
         ("device peak, with offload", _bytes(r["device_peak_bytes"])),
         ("device, without offload", f"{_bytes(r['device_bytes_without_offload'])} (every weight resident)"),
     ]
-    if r["device_saved_bytes"] is not None:
+    if r["device_saved_bytes"] is not None and r["device_saved_bytes"] >= 0:
         rows.append(("device memory saved", f"{_bytes(r['device_saved_bytes'])} ({r['device_saved_fraction']:.0%})"))
+    elif r["device_saved_bytes"] is not None:
+        rows.append(("device memory added", f"{_bytes(-r['device_saved_bytes'])} ({-r['device_saved_fraction']:.0%})"))
     rows += [
         ("pinned host memory", _bytes(r["pinned_host_bytes"])),
         ("moved host -> device", moved),
