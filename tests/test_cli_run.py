@@ -611,3 +611,16 @@ def test_console_script_prints_the_table(tmp_path):
     assert table["pipeline"] == "sd3 (StableDiffusion3Pipeline)"
     assert table["strategy"].startswith("layerwise") and table["backend"] == "fake (a simulator on the CPU)" and table["steps"] == STEPS
     assert table["prefetch misses"] == "0" and table["overlap (copy hidden)"].endswith(")")
+
+
+@pytest.mark.quick
+def test_a_plain_run_prints_no_warning(tmp_path):
+    """``offload-core run`` as the README gives it, in the test environment (torchao installed,
+    which transformers imports and which warns that its C++ kernels were built for another torch):
+    stderr holds the progress bars and the one line saying the simulator stands in, nothing else."""
+    script = Path(sys.executable).with_name("offload-core")
+    env = {k: v for k, v in os.environ.items() if k != ENV_BACKEND}
+    done = subprocess.run([str(script), "run"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in re.split(r"[\r\n]", done.stderr) if line.strip() and "it/s]" not in line]
+    assert lines == ["no accelerator backend is available; falling back to the simulator 'fake'"], done.stderr
