@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from offload_core import cli
-from offload_core.cli_run import STRATEGIES, loading
-from offload_core.cli_run.arguments import DEFAULT_PIPELINE, MAX_STEPS, embedded
+from offload_core.cli_run import STRATEGIES, loading, sample
+from offload_core.cli_run.arguments import DEFAULT_PIPELINE, DEMO_STEPS, MAX_STEPS, embedded
 from offload_core.cli_run.command import run_pipeline
 from offload_core.cli_run.report import render
 from offload_core.overlap import copy_overlap
@@ -60,7 +60,8 @@ def library_warnings_already_shown():
 
 @pytest.fixture(scope="module")
 def reference():
-    """Per pipeline name: the output of the tiny pipeline without offload, same seed, and its weight bytes."""
+    """Per pipeline name: the output of the tiny pipeline without offload, same seed (the demo at its
+    steps), and its weight bytes."""
     cache: dict[str, tuple[torch.Tensor, int]] = {}
 
     def get(name: str) -> tuple[torch.Tensor, int]:
@@ -71,7 +72,8 @@ def reference():
                 if isinstance(module, torch.nn.Module):
                     for _, t in [*module.named_parameters(), *module.named_buffers()]:
                         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            cache[name] = (tiny.run(seed=SEED), sum(storages.values()))
+            demo = {"num_inference_steps": DEMO_STEPS} if name == DEFAULT_PIPELINE else {}
+            cache[name] = (tiny.run(seed=SEED, **demo), sum(storages.values()))
         return cache[name]
 
     return get
@@ -290,10 +292,10 @@ def test_times_from_the_fake_say_they_are_simulated_and_compare_runs_without_off
     code, out, _ = main(capsys, "--pipeline", "flux2", "--steps", STEPS, "--compare")
     assert code == 0
     table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
-    for row in ("time per step", "call", "without offload", "verdict"):
-        assert table[row].endswith("simulated on the CPU (fake backend)"), row
+    for row in ("time per step", "call", "without offload", "verdict"):  # before a busy machine's clause
+        assert sample.UNRELIABLE_CLAUSE.sub("", table[row]).endswith("simulated on the CPU (fake backend)"), row
     assert table["backend"] == "fake (a simulator on the CPU)"
-    assert re.fullmatch(r"call \S+ ms; offloaded / without: \d+\.\d\dx; same output: yes; .*", table["without offload"])
+    assert re.fullmatch(r"call \S+ m?s; offloaded / without: \d+\.\d\dx; same output: yes; .*", table["without offload"])
     code, out, _ = main(capsys, "--pipeline", "flux2", "--steps", STEPS, "--compare", "--json")
     compare = json.loads(out)["compare"]
     assert compare["same_output"] is True
@@ -624,3 +626,45 @@ def test_a_plain_run_prints_no_warning(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [line for line in re.split(r"[\r\n]", done.stderr) if line.strip() and "it/s]" not in line]
     assert lines == ["no accelerator backend is available; falling back to the simulator 'fake'"], done.stderr
+
+
+@pytest.mark.quick
+def test_the_demo_reports_a_steady_state_over_its_later_steps_and_says_when_it_cannot_vouch(monkeypatch):
+    """The overlap per step, from the timeline cut at the host's step marks; the verdict gives the
+    median and range of steps 2-8; a machine with more runnable work than cores makes the verdict
+    say "unreliable (machine busy)" and why, as ``offload-core bench`` does."""
+    from offload_core.cli_run import steady
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    result = run_pipeline(parse("--json"), backend=chaos_backend())
+    try:
+        report = result.report
+        assert report["steps"] == DEMO_STEPS and len(report["overlap_steps"]) == DEMO_STEPS
+        later = [f for f in report["overlap_steps"][1:] if f is not None]
+        assert all(0.0 <= f <= 1.0 for f in later) and len(later) >= 2
+        s = report["steady_overlap"]
+        assert (s["median"], s["low"], s["high"], s["steps"]) == (
+            statistics.median(later), min(later), max(later), [2, DEMO_STEPS])
+        assert f"copies {s['median']:.0%} hidden behind compute ({s['low']:.0%} to {s['high']:.0%} over steps " \
+               f"2-{DEMO_STEPS})" in report["verdict"]
+        assert report["unreliable"][0] == f"load average 64.00 on {os.cpu_count()} cores"
+        assert f"; unreliable (machine busy): load average 64.00 on {os.cpu_count()} cores" in report["verdict"]
+    finally:
+        result.close()
+
+
+def test_what_makes_a_run_unreliable():
+    from offload_core.cli_run.steady import Steady, unreliable_reasons
+
+    narrow, wide = Steady(0.95, 0.93, 0.97, 2, 8), Steady(0.8, 0.6, 0.99, 2, 8)
+    steps, jumpy = Steady(0.03, 0.029, 0.031, 2, 8), Steady(0.03, 0.02, 0.09, 2, 8)
+    assert unreliable_reasons(None, narrow, steps, (1.3, 0.05)) == []
+    assert unreliable_reasons(None, wide, steps, None) == [
+        "the copies' share hidden ranges over 39 points across steps 2-8"]
+    assert unreliable_reasons(None, narrow, jumpy, None) == ["the step times range over 233% of their median"]
+    # an offloaded run faster than the resident one beyond the spread: the timing is broken (bench's floor)
+    assert unreliable_reasons(None, narrow, steps, (0.46, 0.1)) == [
+        "the offloaded steps came out faster than those without offload (0.46x, beyond its spread)"]
+    assert unreliable_reasons(None, narrow, steps, (0.95, 0.1)) == []  # within its spread of 1
+    assert Steady.of([0.5, 0.75, None, 0.25]) == Steady(0.5, 0.25, 0.75, 2, 4)
+    assert Steady.of([0.5, 0.9]) is None  # one later step: no range to give

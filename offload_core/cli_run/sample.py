@@ -6,9 +6,8 @@ grep WORD`` keeps the lines holding WORD, as the shell would.
 A test reruns them and compares, with the figures that depend on timing (times, overlap, the
 ratio, the copy counts a late prefetch can change, each number with its unit) masked, and the
 verdict's "unreliable (machine busy)" clause dropped, so the pages cannot go stale and a busy
-machine cannot fail the comparison. The generator keeps a page's own line wherever the new one
-differs from it in timed figures only, and refuses to run on a busy machine, so the pages never
-take a busy machine's figures.
+machine cannot fail the comparison. The generator refuses to run on a busy machine, or to write a
+run that says its figures are unreliable, so the pages never take a busy machine's figures.
 """
 
 from __future__ import annotations
@@ -55,17 +54,7 @@ def output_of(command: str) -> str:
 
 
 def regenerate(text: str) -> str:
-    """``text`` with each marked block replaced by its command's output, except the lines that
-    differ from the page's only in timed figures: those keep the page's figures."""
-
-    def block(match: re.Match[str]) -> str:
-        old = match.group(3).splitlines(keepends=True)
-        new = output_of(match.group(2)).splitlines(keepends=True)
-        if len(old) == len(new):
-            new = [o if masked(o) == masked(n) else n for o, n in zip(old, new)]
-        return match.group(1) + "".join(new) + match.group(4)
-
-    return MARKED.sub(block, text)
+    return MARKED.sub(lambda m: m.group(1) + output_of(m.group(2)) + m.group(4), text)
 
 
 def masked(text: str) -> str:
