@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -164,8 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: torchao's warning, at import, that its C++ kernels were built for another torch; no torchao
+#: release is built for the torch CI pins, and transformers imports torchao whenever it is
+#: installed (the test extras install it), so every command would print it. The commands never
+#: use those kernels (torchao's quantized tensors work without them, docs/compatibility.md)
+TORCHAO_ABI_WARNING = "Skipping import of cpp extensions due to incompatible torch version"
+
+
+def _quiet_torchao_abi_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(TORCHAO_ABI_WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: the exit status (0 ok, 2 bad input), never ``sys.exit``."""
+    logging.getLogger("torchao").addFilter(_quiet_torchao_abi_warning)  # once: a filter is added once
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args))

@@ -85,10 +85,15 @@ def write_all(writers: Sequence[Writer]) -> list[Path]:
     target; once all have been written they are renamed into place, a file they replace first
     moved aside. On any failure (a full disk, an image that cannot be encoded, a rename refused)
     the renamed files are taken back, the replaced ones restored, the temporary ones removed, and
-    the error re-raised. Returns the final paths."""
+    the error re-raised. A target that is a directory (a video frame's name taken by one: the
+    frame count is known only now) is a UsageError before anything is written: a directory is
+    never moved aside. Returns the final paths."""
     finals = [final for final, _ in writers]
     if len({f.resolve() for f in finals}) < len(finals):
         raise ValueError(f"two outputs name the same file: {', '.join(map(str, finals))}")
+    for final in finals:
+        if final.is_dir():
+            raise UsageError(f"{str(final)!r} is a directory, so it cannot take an output file; no file was written")
     # names of this process only (the targets are distinct), created with the usual mode
     staged = [(final.with_name(f".{final.name}.{os.getpid()}.tmp"), final) for final in finals]
     done: list[tuple[Path, Path | None]] = []  # (final, where the file it replaced was moved)

@@ -124,8 +124,9 @@ def _module_part(module: nn.Module, config: OffloadConfig, backend: DeviceBacken
     if blocks:
         kept = fitted.kept(component_name(module)) if fitted is not None else ()
         return streaming_part(module, blocks, config, backend, kept)
-    logger.info("%s offload: %s has no blocks to stream, so it stays resident on the device; %s",
-                config.strategy, type(module).__name__, no_blocks_hint(module))
+    logger.warning("%s offload: %s has no blocks to stream, so nothing is offloaded: it stays resident on the device. "
+                   "Name its block lists with the blocks= option (enable_offload(model, blocks=[\"layers\"], ...)), "
+                   "or %s", config.strategy, type(module).__name__, no_blocks_hint(module))
     return ResidentModules([(type(module).__name__, module)], backend)
 
 

@@ -179,3 +179,34 @@ def test_every_block_is_copied_in_every_forward(blocks, depth):
     handle.disable()
     loaded = [int(s.name.rsplit(".", 1)[1]) for s in timeline.spans() if s.kind == "copy"]
     assert sorted(loaded) == sorted(list(range(blocks)) * 2)
+
+def test_the_run_picture_names_the_time_outside_the_loop_the_blocks_and_the_resident_memory():
+    """``offload-core run --timeline``'s picture: the time before the denoising loop is shaded and
+    named (no streamed block computes there), runs of blocks too narrow to name one by one carry
+    their range, and the memory lane has the all-resident reference beside the sampled line."""
+    pytest.importorskip("matplotlib")
+    import re
+
+    from offload_core import cli
+    from offload_core.cli_run.command import run_pipeline
+    from offload_core.cli_run.drawing import block_runs, timeline_figure
+
+    result = run_pipeline(cli.build_parser().parse_args(["run", "--json"]), backend=FakeBackend())
+    try:
+        figure = timeline_figure(result.timeline, result.report, result.measured)
+        lanes, memory = figure.axes[:2]
+        texts = [t.get_text() for t in lanes.texts]
+        shaded = [p for p in lanes.patches if p.get_label() == "prompt encoding"]
+        assert result.measured.loop_start_ms > 0 and len(shaded) == 1
+        x0 = shaded[0].get_x()
+        assert (x0, x0 + shaded[0].get_width()) == (0.0, pytest.approx(result.measured.loop_start_ms))
+        assert any(t.startswith("prompt encoding") for t in texts), texts
+        runs = block_runs(result.timeline.spans())
+        assert ("single_transformer_blocks.0-15" in [r[2] for r in runs]) and len(runs) == 2 * result.report["steps"]
+        assert any(re.fullmatch(r"(\w+\.)?\d+-\d+", t) for t in texts), texts
+        resident = result.report["device_bytes_without_offload"] / 2**20
+        reference = [line for line in memory.get_lines() if line.get_label().startswith("without offload")]
+        assert len(reference) == 1 and reference[0].get_ydata()[0] == pytest.approx(resident)
+        assert memory.get_ylim()[1] > resident
+    finally:
+        result.close()

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("none", "model", "layerwise", "distributed")
 DEFAULT_PIPELINE = "flux2-deep"
+#: the demo's denoising steps unless --steps is given: enough after the first for its figures to
+#: be a steady state with a range (the zoo's pipelines keep their two)
+DEMO_STEPS = 8
 #: command-line flag (argparse dest) -> the pipeline ``__call__`` parameter it sets
 CALL_PARAMETERS = {
     "steps": "num_inference_steps",

@@ -22,7 +22,7 @@ import torch
 
 from ..cli_common import UsageError
 from ..tiny import as_tensor
-from .arguments import CALL_PARAMETERS, DEFAULT_PIPELINE, embedded
+from .arguments import CALL_PARAMETERS, DEFAULT_PIPELINE, DEMO_STEPS, embedded
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,9 @@ def _build_tiny(args: argparse.Namespace) -> Target:
     name = args.pipeline or DEFAULT_PIPELINE
     logger.info("building the tiny pipeline %r", name)
     tiny = build_pipeline(name)
-    return Target(name, tiny.pipe, lambda overrides, seed: tiny.run(seed, **overrides), dict(tiny.call_kwargs))
+    settings = {"num_inference_steps": DEMO_STEPS} if name == DEFAULT_PIPELINE else {}
+    return Target(name, tiny.pipe, lambda overrides, seed: tiny.run(seed, **{**settings, **overrides}),
+                  {**tiny.call_kwargs, **settings})
 
 
 def _load_model(args: argparse.Namespace) -> Target:

@@ -20,6 +20,7 @@ from ..cli_common import columns
 from ..overlap import timeline_overlap
 from ..timeline import Timeline
 from .outputs import frames_of
+from .steady import UNRELIABLE, Steady, step_overlaps, unreliable_reasons
 
 
 def weight_bytes(pipe: Any) -> int:
@@ -48,6 +49,7 @@ class Measured:
     step_s: list[float]  # each denoising step's duration, the first from the loop's start
     step_ends_ms: list[float]
     memory_ms: list[tuple[float, int]]  # (time, allocated device bytes) samples
+    loop_start_ms: float | None = None  # the denoising loop's start (the denoiser's first forward)
 
 
 def unused_prefetches(timeline: Timeline | None) -> tuple[int, int] | None:
@@ -82,6 +84,9 @@ def make_report(
     peak = stats.get("device_peak_bytes")
     unused = unused_prefetches(timeline)
     later_steps = measured.step_s[1:]
+    overlap_steps = step_overlaps(timeline, measured.loop_start_ms, measured.step_ends_ms)
+    steady_overlap = Steady.of(overlap_steps)
+    steady_step = Steady.of(measured.step_s)
     report: dict[str, Any] = {
         "pipeline": target.label,
         "pipeline_class": type(target.pipe).__name__,
@@ -119,22 +124,44 @@ def make_report(
         "copy_time_s": overlap.copy_ns / 1e9 if overlap is not None else None,
         "exposed_copy_time_s": overlap.exposed_ns / 1e9 if overlap is not None else None,
         "overlap": overlap.fraction if overlap is not None else None,
+        "overlap_steps": overlap_steps,
+        "steady_overlap": steady_overlap.to_dict() if steady_overlap else None,
+        "steady_step_s": steady_step.to_dict() if steady_step else None,
+        "unreliable": None,
+        "verdict": None,
         "trace": None,
         "timeline": None,
         "output_files": [],
         "compare": None,
         "ranks": None,
     }
-    report["verdict"] = verdict(report)
     return report
+
+
+def judge(report: dict[str, Any], busy: str | None) -> None:
+    """Whether the run can vouch for its timed figures (:func:`.steady.unreliable_reasons`:
+    ``busy`` is the machine's load when the call began), then the verdict."""
+    c = report["compare"]
+    compared = (c["step_ratio"], c["step_ratio_spread"]) if c and c["step_ratio"] is not None else None
+    report["unreliable"] = unreliable_reasons(busy, _steady(report["steady_overlap"]),
+                                              _steady(report["steady_step_s"]), compared) or None
+    report["verdict"] = verdict(report)
+
+
+def _steady(figure: dict[str, Any] | None) -> Steady | None:
+    return Steady(figure["median"], figure["low"], figure["high"], *figure["steps"]) if figure else None
 
 
 def verdict(r: dict[str, Any]) -> str:
     """What offloading bought and cost, in one line."""
     if r["strategy"] == "none":
         return "no offload: every weight is on the device for the whole call"
-    parts = [f"device memory {r['device_saved_fraction']:.0%} lower ({_bytes(r['device_saved_bytes'])} saved)"]
-    if r["overlap"] is not None:
+    parts = [memory_words(r)]
+    steady = _steady(r["steady_overlap"])
+    if steady is not None:
+        parts.append(f"copies {steady.median:.0%} hidden behind compute ({steady.low:.0%} to {steady.high:.0%} "
+                     f"over {steady.steps})")
+    elif r["overlap"] is not None:
         parts.append(f"copies {r['overlap']:.0%} hidden behind compute")
     elif r["device_timed"] is False:
         parts.append(f"copy overlap unknown ({r['backend']} has no device timing)")
@@ -142,8 +169,18 @@ def verdict(r: dict[str, Any]) -> str:
         parts.append("no copies during the call")
     if r["prefetch_misses"]:
         parts.append(f"{r['prefetch_misses']} prefetch misses")
-    text = ", ".join(parts)
-    return text + (f"; {simulated_words(r)}" if r["simulated"] else "")
+    text = ", ".join(parts) + (f"; {simulated_words(r)}" if r["simulated"] else "")
+    return text + (f"; {UNRELIABLE}: {', '.join(r['unreliable'])}" if r["unreliable"] else "")
+
+
+def memory_words(r: dict[str, Any]) -> str:
+    """The device memory offloading saved, or, on a pipeline so small that the peak's own parts
+    outweigh the weights kept off the device, what it added and why."""
+    saved, fraction = r["device_saved_bytes"], r["device_saved_fraction"]
+    if saved >= 0:
+        return f"device memory {fraction:.0%} lower ({_bytes(saved)} saved)"
+    return (f"device memory {-fraction:.0%} higher ({_bytes(-saved)} more than every weight resident: the slots and "
+            "activations outweigh the weights streaming keeps off the device, which are tiny here)")
 
 
 def simulated_words(r: dict[str, Any]) -> str:
@@ -186,9 +223,12 @@ def render(report: dict[str, Any]) -> str:
     overlap = "n/a"
     if r["overlap"] is not None:
         overlap = (
-            f"{r['overlap']:.0%} (copy time {_seconds(r['copy_time_s'])}, "
+            f"{r['overlap']:.0%} over the call (copy time {_seconds(r['copy_time_s'])}, "
             f"compute waited {_seconds(r['exposed_copy_time_s'])})"
         )
+        steady = _steady(r["steady_overlap"])
+        if steady is not None:
+            overlap += f"; {steady.median:.0%} over {steady.steps} ({steady.low:.0%} to {steady.high:.0%})"
     moved = "n/a"
     if r["h2d_bytes"] is not None:
         used_copies = r["call_h2d_copies"] - (r["unused_prefetch_copies"] or 0)
@@ -198,9 +238,12 @@ def render(report: dict[str, Any]) -> str:
             moved += (f", {r['unused_prefetch_copies']} more prefetched for a step that never came "
                       f"({_bytes(r['unused_prefetch_bytes'])})")
         moved += f"; {_bytes(r['h2d_bytes'])} in {r['h2d_copies']} copies since enable"
-    if r["step_s"] is not None:
-        later = "step 2" if len(r["step_times_s"]) == 2 else f"median of steps 2-{len(r['step_times_s'])}"
-        step = f"{_seconds(r['step_s'])} ({later}), first step {_seconds(r['first_step_s'])}"
+    steady_step = _steady(r["steady_step_s"])
+    if steady_step is not None:
+        step = (f"{_seconds(steady_step.median)} (median of {steady_step.steps}, {_seconds(steady_step.low)} to "
+                f"{_seconds(steady_step.high)}), first step {_seconds(r['first_step_s'])}")
+    elif r["step_s"] is not None:
+        step = f"{_seconds(r['step_s'])} (step 2), first step {_seconds(r['first_step_s'])}"
     elif r["first_step_s"] is not None:
         step = f"{_seconds(r['first_step_s'])} (one step)"
     else:
@@ -217,8 +260,10 @@ def render(report: dict[str, Any]) -> str:
         ("device peak, with offload", _bytes(r["device_peak_bytes"])),
         ("device, without offload", f"{_bytes(r['device_bytes_without_offload'])} (every weight resident)"),
     ]
-    if r["device_saved_bytes"] is not None:
+    if r["device_saved_bytes"] is not None and r["device_saved_bytes"] >= 0:
         rows.append(("device memory saved", f"{_bytes(r['device_saved_bytes'])} ({r['device_saved_fraction']:.0%})"))
+    elif r["device_saved_bytes"] is not None:
+        rows.append(("device memory added", f"{_bytes(-r['device_saved_bytes'])} ({-r['device_saved_fraction']:.0%})"))
     rows += [
         ("pinned host memory", _bytes(r["pinned_host_bytes"])),
         ("moved host -> device", moved),
@@ -230,8 +275,11 @@ def render(report: dict[str, Any]) -> str:
         if c["cost_ratio"] is None:
             rows.append(("without offload", c["note"]))
         else:
+            steps = (f" (steps 2-{len(r['step_times_s'])}: {c['step_ratio']:.2f}x +- {c['step_ratio_spread']:.2f})"
+                     if c["step_ratio"] is not None else "")
             rows.append(("without offload", f"call {_seconds(c['call_s_without_offload'])}; offloaded / without: "
-                         f"{c['cost_ratio']:.2f}x; same output: {'yes' if c['same_output'] else 'NO'}" + simulated))
+                         f"{c['cost_ratio']:.2f}x{steps}; same output: {'yes' if c['same_output'] else 'NO'}"
+                         + simulated))
     for key, label in (("trace", "trace"), ("timeline", "timeline")):
         if r[key]:
             rows.append((label, r[key]))

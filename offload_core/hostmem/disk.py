@@ -12,6 +12,7 @@ the stager gets to it, one request at a time.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
@@ -20,7 +21,7 @@ import shutil
 import struct
 import tempfile
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -224,12 +225,15 @@ class DiskImage:
 
 class SpillFolder:
     """A private folder, inside the one the user named, holding one safetensors file per spilled
-    unit; removed with everything in it when offloading ends."""
+    unit; removed with everything in it when offloading ends, or when the process exits without
+    ``disable()`` (it may hold gigabytes, under a name nobody would look for), and logged where it
+    is when it is made."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.fspath(root)
         self.path: str | None = None
         self._count = 0
+        self._at_exit: Callable[[], None] | None = None  # holds the path, not this folder
 
     def write(self, unit) -> DiskImage:
         """Write ``unit``'s home image (one tensor per dtype, regions at their offsets) straight
@@ -238,6 +242,9 @@ class SpillFolder:
         if self.path is None:
             os.makedirs(self.root, exist_ok=True)
             self.path = tempfile.mkdtemp(prefix="offload-core-", dir=self.root)
+            self._at_exit = functools.partial(shutil.rmtree, self.path, ignore_errors=True)
+            atexit.register(self._at_exit)
+            logger.info("spilling blocks to %s (removed by disable() or when the process exits)", self.path)
         self._count += 1
         path = os.path.join(self.path, f"{self._count:05d}-{unit.name}.safetensors")
         written = [r for r in unit.regions if r.reader is None and r.numel]
@@ -272,7 +279,8 @@ class SpillFolder:
     def remove(self) -> None:
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
-            self.path = None
+            atexit.unregister(self._at_exit)
+            self.path = self._at_exit = None
 
 
 def checkpoint_image(unit) -> DiskImage:

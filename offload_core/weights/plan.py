@@ -43,12 +43,15 @@ def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tup
         if len({unit_of[t] for t in tids}) > 1:
             for t in tids:
                 unit_of[t] = RESIDENT
+    # tensors a block holds that stay resident all the same (not the rest of the model's own)
+    in_blocks = {id(module) for _, block in blocks for module in block.modules()}
     shared = [
         owners[0].name for tid, (_, owners) in tensors.items()
-        if unit_of[tid] == RESIDENT and any(id(o.module) in home for o in owners)
+        if unit_of[tid] == RESIDENT and any(id(o.module) in in_blocks for o in owners)
     ]
     if shared:
-        logger.info("%d tensors shared across blocks or with the rest of the model stay resident: %s",
+        logger.info("%d tensors of the blocks stay resident, not streamed, because they are shared across blocks or "
+                    "with the rest of the model (one device copy serves every user): %s",
                     len(shared), ", ".join(shared[:8]) + (" ..." if len(shared) > 8 else ""))
     groups: dict[int, dict] = {index: {} for index in range(RESIDENT, len(blocks))}
     for tid, item in tensors.items():

@@ -1,0 +1,117 @@
+"""``offload-core run``'s headline figures as a steady state with its range, and whether the run
+can vouch for them.
+
+One call's overlap or cost ratio moves from run to run on a shared machine (a copy thread not
+scheduled for a few milliseconds is a copy compute waits for), so the report gives each timed
+figure per denoising step, over the steps after the first (the first pays the first loads), as
+their median and their range, and calls the figures "unreliable (machine busy)" (the phrase
+``offload-core bench`` uses, :data:`offload_core.bench.UNRELIABLE`) when the machine had more
+runnable work than cores when the call began, when the steps disagree by more than
+:data:`WIDE_OVERLAP` or :data:`WIDE_STEP`, or when the call without offload came out faster than
+the offloaded one by more than its spread (:func:`offload_core.bench.status` with the floor 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from typing import Any, Sequence
+
+from ..bench import UNRELIABLE, status
+from ..bench.timing import ratio
+from ..overlap import copy_overlap
+from ..timeline import Timeline
+
+#: steps whose shares of copy time hidden span more than this (0..1) disagree too much to vouch for
+WIDE_OVERLAP = 0.10
+#: steps whose times span more than this share of their median disagree too much to vouch for
+WIDE_STEP = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Steady:
+    """A figure over the steps after the first: the median and the range."""
+
+    median: float
+    low: float
+    high: float
+    first_step: int  # 1-based number of the first step it covers (2)
+    last_step: int
+
+    @classmethod
+    def of(cls, values: Sequence[float | None], first_step: int = 2) -> Steady | None:
+        """The steady state of per-step ``values`` (the first step's left out), None without two
+        steps to compare; steps without a value (no copy to hide) are skipped."""
+        later = [v for v in values[first_step - 1:] if v is not None]
+        if len(later) < 2:
+            return None
+        return cls(statistics.median(later), min(later), max(later), first_step, len(values))
+
+    @property
+    def steps(self) -> str:
+        return f"steps {self.first_step}-{self.last_step}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"median": self.median, "low": self.low, "high": self.high, "steps": [self.first_step, self.last_step]}
+
+
+class _Part:
+    """A span or host wait clipped to one step's window (what :func:`copy_overlap` reads)."""
+
+    def __init__(self, kind: str, start_ns: int, end_ns: int) -> None:
+        self.kind, self.start_ns, self.end_ns = kind, start_ns, end_ns
+        self.at_ns, self.duration_ns = start_ns, end_ns - start_ns
+
+
+def step_overlaps(timeline: Timeline | None, loop_start_ms: float | None,
+                  step_ends_ms: Sequence[float]) -> list[float | None]:
+    """Each step's share of copy time hidden behind compute (:func:`copy_overlap` of the spans
+    clipped to the step, between the host's marks of its start and end; None for a step without
+    copies); empty when the timeline holds host times or the steps were not timed."""
+    if timeline is None or not timeline.device_timed or loop_start_ms is None or not step_ends_ms:
+        return []
+    bounds = [round(t * 1e6) for t in (loop_start_ms, *step_ends_ms)]
+    spans = timeline.spans()
+    waits = [(i.at_ns, i.at_ns + i.duration_ns) for i in timeline.instants() if i.kind == "host wait"]
+    figures = []
+    for start, end in zip(bounds, bounds[1:]):
+        parts = [_Part(s.kind, max(s.start_ns, start), min(s.end_ns, end)) for s in spans
+                 if s.start_ns < end and s.end_ns > start]
+        blocked = [_Part("host wait", max(a, start), min(b, end)) for a, b in waits if a < end and b > start]
+        figures.append(copy_overlap(parts, blocked).fraction)
+    return figures
+
+
+def busy_machine() -> str | None:
+    """Why the machine is too busy to time on ("load average 7.41 on 2 cores"), or None."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return f"load average {load:.2f} on {cores} cores" if load > cores else None
+
+
+def compare_ratio(offloaded_steps: Sequence[float], resident_steps: Sequence[float]) -> tuple[float, float] | None:
+    """(median, spread) of the offloaded step time over the resident one, step by step after the
+    first (the same steps of the same call), as ``offload-core bench`` takes its ratios."""
+    if len(offloaded_steps) != len(resident_steps) or len(offloaded_steps) < 3:
+        return None
+    return ratio(list(offloaded_steps[1:]), list(resident_steps[1:]))
+
+
+def unreliable_reasons(busy: str | None, overlap: Steady | None, step: Steady | None,
+                       compare: tuple[float, float] | None) -> list[str]:
+    """What stops the run from vouching for its timed figures (empty: nothing)."""
+    reasons = [busy] if busy else []
+    if overlap is not None and overlap.high - overlap.low > WIDE_OVERLAP:
+        reasons.append(f"the copies' share hidden ranges over {(overlap.high - overlap.low) * 100:.0f} points "
+                       f"across {overlap.steps}")
+    if step is not None and step.median > 0 and (step.high - step.low) / step.median > WIDE_STEP:
+        reasons.append(f"the step times range over {(step.high - step.low) / step.median:.0%} of their median")
+    if compare is not None and status(compare[0], compare[1], None, floor=1.0) == UNRELIABLE:
+        reasons.append(f"the offloaded steps came out faster than those without offload ({compare[0]:.2f}x, "
+                       "beyond its spread)")
+    return reasons
+
+
+__all__ = ["UNRELIABLE", "Steady", "busy_machine", "compare_ratio", "step_overlaps", "unreliable_reasons"]
