@@ -117,8 +117,9 @@ HEADLINES = [
     Headline("disk-bound forward / max(in-RAM forward, bytes read / plain read speed)", "disk",
              "forward_over_ideal", 1.10),
     *(row for model, name in (("wan", "Wan2.2-A14B transformer"), ("umt5", "UMT5-XXL encoder")) for row in (
-        Headline(f"real scale, {name}: peak RSS / (host_memory + 2.5 GiB)", "realscale",
-                 f"{model}.peak_rss_over_bound", 1.0),
+        Headline(f"real scale, {name}: host peak RSS (the fake device's memory taken out) / (host_memory + "
+                 "2.5 GiB)", "realscale", f"{model}.host_peak_rss_over_bound", 1.0),
+        Headline("  same, the fake device's memory included", "realscale", f"{model}.peak_rss_over_bound", None),
         Headline("  output elements differing from the streaming reference (0: torch.equal)", "realscale",
                  f"{model}.differing_elements", 0),
         Headline("  from_pretrained load, s", "realscale", f"{model}.load_s", None),
