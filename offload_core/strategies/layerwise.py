@@ -78,6 +78,7 @@ class LayerwiseOffload(Streaming, Part):
         self._passes = 0  # nesting depth of model forwards
         self._starting = False  # a pass began and its first block has not been reached yet
         self._frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
+        self._preloaded: list[tuple[int, tuple[int, ...]]] = []  # (block, its versions) loaded as a pass ended
         self._bound = -1  # the block whose tensors show its slot
         self._queued = False  # copies were queued since the host last waited for the copy stream
         self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
@@ -249,6 +250,7 @@ class LayerwiseOffload(Streaming, Part):
         self.resident_device = {}
         self.resident_views = []
         self._queued = False
+        self._preloaded = []
 
     def quiesce(self, forget: bool = True) -> None:
         """Wait until no queued copy reads host memory any more; forget what the slots hold
