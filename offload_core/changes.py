@@ -83,7 +83,7 @@ def register(handle: Any) -> None:
 
 def unregister(handle: Any) -> None:
     with _lock:
-        mods, params = _keys.pop(id(handle), ([], []))
+        mods, params = _keys.get(id(handle), ([], []))
         for key in mods:
             found = _modules.get(key)
             if found is not None and found[1]() in (handle, None):
@@ -92,6 +92,7 @@ def unregister(handle: Any) -> None:
             found = _params.get(key)
             if found is not None and found[1]() in (handle, None):
                 del _params[key]
+        _keys.pop(id(handle), None)  # last: an interrupted call leaves what it did not delete to the next
 
 
 def check_free(modules: Iterable[nn.Module], what: str) -> None:

@@ -308,12 +308,13 @@ class SavedSlots:
     def _end_backward(self, task: Any) -> None:
         if not self._in_backward or task != self._task:
             return  # a backward already ended (by a later one that found it unfinished)
-        self._in_backward = False
-        self._stale = True
         strategy = self._strategy()
         if strategy is not None and strategy.enabled:
             with strategy.lock:
                 strategy.end_backward()
+        # only now: an end interrupted half-way is still to do, by the next forward (forget_backward)
+        self._in_backward = False
+        self._stale = True
 
 
 def _ensure_loaded(strategy, i: int, miss: bool) -> None:

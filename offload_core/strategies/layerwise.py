@@ -166,8 +166,8 @@ class LayerwiseOffload(Streaming, Part):
         done.synchronize()
         self.resident_device = resident_device
         self.resident_views = self.resident.region_views(resident_device)
-        self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
+        self.resident.bind(self.resident_views)
         self.epoch += 1
         self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
         self.homes = Homes([plan.binding for plan in self.plans])
@@ -175,10 +175,11 @@ class LayerwiseOffload(Streaming, Part):
         # the ring's own references to each slot, counted at rest: more, later, means that
         # something outside the ring still holds the slot (see ring.py)
         self.ring.settle()
-        self._instrument()
+        # each undo registered before its step: an interrupt inside the step is undone too
         txn.on_rollback(self._remove_hooks)
-        self.enabled = True
+        self._instrument()
         txn.on_rollback(lambda: setattr(self, "enabled", False))
+        self.enabled = True
         logger.info(
             "%s offload of %s: %d blocks streamed, %d kept resident, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), len(self.kept), self.num_slots,
@@ -227,7 +228,8 @@ class LayerwiseOffload(Streaming, Part):
             self._remove_hooks()
             if not self.enabled:
                 return
-            self.quiesce()
+            if self.ring is not None:  # else a disable interrupted after releasing it: nothing in flight
+                self.quiesce()
             self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
             if self.resident.host:
                 adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors

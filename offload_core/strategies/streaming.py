@@ -41,6 +41,7 @@ import torch
 from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hooks
 
 from ..timeline import UNTRACED
+from .calls import calls_running
 from .ring import BlockPlan, kept_views
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class Streaming:
             plan.ready.record(stream)
 
     def _begin_pass(self) -> None:
+        if self._passes or self._bound >= 0:  # rare: a nested pass, or one an interrupt tore
+            self._repair(calls_running([self.model]) - 1)
         self._passes += 1
         if self._passes > 1:
             return
@@ -145,7 +148,7 @@ class Streaming:
             self._queue(following, self.num_slots)
 
     def _end_pass(self, failed: bool) -> None:
-        self._passes -= 1
+        self._passes = max(self._passes - 1, 0)  # a _begin_pass interrupted before its count: not below 0
         if self._passes:
             return
         self._starting = False
@@ -188,7 +191,27 @@ class Streaming:
             if not self._frozen and self.enabled and self._passes == 0:
                 self.quiesce()
 
+    def _repair(self, passes: int) -> None:
+        """The state of ``passes`` model calls in progress (those still on the stack): what an
+        interrupt left of a block or pass that is no longer running (its end never ran, or ran
+        half-way) is undone, so that the next call works."""
+        if self._passes <= passes and (self._bound < 0 or calls_running([self.blocks[self._bound]])):
+            return
+        logger.info("%s: undoing what an interrupted call left behind", self.describe())
+        self.saved.end_block()
+        if self._bound >= 0:
+            self.ring.free_all(self.backend.current_stream())  # its end never marked its slot free
+            bound, self._bound = self._bound, -1
+            plan = self.plans[bound]
+            if plan.binding.to_home(plan.write_back):
+                self.dirty = True
+        if passes == 0:
+            self._passes, self._starting = 0, False
+            self.quiesce()
+
     def _before_block(self, i: int) -> None:
+        if self._bound >= 0 and self._passes == 0:  # a block call an interrupt tore, outside any pass
+            self._repair(0)
         if self._bound >= 0:
             raise RuntimeError(
                 f"block {self.block_names[i]} was called inside the forward of block "
