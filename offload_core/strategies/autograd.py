@@ -38,12 +38,36 @@ import torch
 from torch._C import _autograd
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..errors import OffloadedModelError
+
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
 _outer_hooks: Callable[[], Any] = getattr(_autograd, "_top_saved_tensors_default_hooks", lambda _: None)
 #: which backward is running (torch builds without it: a backward that failed is seen as over only
 #: when the next forward starts)
 _graph_task: Callable[[], Any] = getattr(torch._C, "_current_graph_task_id", lambda: None)
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+_interpreters: Callable[[], Any] = getattr(_functorch, "get_interpreter_stack", lambda: None)
+#: torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian): they trace
+#: the offload's own copies into slots and homes as mutations of captured tensors; vmap does not
+_DIFFERENTIATING = frozenset(
+    getattr(getattr(_functorch, "TransformType", None), name, name) for name in ("Grad", "Jvp")
+)
+
+
+def refuse_function_transforms(what: str) -> None:
+    """Before an offloaded model runs: refused inside ``torch.func.grad`` / ``jacrev`` / ``jvp``
+    (and the transforms built on them) with an error that names the way that works, before any
+    state changes, instead of torch's internal errors from the middle of a copy."""
+    stack = _interpreters()
+    if stack and any(interpreter.key() in _DIFFERENTIATING for interpreter in stack):
+        raise OffloadedModelError(
+            f"{what} is offloaded: torch.func.grad, vjp, jacrev, jacfwd, jvp and hessian cannot differentiate through "
+            "offload-core's weight copies. Use loss.backward() or torch.autograd.grad (exact through offloading), or "
+            "call handle.disable() first; torch.func.vmap works"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
-from .autograd import SavedParameters
+from .autograd import SavedParameters, refuse_function_transforms
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
 from .calls import calls_running
 from .part import Part, write_back
@@ -216,6 +216,7 @@ class ModelLevelOffload(Part):
 
     # -- swapping -------------------------------------------------------------------------
     def _enter(self, index: int) -> None:
+        refuse_function_transforms(self.describe())
         if self._depth or self._saving:  # rare: a nested call, or what an interrupted one left
             self._repair(calls_running(self.modules()) - 1)
         self._depth += 1

@@ -41,6 +41,7 @@ import torch
 from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hooks
 
 from ..timeline import UNTRACED
+from .autograd import refuse_function_transforms
 from .calls import calls_running
 from .ring import BlockPlan, kept_views
 
@@ -109,6 +110,7 @@ class Streaming:
             plan.ready.record(stream)
 
     def _begin_pass(self) -> None:
+        refuse_function_transforms(self.describe())
         if self._passes or self._bound >= 0:  # rare: a nested pass, or one an interrupt tore
             self._repair(calls_running([self.model]) - 1)
         self._passes += 1
@@ -149,7 +151,7 @@ class Streaming:
 
     def _end_pass(self, failed: bool) -> None:
         self._passes = max(self._passes - 1, 0)  # a _begin_pass interrupted before its count: not below 0
-        if self._passes:
+        if self._passes or not self.enabled:  # not enabled: a re-pack in this call failed, its RepackError says so
             return
         self._starting = False
         try:
