@@ -1,5 +1,5 @@
-"""Issue 29, items 8, 10 and 11, and the third adversarial round (docs/design.md, contract rows 13
-and 29 to 31): each case exact against the same model without offload (``torch.equal``) or a clear
+"""Issue 29, items 8, 10 and 11, and the third adversarial round (docs/design.md, contract rows 13,
+20, 22 and 23): each case exact against the same model without offload (``torch.equal``) or a clear
 error that leaves the model usable."""
 
 from __future__ import annotations

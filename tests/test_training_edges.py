@@ -1,4 +1,4 @@
-"""Issue 29, items 1 to 5 (docs/design.md, contract rows 20, 21 and 25 to 28): what autograd and
+"""Issue 29, items 1 to 5 (docs/design.md, contract rows 5, 11, 20 and 21): what autograd and
 train mode refuse or keep without offload, they refuse or keep with it, under layerwise and
 model-level offload, checked against the same model without offload."""
 
