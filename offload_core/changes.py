@@ -68,17 +68,17 @@ def register(handle: Any) -> None:
     params: list[int] = []
     ref = weakref.ref(handle)
     with _lock:
+        _keys[id(handle)] = (mods, params)  # first: what an interrupted call recorded is found by unregister
         for part in handle.parts:
             if not part.enabled:
                 continue
             for root in part.modules():
                 for module in root.modules():
-                    _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
                     mods.append(id(module))
+                    _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
                 for p in root.parameters():
-                    _params[id(p)] = (weakref.ref(p), ref)
                     params.append(id(p))
-        _keys[id(handle)] = (mods, params)
+                    _params[id(p)] = (weakref.ref(p), ref)
 
 
 def unregister(handle: Any) -> None:

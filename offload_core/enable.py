@@ -13,6 +13,7 @@ the distributed agreement, so that a rank that fails makes every rank roll back.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -74,7 +75,8 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
         handle.open(parts, placement, installs)
-    changes.register(handle)
+        txn.on_rollback(functools.partial(changes.unregister, handle))
+        changes.register(handle)
     return handle
 
 

@@ -68,6 +68,10 @@ def traced(tracer: Tracer, operation):
         sys.settrace(None)
 
 
+def no_saved_tensor_hooks() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def backend():
     return offload_core.get_backend("fake")
 
@@ -93,6 +97,7 @@ def assert_usable(model, reference, strategy) -> None:
     if handle is None:
         handle = offload_core.enable_offload(model, backend=backend(), **STRATEGIES[strategy])
     assert torch.equal(forward(model), forward(reference))
+    assert no_saved_tensor_hooks()  # none left pushed on the thread by the interrupted call
     for m in (model, reference):
         m.zero_grad(set_to_none=True)
         loss(m).backward()

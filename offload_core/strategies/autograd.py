@@ -42,7 +42,8 @@ from ..errors import OffloadedModelError
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
-_outer_hooks: Callable[[], Any] = getattr(_autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+_autograd_top = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+_outer_hooks: Callable[[], Any] = _autograd_top or (lambda _: None)
 #: which backward is running (torch builds without it: a backward that failed is seen as over only
 #: when the next forward starts)
 _graph_task: Callable[[], Any] = getattr(torch._C, "_current_graph_task_id", lambda: None)
@@ -68,6 +69,14 @@ def refuse_function_transforms(what: str) -> None:
             "offload-core's weight copies. Use loss.backward() or torch.autograd.grad (exact through offloading), or "
             "call handle.disable() first; torch.func.vmap works"
         )
+
+
+def _pop(hooks: Any, pack: Callable) -> None:
+    """Leave the saved-tensor ``hooks`` context whose pack hook is ``pack``, if it is still the
+    innermost one: an exit interrupted after it popped them, and repeated, pops nobody else's."""
+    top = _outer_hooks(False)
+    if top is None and _outer_hooks is not _autograd_top or top is not None and top[0] == pack:
+        hooks.__exit__(None, None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +188,8 @@ class SavedSlots:
         """After the block's forward: note its weights' versions, so that a backward after an
         in-place change to them is refused, as autograd refuses it without offload."""
         if self._hooks is not None:
-            hooks, self._hooks = self._hooks, None
-            self._outer = None
-            hooks.__exit__(None, None, None)
+            _pop(self._hooks, self._pack)  # then forgotten: an interrupt in between is finished by the next call
+            self._hooks = self._outer = None
             if self._block is not None:
                 self._versions[self._block] = self._strategy().versions(self._block)
                 self._block = None
@@ -370,7 +378,7 @@ class SavedParameters:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+        _pop(self._hooks, self._pack)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter):

@@ -156,6 +156,8 @@ class LayerwiseOffload(Streaming, Part):
         self.transport.allocate()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self.name}")
         txn.on_rollback(self._release)
+        self._queued = True  # from here copies may be in flight: a rollback waits for them before releasing
+        txn.on_rollback(self.quiesce)
         self.transport.pack(txn)
         # The new buffers may reuse memory that compute issued earlier still reads (a caching
         # allocator hands freed blocks to the next allocation at once): copy after that compute.

@@ -226,9 +226,10 @@ class ModelLevelOffload(Part):
     def _exit(self, failed: bool) -> None:
         self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
         if len(self._saving) > self._depth:  # entries are added once the group is on the device
-            saving = self._saving.pop()
+            saving = self._saving[-1]
             if saving is not None:
                 saving.__exit__(None, None, None)
+            self._saving.pop()  # last: an exit interrupted before it is done again by the next call
         if self._depth == 0 and self._calls == 0:
             self.release_all()
 
@@ -240,9 +241,10 @@ class ModelLevelOffload(Part):
             return
         logger.info("%s: undoing what an interrupted call left behind", self.describe())
         while len(self._saving) > depth:
-            saving = self._saving.pop()
+            saving = self._saving[-1]
             if saving is not None:
                 saving.__exit__(None, None, None)
+            self._saving.pop()
         self._depth = depth
 
     def _child_hook(self, index: int, module: nn.Module, args) -> None:
@@ -382,7 +384,9 @@ class ModelLevelOffload(Part):
         with self.timeline.host_wait(f"unload {group.name} (still loading)") if still_loading else UNTRACED:
             group.ready.synchronize()
         for c in group.components:
-            if group.state == "active" and c.binding.to_home(functools.partial(self._write_back, c.name)):
+            # a component already home (a swap-out interrupted half-way, done again) has no binding
+            active = group.state == "active" and c.binding is not None
+            if active and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use
             c.device = None
             c.binding = None
