@@ -5,8 +5,9 @@ runs exactly (``torch.equal`` to the model without offload), disables, and enabl
 A trace function (``sys.settrace``) first lists the lines executed inside ``offload_core/`` during
 the operation, in the order they are first reached; then, for each chosen line in turn, the
 operation runs again with a ``KeyboardInterrupt`` raised when that line is reached. The suite
-injects at an even sample of every file's lines (at most ``PER_FILE`` per file per operation);
-``OFFLOAD_CORE_ALL_INTERRUPTS=1`` injects at every line reached (the full sweep)."""
+injects at an even sample of every file's lines (per operation, at most ``PER_FILE`` lines of each
+file of the strategies' and the handle's path, two of each other file: about a fifth of the lines
+reached); ``OFFLOAD_CORE_ALL_INTERRUPTS=1`` injects at every line reached (the full sweep)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from stacks import StackSpec, build_stack
 ROOT = str(Path(offload_core.__file__).parent)
 STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 OPERATIONS = ["enable", "forward", "backward", "disable"]
-PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "3"))
+PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "8"))  # in the strategies and the handle
+PER_OTHER_FILE = 2  # in the rest of the library the path runs through (weights, placement, labels)
+PATH = ("strategies/", "handle.py", "changes.py", "enable.py")
 ALL = os.environ.get("OFFLOAD_CORE_ALL_INTERRUPTS") == "1"
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
 
@@ -141,16 +144,18 @@ def lines(operation: str, strategy: str) -> list[tuple[str, int]]:
 
 
 def sample(reached: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Every line (the full sweep), or up to ``PER_FILE`` lines of every file, evenly spaced."""
+    """Every line (the full sweep), or evenly spaced lines of every file: up to ``PER_FILE`` of
+    each file of the strategies' and the handle's path, ``PER_OTHER_FILE`` of the others."""
     if ALL:
         return reached
     by_file: dict[str, list] = {}
     for where in reached:
         by_file.setdefault(where[0], []).append(where)
     chosen = []
-    for found in by_file.values():
-        step = max(len(found) / PER_FILE, 1)
-        chosen += [found[int(k * step)] for k in range(min(PER_FILE, len(found)))]
+    for name, found in by_file.items():
+        count = PER_FILE if any(part in os.path.relpath(name, ROOT) for part in PATH) else PER_OTHER_FILE
+        step = max(len(found) / count, 1)
+        chosen += [found[int(k * step)] for k in range(min(count, len(found)))]
     return chosen
 
 
@@ -180,4 +185,5 @@ def test_an_interrupt_at_any_line_leaves_the_model_usable(strategy, operation):
         except BaseException as exc:  # noqa: BLE001 - collected, reported together
             failures.append(f"{os.path.relpath(where[0], ROOT)}:{where[1]}: {type(exc).__name__}: {exc}"[:300])
     assert fired >= len(chosen) * 0.9, (fired, len(chosen))
+    print(f"{strategy} {operation}: injected at {len(chosen)} of {len(reached)} lines reached")
     assert not failures, f"{len(failures)} of {len(chosen)} lines ({len(reached)} reached):\n" + "\n".join(failures)
