@@ -68,22 +68,22 @@ def register(handle: Any) -> None:
     params: list[int] = []
     ref = weakref.ref(handle)
     with _lock:
+        _keys[id(handle)] = (mods, params)  # first: what an interrupted call recorded is found by unregister
         for part in handle.parts:
             if not part.enabled:
                 continue
             for root in part.modules():
                 for module in root.modules():
-                    _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
                     mods.append(id(module))
+                    _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
                 for p in root.parameters():
-                    _params[id(p)] = (weakref.ref(p), ref)
                     params.append(id(p))
-        _keys[id(handle)] = (mods, params)
+                    _params[id(p)] = (weakref.ref(p), ref)
 
 
 def unregister(handle: Any) -> None:
     with _lock:
-        mods, params = _keys.pop(id(handle), ([], []))
+        mods, params = _keys.get(id(handle), ([], []))
         for key in mods:
             found = _modules.get(key)
             if found is not None and found[1]() in (handle, None):
@@ -92,6 +92,7 @@ def unregister(handle: Any) -> None:
             found = _params.get(key)
             if found is not None and found[1]() in (handle, None):
                 del _params[key]
+        _keys.pop(id(handle), None)  # last: an interrupted call leaves what it did not delete to the next
 
 
 def check_free(modules: Iterable[nn.Module], what: str) -> None:
@@ -188,6 +189,12 @@ def on_apply(handle: Any, part: Any, module: nn.Module, fn: Callable, recurse: b
     with handle.lock:
         if _is_repacking(handle) or not part.enabled:
             return _original_apply(module, fn, recurse)
+        if _method_of(fn) == "Module.share_memory":
+            raise OffloadedModelError(
+                f"{type(module).__name__}.share_memory(): while offloaded, its weights live in offload-core's host "
+                "copies (pinned or pageable memory, or on disk) and its device slots, which other processes cannot "
+                f"share. Call handle.disable() first ({handle!r}), then share_memory(), then enable offloading again"
+            )
         tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
         device = handle.backend.device()
         action, where = classify(fn, tensors, device)
@@ -221,12 +228,17 @@ CONVERSIONS = frozenset(
 
 def is_conversion(fn: Callable) -> bool:
     """True for torch's own conversions (``.to()``, ``.half()``, ``.cuda()`` ...). Any other
-    ``_apply`` function (``share_memory()``, ``lambda t: t.mul_(2)``, a library's own) may write in
+    ``_apply`` function (``lambda t: t.mul_(2)``, a library's own) may write in
     place or depend on the values, which stand-ins cannot show: it goes through a re-pack."""
-    method = getattr(fn, "__qualname__", "").split(".<locals>.")[0]
-    return getattr(fn, "__module__", None) == nn.Module.__module__ and method.startswith("Module.") and (
-        method[len("Module."):] in CONVERSIONS
-    )
+    method = _method_of(fn)
+    return method.startswith("Module.") and method[len("Module."):] in CONVERSIONS
+
+
+def _method_of(fn: Callable) -> str:
+    """The ``nn.Module`` method ``fn`` was made in ("Module.to"), or "" for any other function."""
+    if getattr(fn, "__module__", None) != nn.Module.__module__:
+        return ""
+    return getattr(fn, "__qualname__", "").split(".<locals>.")[0]
 
 
 def classify(fn: Callable, tensors: list[torch.Tensor], device: torch.device) -> tuple[str, Any]:

@@ -13,6 +13,7 @@ the distributed agreement, so that a rank that fails makes every rank roll back.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -57,7 +58,6 @@ def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
         handle = _open(target, pipeline, roots, config, backend, fitted)
     except torch.OutOfMemoryError as exc:  # rolled back: say which budget the device could not hold
         raise out_of_memory(exc, fitted.plan if fitted is not None else None, config.strategy, backend) from exc
-    changes.register(handle)
     return handle
 
 
@@ -89,6 +89,8 @@ def _open(target: Any, pipeline: bool, roots: list[nn.Module], config: OffloadCo
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
         handle.open(parts, placement, installs)
+        txn.on_rollback(functools.partial(changes.unregister, handle))
+        changes.register(handle)
     return handle
 
 

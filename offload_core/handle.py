@@ -122,8 +122,8 @@ class OffloadHandle:
                 self._installs.pop()
             for placement in (self.placement, *self._placements):
                 placement.close()
+            changes.unregister(self)  # before the flag: an interrupt in between leaves a disable to finish
             self.enabled = False
-            changes.unregister(self)
             # no reference cycle left (part -> handle, install -> handle): what the strategies
             # still hold goes now, not at the next garbage collection
             for part in self.parts:

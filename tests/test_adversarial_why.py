@@ -143,7 +143,6 @@ def test_enable_and_repack_inside_inference_mode_build_ordinary_tensors(strategy
 APPLIED = {
     "in_place": lambda t: t.mul_(2) if t.is_floating_point() else t,
     "value_dependent": lambda t: t - t.mean() if t.is_floating_point() and t.numel() > 1 else t,
-    "share_memory": None,
 }
 
 
@@ -153,7 +152,7 @@ def test_apply_with_an_in_place_or_value_dependent_function_acts_as_without_offl
     model, reference = build(), build()
     handle = _enable(model, strategy)
     for x in (model, reference):
-        x.share_memory() if APPLIED[fn] is None else x._apply(APPLIED[fn])
+        x._apply(APPLIED[fn])
     _same_forwards(model, reference)
     assert_same(model, reference)
     assert_offloaded(handle, model)

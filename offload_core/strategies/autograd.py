@@ -15,6 +15,13 @@ device memory stays the slots plus activations.
 Hooks that were already active around the block (non-reentrant gradient checkpointing, the
 user's own ``saved_tensors_hooks``) still see every saved tensor that is not a slot view.
 
+torch skips its own check that a saved tensor was not changed in place since it was saved ("modified
+by an inplace operation") for every tensor a pack hook takes. So the hooks make that check
+themselves, for every tensor they take: a tensor that is no slot view is kept with its version
+(:class:`_Kept`), a slot view of a parameter with the parameter's version, and backward refuses a
+tensor whose version moved, as autograd does without offload (also a weight an optimizer stepped
+inside backward, from a post-accumulate-grad hook, before a later saved use of it is read).
+
 The backward's last act (an autograd engine callback) waits for the copies it queued, so that an
 optimizer step that writes the host weights right after never races a copy reading them, and the
 slots are forgotten: the next forward loads afresh.
@@ -31,12 +38,45 @@ import torch
 from torch._C import _autograd
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..errors import OffloadedModelError
+
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
-_outer_hooks: Callable[[], Any] = getattr(_autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+_autograd_top = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+_outer_hooks: Callable[[], Any] = _autograd_top or (lambda _: None)
 #: which backward is running (torch builds without it: a backward that failed is seen as over only
 #: when the next forward starts)
 _graph_task: Callable[[], Any] = getattr(torch._C, "_current_graph_task_id", lambda: None)
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+_interpreters: Callable[[], Any] = getattr(_functorch, "get_interpreter_stack", lambda: None)
+#: torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian): they trace
+#: the offload's own copies into slots and homes as mutations of captured tensors; vmap does not
+_DIFFERENTIATING = frozenset(
+    getattr(getattr(_functorch, "TransformType", None), name, name) for name in ("Grad", "Jvp")
+)
+
+
+def refuse_function_transforms(what: str) -> None:
+    """Before an offloaded model runs: refused inside ``torch.func.grad`` / ``jacrev`` / ``jvp``
+    (and the transforms built on them) with an error that names the way that works, before any
+    state changes, instead of torch's internal errors from the middle of a copy."""
+    stack = _interpreters()
+    if stack and any(interpreter.key() in _DIFFERENTIATING for interpreter in stack):
+        raise OffloadedModelError(
+            f"{what} is offloaded: torch.func.grad, vjp, jacrev, jacfwd, jvp and hessian cannot differentiate through "
+            "offload-core's weight copies. Use loss.backward() or torch.autograd.grad (exact through offloading), or "
+            "call handle.disable() first; torch.func.vmap works"
+        )
+
+
+def _pop(hooks: Any, pack: Callable) -> None:
+    """Leave the saved-tensor ``hooks`` context whose pack hook is ``pack``, if it is still the
+    innermost one: an exit interrupted after it popped them, and repeated, pops nobody else's."""
+    top = _outer_hooks(False)
+    if top is None and _outer_hooks is not _autograd_top or top is not None and top[0] == pack:
+        hooks.__exit__(None, None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +90,35 @@ class SlotRef:
     offset: int
     shape: torch.Size
     stride: tuple[int, ...]
+    param: Any = None  # the parameter it views (weakly), whose version must not move before backward
+    version: int = 0  # that parameter's version when it was saved
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A saved tensor that is no slot view, kept as it is with its version when it was saved."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _keep(t: torch.Tensor) -> _Kept:
+    return _Kept(t, t._version)
+
+
+def _check_version(t: torch.Tensor, version: int) -> None:
+    """Autograd's own check of a saved tensor, which torch skips for tensors a hook took."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead "
+            "(offload-core's saved-tensor hooks check this as autograd does without offload)"
+        )
+
+
+def _unkept(packed: _Kept) -> torch.Tensor:
+    _check_version(packed.tensor, packed.version)
+    return packed.tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +188,8 @@ class SavedSlots:
         """After the block's forward: note its weights' versions, so that a backward after an
         in-place change to them is refused, as autograd refuses it without offload."""
         if self._hooks is not None:
-            hooks, self._hooks = self._hooks, None
-            self._outer = None
-            hooks.__exit__(None, None, None)
+            _pop(self._hooks, self._pack)  # then forgotten: an interrupt in between is finished by the next call
+            self._hooks = self._outer = None
             if self._block is not None:
                 self._versions[self._block] = self._strategy().versions(self._block)
                 self._block = None
@@ -137,9 +205,9 @@ class SavedSlots:
             where = None
         if where is None or t.dtype != where[1]:
             if where is not None:  # a slot view reinterpreted as another dtype: keep a copy of it
-                return t.clone()
+                return _keep(t.clone())
             outer = self._outer
-            return t if outer is None else _Outer(outer[0](t), outer[1])
+            return _keep(t) if outer is None else _Outer(outer[0](t), outer[1])
         slot, dtype = where
         strategy = self._strategy()
         block = strategy.occupant(slot)
@@ -150,7 +218,25 @@ class SavedSlots:
             self._order.append(block)
             self._trim()
         base = strategy.ring.slots[slot][dtype]
-        return SlotRef(strategy.epoch, block, dtype, t.storage_offset() - base.storage_offset(), t.shape, t.stride())
+        offset = t.storage_offset() - base.storage_offset()
+        param = t if isinstance(t, torch.nn.Parameter) else t._base
+        if not isinstance(param, torch.nn.Parameter):  # a detached view: the parameter whose memory it is
+            param = self._param_at(strategy, block, dtype, offset)
+        owner = (weakref.ref(param), param._version) if param is not None else (None, 0)
+        return SlotRef(strategy.epoch, block, dtype, offset, t.shape, t.stride(), *owner)
+
+    def _param_at(self, strategy, block: int, dtype: torch.dtype, offset: int) -> Any:
+        """The parameter of ``block`` whose slot view holds element ``offset`` of the slot's
+        ``dtype`` buffer (a ``detach()`` shares its version counter), or None (a buffer)."""
+        binding = strategy.plans[block].binding
+        base = strategy.ring.slots[block % strategy.num_slots][dtype]
+        for param, view in zip(binding.params, binding.params_device):
+            if view.dtype == dtype and view.numel():
+                start = view.storage_offset() - base.storage_offset()
+                extent = sum((n - 1) * abs(st) for n, st in zip(view.shape, view.stride())) + 1
+                if start <= offset < start + extent:
+                    return param
+        return None
 
     def _trim(self) -> None:
         """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
@@ -161,6 +247,8 @@ class SavedSlots:
 
     # -- backward --------------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Kept:
+            return _unkept(packed)
         if type(packed) is _Outer:
             return packed.unpack(packed.packed)
         if type(packed) is _Wrapped:
@@ -186,12 +274,16 @@ class SavedSlots:
             i = packed.block
             if i not in self._checked:
                 self._check_versions(strategy, i)
+            param = packed.param() if packed.param is not None else None
+            if param is not None and param._version != packed.version:
+                self._checked.discard(i)
+                self._check_versions(strategy, i, force=True)
             _ensure_loaded(strategy, i, miss=not first)
             self._prefetch(i)
             return _view(strategy, packed)
 
-    def _check_versions(self, strategy, i: int) -> None:
-        if strategy.versions(i) != self._versions.get(i):
+    def _check_versions(self, strategy, i: int, force: bool = False) -> None:
+        if force or strategy.versions(i) != self._versions.get(i):
             raise RuntimeError(
                 f"a weight of block {strategy.block_names[i]} of {strategy.describe()} that this backward needs was "
                 "modified in place after the forward that used it (an optimizer step, load_state_dict, a write "
@@ -248,12 +340,13 @@ class SavedSlots:
     def _end_backward(self, task: Any) -> None:
         if not self._in_backward or task != self._task:
             return  # a backward already ended (by a later one that found it unfinished)
-        self._in_backward = False
-        self._stale = True
         strategy = self._strategy()
         if strategy is not None and strategy.enabled:
             with strategy.lock:
                 strategy.end_backward()
+        # only now: an end interrupted half-way is still to do, by the next forward (forget_backward)
+        self._in_backward = False
+        self._stale = True
 
 
 def _ensure_loaded(strategy, i: int, miss: bool) -> None:
@@ -274,8 +367,9 @@ class SavedParameters:
     the parameter shows when backward runs. Model-level offload sends a component home when its
     forward ends, so that backward would read the host copy (on an accelerator, the wrong device).
     Inside this context a saved parameter is replaced by a detached alias of what it shows now (the
-    device copy), which keeps that memory alive until backward, as a resident model would; other
-    saved tensors go to the hooks that were active around it."""
+    device copy), which keeps that memory alive until backward, as a resident model would, and
+    shares the parameter's version counter, so that a weight changed in place before backward is
+    refused as without offload; other saved tensors go to the hooks that were active around it."""
 
     def __enter__(self) -> "SavedParameters":
         self._outer = _outer_hooks(False)
@@ -284,14 +378,14 @@ class SavedParameters:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+        _pop(self._hooks, self._pack)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter):
-            return t.detach()
+            return _Kept(t.detach(), t._version)  # the alias shares the parameter's version counter
         outer = self._outer
-        return t if outer is None else _Outer(outer[0](t), outer[1])
+        return _keep(t) if outer is None else _Outer(outer[0](t), outer[1])
 
 
 def _unpack_alias(packed: Any) -> torch.Tensor:
-    return packed.unpack(packed.packed) if type(packed) is _Outer else packed
+    return packed.unpack(packed.packed) if type(packed) is _Outer else _unkept(packed)

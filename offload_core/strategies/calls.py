@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 import types
 from typing import Any, Callable
 
@@ -160,9 +161,8 @@ class CallWrapper:
         """Unwrap; a compilation done while wrapped stays with the module. The wrapper's own
         references are dropped too: its wrapped methods refer back to it, and such a cycle would
         keep the strategy (and the memory it still holds) alive until the next garbage collection."""
-        self._work_before = self._enter = self._after = self._after_eager = None
         state = self.module.__dict__
-        if state.get("_compiled_call_impl") is self._entry:
+        if self._entry is not None and state.get("_compiled_call_impl") is self._entry:
             if self._inner is not None:
                 state["_compiled_call_impl"] = self._inner
             else:
@@ -172,4 +172,22 @@ class CallWrapper:
         forward = state.get("forward")
         if self._pinned_forward and getattr(forward, "__func__", None) is type(self.module).forward:
             del state["forward"]
+        # last, once the module is restored: an interrupted call can be made again
+        self._work_before = self._enter = self._after = self._after_eager = None
         self._call = self._entry = None
+
+
+def calls_running(modules) -> int:
+    """How many wrapped calls of ``modules`` are running on this thread's stack (the caller's
+    own included). A strategy counts its calls in progress itself; the count it keeps is checked
+    against this (only when it says a call is in progress: rare) so that a count an interrupt tore
+    (Ctrl-C inside the work after a call) is repaired by the next call."""
+    ids = {id(m) for m in modules}
+    code = CallWrapper._run.__code__
+    count = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and id(frame.f_locals["self"].module) in ids:
+            count += 1
+        frame = frame.f_back
+    return count

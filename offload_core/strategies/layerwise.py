@@ -78,6 +78,7 @@ class LayerwiseOffload(Streaming, Part):
         self._passes = 0  # nesting depth of model forwards
         self._starting = False  # a pass began and its first block has not been reached yet
         self._frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
+        self._preloaded: list[tuple[int, tuple[int, ...]]] = []  # (block, its versions) loaded as a pass ended
         self._bound = -1  # the block whose tensors show its slot
         self._queued = False  # copies were queued since the host last waited for the copy stream
         self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
@@ -155,6 +156,8 @@ class LayerwiseOffload(Streaming, Part):
         self.transport.allocate()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self.name}")
         txn.on_rollback(self._release)
+        self._queued = True  # from here copies may be in flight: a rollback waits for them before releasing
+        txn.on_rollback(self.quiesce)
         self.transport.pack(txn)
         # The new buffers may reuse memory that compute issued earlier still reads (a caching
         # allocator hands freed blocks to the next allocation at once): copy after that compute.
@@ -165,8 +168,8 @@ class LayerwiseOffload(Streaming, Part):
         done.synchronize()
         self.resident_device = resident_device
         self.resident_views = self.resident.region_views(resident_device)
-        self.resident.bind(self.resident_views)
         txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
+        self.resident.bind(self.resident_views)
         self.epoch += 1
         self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
         self.homes = Homes([plan.binding for plan in self.plans])
@@ -174,10 +177,11 @@ class LayerwiseOffload(Streaming, Part):
         # the ring's own references to each slot, counted at rest: more, later, means that
         # something outside the ring still holds the slot (see ring.py)
         self.ring.settle()
-        self._instrument()
+        # each undo registered before its step: an interrupt inside the step is undone too
         txn.on_rollback(self._remove_hooks)
-        self.enabled = True
+        self._instrument()
         txn.on_rollback(lambda: setattr(self, "enabled", False))
+        self.enabled = True
         logger.info(
             "%s offload of %s: %d blocks streamed, %d kept resident, %d slots of %.1f MB, %.1f MB resident%s",
             self.strategy, type(self.model).__name__, len(self.units), len(self.kept), self.num_slots,
@@ -226,7 +230,8 @@ class LayerwiseOffload(Streaming, Part):
             self._remove_hooks()
             if not self.enabled:
                 return
-            self.quiesce()
+            if self.ring is not None:  # else a disable interrupted after releasing it: nothing in flight
+                self.quiesce()
             self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
             if self.resident.host:
                 adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
@@ -249,6 +254,7 @@ class LayerwiseOffload(Streaming, Part):
         self.resident_device = {}
         self.resident_views = []
         self._queued = False
+        self._preloaded = []
 
     def quiesce(self, forget: bool = True) -> None:
         """Wait until no queued copy reads host memory any more; forget what the slots hold

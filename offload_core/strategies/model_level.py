@@ -33,8 +33,9 @@ from ..timeline import UNTRACED
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
-from .autograd import SavedParameters
+from .autograd import SavedParameters, refuse_function_transforms
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
+from .calls import calls_running
 from .part import Part, write_back
 
 logger = logging.getLogger(__name__)
@@ -154,10 +155,11 @@ class ModelLevelOffload(Part):
         self.copy_stream = self.backend.new_stream()
         for group in self.groups:
             group.ready = self.backend.new_event()
-        self._instrument()
+        # each undo registered before its step: an interrupt inside the step is undone too
         txn.on_rollback(self._remove_hooks)
-        self.enabled = True
+        self._instrument()
         txn.on_rollback(lambda: setattr(self, "enabled", False))
+        self.enabled = True
         logger.info(
             "model-level offload: %s",
             ", ".join(f"{g.name} ({g.nbytes / 2**20:.1f} MB)" for g in self.groups),
@@ -214,18 +216,36 @@ class ModelLevelOffload(Part):
 
     # -- swapping -------------------------------------------------------------------------
     def _enter(self, index: int) -> None:
+        refuse_function_transforms(self.describe())
+        if self._depth or self._saving:  # rare: a nested call, or what an interrupted one left
+            self._repair(calls_running(self.modules()) - 1)
         self._depth += 1
         self._before_use(index)
         self._saving.append(SavedParameters().__enter__() if torch.is_grad_enabled() else None)
 
     def _exit(self, failed: bool) -> None:
-        self._depth -= 1
+        self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
         if len(self._saving) > self._depth:  # entries are added once the group is on the device
-            saving = self._saving.pop()
+            saving = self._saving[-1]
             if saving is not None:
                 saving.__exit__(None, None, None)
+            self._saving.pop()  # last: an exit interrupted before it is done again by the next call
         if self._depth == 0 and self._calls == 0:
             self.release_all()
+
+    def _repair(self, depth: int) -> None:
+        """``depth`` component calls are running (on the stack): an interrupt tore the end of any
+        other (its ``_exit`` never ran, or ran half-way). Its saved-tensor hooks, the latest
+        pushed, come off, and the count is set right."""
+        if self._depth <= depth and len(self._saving) <= depth:
+            return
+        logger.info("%s: undoing what an interrupted call left behind", self.describe())
+        while len(self._saving) > depth:
+            saving = self._saving[-1]
+            if saving is not None:
+                saving.__exit__(None, None, None)
+            self._saving.pop()
+        self._depth = depth
 
     def _child_hook(self, index: int, module: nn.Module, args) -> None:
         """A child called directly (``vae.decode``) activates its group. Traced inside a compiled
@@ -365,7 +385,9 @@ class ModelLevelOffload(Part):
         with self.timeline.host_wait(f"unload {group.name} (still loading)") if still_loading else UNTRACED:
             group.ready.synchronize()
         for c in group.components:
-            if group.state == "active" and c.binding.to_home(functools.partial(self._write_back, c.name)):
+            # a component already home (a swap-out interrupted half-way, done again) has no binding
+            active = group.state == "active" and c.binding is not None
+            if active and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use
             c.device = None
             c.binding = None

@@ -82,7 +82,8 @@ class Part:
 
     def _remove_hooks(self) -> None:
         while self._hooks:
-            self._hooks.pop().remove()
+            self._hooks[-1].remove()  # then dropped: an interrupted removal is done again (it can be)
+            self._hooks.pop()
 
     def instrumented(self, on: bool) -> None:
         """Take the wrappers off (False) or put them back (True), nothing else changing."""

@@ -60,10 +60,11 @@ class ResidentModules(Part):
         for unit, views in zip(self.units, self.device_views):
             unit.bind(views)
             txn.on_rollback(lambda unit=unit: unit.bind(unit.host_views))
-        self._instrument()
+        # each undo registered before its step: an interrupt inside the step is undone too
         txn.on_rollback(self._remove_hooks)
-        self.enabled = True
+        self._instrument()
         txn.on_rollback(lambda: setattr(self, "enabled", False))
+        self.enabled = True
 
     def _instrument(self) -> None:
         for _, module in self.members:

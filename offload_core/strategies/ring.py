@@ -122,3 +122,16 @@ def _uses(slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, list[int], list[
     storages = [b.untyped_storage() for b in slot.values() if b.numel()]
     addresses = [storage._cdata for storage in storages]
     return storages, addresses, list(map(_use_count, addresses))
+
+
+def kept_views(model: torch.nn.Module, slot: dict[torch.dtype, torch.Tensor]) -> list[str]:
+    """Where ``model`` keeps a tensor viewing ``slot``'s memory in a plain attribute (``self._wt =
+    self.l1.weight.t()`` in a forward): "attribute _wt of module blocks.0", for the warning that
+    names it when the slot has to be left to it."""
+    addresses = {b.untyped_storage().data_ptr() for b in slot.values() if b.numel()}
+    found = []
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in addresses:
+                found.append(f"attribute {attr} of module {name or type(model).__name__}")
+    return found

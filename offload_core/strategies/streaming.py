@@ -21,8 +21,9 @@ Inside ``handle.frozen()`` (every pipeline call without step callbacks is), the 
 to change weights between forwards: the end of a pass then queues the first blocks of the next, so
 that their copies overlap whatever runs between two forwards (a scheduler step, the embeddings). A
 change the handle can see (a parameter given new data, a buffer replaced, a module added, a dtype
-change) still drops those copies and loads afresh; an in-place write through ``.data`` it cannot
-see, which is what the promise is about.
+change, an in-place write through a parameter, which moves its version: a pipeline's pre-hook
+editing a block's weight) still drops those copies and loads afresh; an in-place write through
+``.data`` it cannot see, which is what the promise is about.
 
 Blocks whose home is not pinned (a ``pinned_memory`` budget, or on disk with ``host_memory``) are
 loaded by the placement's stager thread through its bounce ring: a load then hands the whole
@@ -38,8 +39,12 @@ import logging
 
 import torch
 
+from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hooks
+
 from ..timeline import UNTRACED
-from .ring import BlockPlan
+from .autograd import refuse_function_transforms
+from .calls import calls_running
+from .ring import BlockPlan, kept_views
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +81,15 @@ class Streaming:
         slot's blocks onto the new memory the ring gives the slot."""
         occupant = self.ring.occupant[slot]
         holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
+        old = self.ring.slots[slot]
         if not self.ring.renew(slot, self.copy_stream, holding, self.describe()):
             return
+        for where in kept_views(self.model, old):
+            logger.warning(
+                "%s: %s keeps a view of the device copy of offloaded weights across forwards: it reads the weights of "
+                "the forward that made it, never later changes to them (also after disable()). Make it again in each "
+                "forward, or keep a .clone()", self.describe(), where,
+            )
         self.counters.retired_slot_bytes += self.ring.nbytes
         for plan in self.plans[slot :: self.num_slots]:
             self.plans[plan.index] = self._block_plan(plan.index, plan.ready, plan.ticket)
@@ -103,6 +115,9 @@ class Streaming:
             plan.ready.record(stream)
 
     def _begin_pass(self) -> None:
+        refuse_function_transforms(self.describe())
+        if self._passes or self._bound >= 0:  # rare: a nested pass, or one an interrupt tore
+            self._repair(calls_running([self.model]) - 1)
         self._passes += 1
         if self._passes > 1:
             return
@@ -112,6 +127,9 @@ class Streaming:
             self.saved.recorded = False
             self.quiesce()
         self._reconcile(range(len(self.units)))
+        if self._preloaded and (self.model._forward_pre_hooks or _global_pre_hooks):
+            # its pre-hooks may write the preloaded blocks' host weights: not while a copy reads them
+            self.quiesce(forget=False)
         self._starting = True  # loads start at the first block: after the model's own pre-hooks
         if self.activation_bytes is None:  # the first pass: what its compute takes beyond the weights
             self._measure_from = self.backend.memory_allocated()
@@ -120,6 +138,10 @@ class Streaming:
         self._starting = False
         with self.no_repack("a forward pre-hook of the model"):  # this call's blocks are bound already
             self._reconcile(range(len(self.units)))
+        preloaded, self._preloaded = self._preloaded, []
+        for j, versions in preloaded:  # loaded as the last pass ended: a weight written since is reloaded
+            if self.ring.occupant[j % self.num_slots] == j and self.versions(j) != versions:
+                self.ring.occupant[j % self.num_slots] = -1
         self._queue(0, self.num_slots)
 
     def _before_kept(self, following: int) -> None:
@@ -133,8 +155,8 @@ class Streaming:
             self._queue(following, self.num_slots)
 
     def _end_pass(self, failed: bool) -> None:
-        self._passes -= 1
-        if self._passes:
+        self._passes = max(self._passes - 1, 0)  # a _begin_pass interrupted before its count: not below 0
+        if self._passes or not self.enabled:  # not enabled: a re-pack in this call failed, its RepackError says so
             return
         self._starting = False
         try:
@@ -154,8 +176,10 @@ class Streaming:
 
     def _load_first(self) -> None:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
-        between two forwards; only inside ``handle.frozen()``, where weights do not change."""
+        between two forwards; only inside ``handle.frozen()``, where weights do not change through
+        ``.data`` (their versions are noted, so that a write through a parameter is seen)."""
         self._queue(0, self.num_slots)
+        self._preloaded = [(j, self.versions(j)) for j in range(min(self.num_slots, len(self.units)))]
 
     def _queue(self, first: int, count: int) -> None:
         """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet;
@@ -181,7 +205,27 @@ class Streaming:
             if not self._frozen and self.enabled and self._passes == 0:
                 self.quiesce()
 
+    def _repair(self, passes: int) -> None:
+        """The state of ``passes`` model calls in progress (those still on the stack): what an
+        interrupt left of a block or pass that is no longer running (its end never ran, or ran
+        half-way) is undone, so that the next call works."""
+        if self._passes <= passes and (self._bound < 0 or calls_running([self.blocks[self._bound]])):
+            return
+        logger.info("%s: undoing what an interrupted call left behind", self.describe())
+        self.saved.end_block()
+        if self._bound >= 0:
+            self.ring.free_all(self.backend.current_stream())  # its end never marked its slot free
+            bound, self._bound = self._bound, -1
+            plan = self.plans[bound]
+            if plan.binding.to_home(plan.write_back):
+                self.dirty = True
+        if passes == 0:
+            self._passes, self._starting = 0, False
+            self.quiesce()
+
     def _before_block(self, i: int) -> None:
+        if self._bound >= 0 and self._passes == 0:  # a block call an interrupt tore, outside any pass
+            self._repair(0)
         if self._bound >= 0:
             raise RuntimeError(
                 f"block {self.block_names[i]} was called inside the forward of block "

@@ -176,14 +176,16 @@ class Binding(Home):
     def _buffer_changes(self, replaced: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(home, device view) of each buffer the forward changed in place or replaced by a tensor
         of the same shape and dtype (copied into the device view first); the index of each
-        replaced by anything else goes to ``replaced``."""
+        replaced by anything else goes to ``replaced``. A buffer of a module in training mode counts
+        as changed whatever its version: kernels update running statistics (BatchNorm's
+        ``running_mean`` and ``running_var``) without moving the version counter."""
         changed = []
         for k, (owner, home, device, version) in enumerate(
             zip(self.buffers, self.buffers_home, self.buffers_device, self._buffer_versions)
         ):
             current = owner.module._buffers.get(owner.name)
             if current is device:
-                if device._version != version:
+                if device._version != version or owner.module.training:
                     changed.append((home, device))
             elif current is not None and current.shape == home.shape and current.dtype == home.dtype:
                 device.copy_(current)  # on the compute stream, like the forward that made it
