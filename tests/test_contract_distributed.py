@@ -191,3 +191,31 @@ def test_sharded_ranks_agree_fail_together_and_never_mix_blocks():
 
 def test_replicated_ranks_take_writes_and_copies_like_layerwise():
     spawn_bounded(_replicated_contract)
+
+
+def _disable_meets_forward(rank: int, port: int) -> None:
+    """Issue 29 item 6: a rank's disable() meets only another rank's disable(). Paired with a
+    forward (same blocks, same count of gathers) it fails on both ranks naming both operations;
+    both ranks stay usable: the next forward is exact and a disable on both ranks restores."""
+    backend = _setup(rank, port)
+    import offload_core
+    from helpers import assert_same_state, snapshot
+
+    model = _model()
+    before = snapshot(model)
+    expected = [_run(model, step) for step in range(3)]
+    handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
+    assert torch.equal(_run(model, 0), expected[0])
+    with pytest.raises(offload_core.DistributedOffloadError) as caught:
+        handle.disable() if rank == 0 else _run(model, 1)
+    mine, theirs = ("handle.disable()", "a forward") if rank == 0 else ("a forward", "handle.disable()")
+    assert f"this rank (rank {rank}) ran {mine} while rank {1 - rank} ran {theirs}" in str(caught.value)
+    assert handle.enabled, f"rank {rank}: nothing changed"
+    assert torch.equal(_run(model, 2), expected[2]), f"rank {rank}: the forward after the mismatch"
+    handle.disable()
+    assert not handle.enabled
+    assert_same_state(before, snapshot(model))
+
+
+def test_a_ranks_disable_never_pairs_with_another_ranks_forward():
+    spawn_bounded(_disable_meets_forward)

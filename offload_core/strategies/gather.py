@@ -25,7 +25,8 @@ ranks are kept honest rather than trusted:
   so the other ranks finish the pass, see the abort and raise too, and the ranks stay in step.
 * ``disable`` is collective: it rebuilds the full host weights on every rank, checks every
   header, and only then gives the weights back; if the ranks are out of step it raises and
-  changes nothing.
+  changes nothing. Its loads and its end header say DISABLING: a rank's disable that meets
+  another rank's forward (same blocks, same count of gathers) fails on both ranks, naming both.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ logger = logging.getLogger(__name__)
 #: header of one load: magic, the part's serial number, block index (END for the end of a pass), status
 HEADER = 4
 MAGIC = 0x0FF10AD
-OK, ABORTED = 0, 1
+#: a forward's loads are OK (ABORTED: the rank failed); disable's rebuilding loads say DISABLING,
+#: so that a rank's disable never pairs with another rank's forward
+OK, ABORTED, DISABLING = 0, 1, 2
+STATUSES = (OK, ABORTED, DISABLING)
 END = -1
 
 
@@ -70,6 +74,7 @@ class ShardedGather(CopyTransport):
         self._aborted: set[int] = set()  # blocks whose next load carries an aborted header
         self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
         self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
+        self._disabling = False  # restore's loads carry DISABLING headers
         self._staging: list = []
         self._header_in = self._header_out = self._rows = None
 
@@ -95,7 +100,7 @@ class ShardedGather(CopyTransport):
     def device_bytes(self) -> int:
         part = self.part
         staging = part.num_slots * nbytes_of({d: n // self.world for d, n in part.slot_shape.items()})
-        return staging + (2 * (len(part.units) + 1) + self._header_rows * self.world) * HEADER * 8
+        return staging + (len(STATUSES) * (len(part.units) + 1) + self._header_rows * self.world) * HEADER * 8
 
     def pack(self, txn) -> None:
         """Keep only this rank's shard of each block, building one block's padded copy at a time;
@@ -133,7 +138,7 @@ class ShardedGather(CopyTransport):
             for s in range(part.num_slots)
         ]
         self._header_out = part.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
-        self._header_in = part.backend.empty_device((len(part.units) + 1, 2, HEADER), torch.int64)
+        self._header_in = part.backend.empty_device((len(part.units) + 1, len(STATUSES), HEADER), torch.int64)
         label(self._header_out, f"gathered load headers of {part.name}")
         label(self._header_in, f"load headers of {part.name}")
         self._pending, self._loaded_in_pass = [], -1
@@ -156,7 +161,7 @@ class ShardedGather(CopyTransport):
         and the host rows stay referenced until ``release``, so nothing waits here."""
         self.serial = serial
         self._rows = torch.tensor(
-            [[[MAGIC, serial, i, status] for status in (OK, ABORTED)] for i in [*range(len(self.part.units)), END]],
+            [[[MAGIC, serial, i, status] for status in STATUSES] for i in [*range(len(self.part.units)), END]],
             dtype=torch.int64,
         )
         self.part.backend.copy_async(self._header_in, self._rows, self.part.copy_stream)
@@ -198,6 +203,8 @@ class ShardedGather(CopyTransport):
     def _header_status(self, i: int) -> int:
         """Block ``i``'s header status, read where its load is issued (on the stager thread for
         staged shards, after ``_load_aborted`` has returned) and consumed there."""
+        if self._disabling:
+            return DISABLING
         if i in self._aborted:
             self._aborted.discard(i)
             return ABORTED
@@ -266,6 +273,7 @@ class ShardedGather(CopyTransport):
         part.copy_stream.synchronize()
         part.landed()  # every load queued so far has landed
         headers = seen.view(len(pending), self.world, HEADER).tolist()
+        self._check_operations(headers)
         for (_, block), row in zip(pending, headers):
             for rank, header in enumerate(row):
                 if header[:3] != [MAGIC, self.serial, block]:
@@ -281,6 +289,19 @@ class ShardedGather(CopyTransport):
                     raise DistributedOffloadError(
                         f"rank {rank} failed during this forward of {part.describe()}; its output is discarded on "
                         "every rank. The ranks are still in step: the next forward can run"
+                    )
+
+    def _check_operations(self, headers: list) -> None:
+        """A gather of one rank's disable paired with another rank's forward: an error on both."""
+        doing = {True: "handle.disable()", False: "a forward"}
+        for row in headers:
+            for rank, header in enumerate(row):
+                if header[0] == MAGIC and header[1] == self.serial and (header[3] == DISABLING) != self._disabling:
+                    raise DistributedOffloadError(
+                        f"ranks out of step in {self.part.describe()}: this rank (rank {self.rank}) ran "
+                        f"{doing[self._disabling]} while rank {rank} ran {doing[not self._disabling]}; "
+                        "nothing was computed or changed on either rank. handle.disable() is collective: "
+                        "call it on every rank, at the same point"
                     )
 
     def _label(self, block: int) -> str:
@@ -330,6 +351,7 @@ class ShardedGather(CopyTransport):
         try:
             part.quiesce()
             self._check_headers()
+            self._disabling = True
             for i, unit in enumerate(part.units):
                 part.load(i)
                 part.wait_ready(i, reader)
@@ -340,6 +362,8 @@ class ShardedGather(CopyTransport):
                         part.backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
                 reader.synchronize()  # later copies into this slot are queued after this: ordered
                 rebuilt.append(buffers)
+            with part.backend.batch(part.copy_stream):  # as a forward ends: the same count of gathers
+                self._gather_header(END, DISABLING)
             self._check_headers()
         except Exception as exc:  # a mismatch, or the collective failed or timed out
             part.landed()
@@ -350,6 +374,7 @@ class ShardedGather(CopyTransport):
                 "changed: the model is still offloaded; call disable() again on every rank once they are in step"
             ) from exc
         finally:
+            self._disabling = False
             part.quiesce()
         for unit, buffers in zip(part.units, rebuilt):
             unit.host = buffers  # unpacked from here; owners still show their placeholders
