@@ -88,7 +88,8 @@ def _sharded_contract(rank: int, port: int) -> None:
     # -- enable agreement: a rank that fails rolls every rank back --------------------------
     model = _model()
     before = snapshot(model)
-    failing = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001, pinned_memory=64 if rank == 1 else None)
+    # a device too small for the slots on rank 1 (a pinned cap no longer fails: homes fall back to pageable)
+    failing = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001, device_memory=64 if rank == 1 else None)
     with pytest.raises(torch.OutOfMemoryError if rank == 1 else DistributedOffloadError, match="" if rank == 1 else "rank 1"):
         enable(model, backend=failing)
     untouched(model, before)
