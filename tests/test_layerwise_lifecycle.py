@@ -92,11 +92,16 @@ def test_device_oom_leaves_the_model_untouched():
 
 
 @pytest.mark.fake_only  # a pinned-memory cap
-def test_pinned_oom_midway_through_packing_rolls_back():
+def test_device_oom_midway_through_enable_rolls_back():
+    """A device one byte short of what enable takes: its last allocation fails, after the others
+    succeeded, and the model is left as it was. (A pinned allocation that fails does not roll
+    back: that home goes pageable, tests/test_pinned_fallback.py.)"""
     model = mixed_stack()
     before = snapshot(model)
-    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
-    backend = chaos_backend(pinned_memory=total // 2)
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
+    needed = handle.stats()["device_peak_bytes"]
+    handle.disable()
+    backend = chaos_backend(device_memory=needed - 1)
     memory = _memory(backend)
     with pytest.raises(torch.OutOfMemoryError):
         offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)

@@ -27,7 +27,7 @@ from collections import defaultdict
 #: and the ones below. Matched by longest prefix; ownership/foreign are the older names of
 #: changes/other_hooks, so that an older tree can be walked with the same table.
 LAYERS = {
-    "api": 0, "pretrained": 0,
+    "api": 0, "pretrained": 0, "pretrained_transformers": 0,
     "enable": 1, "fitting": 1,
     "handle": 2, "installs": 2,
     "pipelines": 3, "other_hooks": 3, "foreign": 3,

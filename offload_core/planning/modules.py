@@ -53,8 +53,8 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit",
             raise
         found = []
     try:  # the packer's own units: their sizes include the alignment of every region
-        resident, units = split_units(module, found)
-        whole = WeightUnit(name, collect_tensors([module]))  # as it is kept resident, staged or swapped
+        resident, units = split_units(module, found, report=False)
+        whole = WeightUnit(name, collect_tensors([module]), report=False)  # as it is kept resident, staged or swapped
         return Component(name, kind, resident.nbytes, tuple(u.nbytes for u in units), unit_bytes=whole.nbytes)
     except UnsupportedTensorError:  # meta tensors with no checkpoint behind them: a real-size config
         pass

@@ -30,9 +30,11 @@ STRATEGIES = ("resident", "model", "layerwise", "distributed")
 BLOCK_PRIORITY = ("dit", "text_encoder")
 #: distributed layerwise offload always runs two slots (prefetch_depth applies to layerwise only)
 DISTRIBUTED_DEPTH = 1
-#: device bytes of distributed offload's load headers, per streamed block (plus one) and per rank
-#: (plus one): two int64 rows of four, sent and gathered (strategies/gather.py)
-GATHER_HEADER_BYTES = 2 * 4 * 8
+#: device bytes of distributed offload's load headers (strategies/gather.py), per streamed block
+#: (plus one): the header a rank sends, one int64 row of four per status it can send (ok,
+#: aborted, disabling), and the headers it gathers, two rows of four per rank
+GATHER_SENT_BYTES = 3 * 4 * 8
+GATHER_GATHERED_BYTES = 2 * 4 * 8
 STRATEGY_WORDS_SHORT = {"layerwise": "layerwise", "distributed": "distributed layerwise", "model": "model-level"}
 
 
@@ -59,7 +61,8 @@ class _State:
         slot = max(self.component.block_bytes[i] for i in streamed)
         ring = (depth + 1) * slot
         if self.world > 1:
-            ring += (depth + 1) * -(-slot // self.world) + GATHER_HEADER_BYTES * (len(streamed) + 1) * (self.world + 1)
+            ring += (depth + 1) * -(-slot // self.world) + (len(streamed) + 1) * (
+                GATHER_SENT_BYTES + GATHER_GATHERED_BYTES * self.world)
         return ring
 
     def held(self, depth: int) -> int:

@@ -14,7 +14,7 @@ from offload_core.testing import kit
 
 
 def test_registered_memory_is_pinned_exactly_copies_and_is_given_back(backend):
-    if Capability.HOST_REGISTER not in backend.capabilities:  # per instance: torch_npu may lack it
+    if Capability.HOST_REGISTER not in backend.capabilities:  # per instance: the NPU runtime may lack it
         pytest.skip(f"backend {backend.name!r} does not register host memory")
     kit.collect()
     before = backend.pinned_memory_allocated()

@@ -22,8 +22,12 @@ logger = logging.getLogger(__name__)
 RESIDENT = -1
 
 
-def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tuple[WeightUnit, list[WeightUnit]]:
-    """(resident unit, one unit per block in order) for ``root`` streamed over ``blocks``."""
+def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]],
+                report: bool = True) -> tuple[WeightUnit, list[WeightUnit]]:
+    """(resident unit, one unit per block in order) for ``root`` streamed over ``blocks``;
+    ``report``: log the blocks' tensors that stay resident, and warn of those that cannot be
+    streamed (the strategy that streams them does; the planner, which only measures, does not say
+    it a second time)."""
     home: dict[int, int] = {}  # module id -> block index, RESIDENT where it lies in several blocks
     for index, (_, block) in enumerate(blocks):
         for module in block.modules():
@@ -49,15 +53,15 @@ def split_units(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tup
         owners[0].name for tid, (_, owners) in tensors.items()
         if unit_of[tid] == RESIDENT and any(id(o.module) in in_blocks for o in owners)
     ]
-    if shared:
+    if shared and report:
         logger.info("%d tensors of the blocks stay resident, not streamed, because they are shared across blocks or "
                     "with the rest of the model (one device copy serves every user): %s",
                     len(shared), ", ".join(shared[:8]) + (" ..." if len(shared) > 8 else ""))
     groups: dict[int, dict] = {index: {} for index in range(RESIDENT, len(blocks))}
     for tid, item in tensors.items():
         groups[unit_of[tid]][tid] = item
-    resident = WeightUnit("resident", groups[RESIDENT])
-    return resident, [WeightUnit(name, groups[i]) for i, (name, _) in enumerate(blocks)]
+    resident = WeightUnit("resident", groups[RESIDENT], report)
+    return resident, [WeightUnit(name, groups[i], report) for i, (name, _) in enumerate(blocks)]
 
 
 def _outside_blocks(root: nn.Module, blocks: set[int]) -> list[nn.Module]:

@@ -35,7 +35,9 @@ logger = logging.getLogger(__name__)
 class WeightUnit:
     """A named group of tensors with a per-dtype layout, packed into host buffers on demand."""
 
-    def __init__(self, name: str, tensors: Mapping[int, tuple[torch.Tensor, list[Owner]]]) -> None:
+    def __init__(self, name: str, tensors: Mapping[int, tuple[torch.Tensor, list[Owner]]], report: bool = True) -> None:
+        """``report``: warn about the tensors that cannot be streamed (False where the unit is only
+        measured, by the planner: the strategy that packs it warns once)."""
         self.name = name
         self.entries: list[Entry] = []
         self.regions: list[Region] = []
@@ -71,7 +73,7 @@ class WeightUnit:
             self._place(members)
         for index, entry in enumerate(self.entries):
             self.regions[entry.region].entries.append(index)
-        if self.kept:
+        if self.kept and report:
             logger.warning(
                 "%s: %d tensors cannot be streamed and stay on the device: %s", name, len(self.kept),
                 "; ".join(k.reason for k in self.kept[:4]) + (" ..." if len(self.kept) > 4 else ""),
