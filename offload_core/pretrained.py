@@ -150,9 +150,7 @@ def _build(library: str, class_name: str, folder: str, dtype: torch.dtype | None
         cls = getattr(transformers, class_name or "", None)
         if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
             return None  # tokenizers, processors
-        from .pretrained_transformers import load_from_checkpoint
-
-        return load_from_checkpoint(cls, folder, dtype)
+        return _load_transformers(cls, folder, dtype)
     import diffusers
 
     cls = getattr(diffusers, class_name or "", None)
@@ -180,9 +178,20 @@ def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
     if cls is None:
         raise ValueError(f"{folder}/config.json names neither a diffusers class (_class_name) nor a "
                          f"transformers one (architectures: {architectures})")
-    from .pretrained_transformers import load_from_checkpoint
+    return _load_transformers(cls, folder, torch_dtype)
 
-    return load_from_checkpoint(cls, folder, torch_dtype)
+
+def _load_transformers(cls: type, folder: str, dtype: torch.dtype | None) -> nn.Module:
+    """A transformers model with its checkpoint tensors attached as file slices, or, under a
+    transformers whose loading internals :mod:`.pretrained_transformers` does not know (it reads
+    them from transformers 5's ``core_model_loading``), loaded by transformers as usual."""
+    try:
+        from .pretrained_transformers import load_from_checkpoint
+    except (ImportError, KeyError) as exc:
+        logger.info("%s: this transformers' loading internals are not the ones offload-core stands in for (%r); "
+                    "transformers reads the checkpoint into memory", folder, exc)
+        return cls.from_pretrained(folder, dtype=dtype)
+    return load_from_checkpoint(cls, folder, dtype)
 
 
 def _weight_files(folder: str) -> tuple[list[str], bool] | None:

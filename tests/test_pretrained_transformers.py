@@ -282,3 +282,22 @@ def test_ram_goes_to_the_blocks_read_every_step_before_a_text_encoders(tmp_path)
     ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(100))
     tiers, _ = host_tiers(plans, components, ring + 600, 0)
     assert [t.host["disk"] for t in tiers] == [200, 0]
+
+
+def test_a_transformers_whose_loading_internals_differ_loads_the_model_itself(tmp_path, monkeypatch, caplog):
+    """Where the stand-in for transformers' reading step cannot be imported (another transformers
+    version), transformers loads the model as usual, with a log line saying so, and offloading
+    still works exactly."""
+    import sys
+
+    cls = saved("t5", tmp_path)
+    reference = cls.from_pretrained(tmp_path)
+    expected = forward(reference, inputs_for(reference))
+    monkeypatch.setitem(sys.modules, "offload_core.pretrained_transformers", None)  # its import raises
+    with caplog.at_level(logging.INFO, logger="offload_core.pretrained"):
+        handle = offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, backend=chaos_backend())
+    assert any("loading internals" in r.getMessage() for r in caplog.records)
+    model = handle.target
+    assert torch.equal(forward(model, inputs_for(model)), expected)
+    handle.disable()
+    assert_same_model(model, reference)
