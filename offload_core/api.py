@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
-from .backend import DeviceBackend
+from .device.backend import DeviceBackend
 from .config import OffloadConfig
 from .enable import enable
 from .errors import OffloadConfigError

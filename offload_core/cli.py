@@ -30,7 +30,7 @@ from .cli_plan import add_plan
 from .cli_run import add_run
 
 if TYPE_CHECKING:
-    from . import plugins
+    from .device import plugins
 
 PROG = "offload-core"
 
@@ -54,7 +54,7 @@ def _kind(info: plugins.BackendInfo) -> str:
 
 def backends_report() -> dict[str, Any]:
     """Everything ``offload-core backends`` shows, as plain data (the ``--json`` document)."""
-    from . import plugins
+    from .device import plugins
 
     registry = plugins.registry()
     rows = []

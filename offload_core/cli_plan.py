@@ -149,7 +149,7 @@ def device_memory(name: str | None) -> tuple[int | None, int | None]:
     """``mem_get_info()`` (free, total) of the device the budget is checked against: the backend
     ``name``, or with None the auto-detected one if it is an accelerator; (None, None) without."""
     from .cli_common import available_backend
-    from .plugins import get_backend
+    from .device.plugins import get_backend
 
     try:
         info = available_backend(name)
@@ -166,7 +166,7 @@ def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20) -> tuple[fl
     """Host-to-device bytes per second of a pinned copy on ``backend`` (default: the one
     auto-detection picks), as the real-size benchmark measures it, and where it comes from."""
     from .bench.realsize import pinned_copy_bandwidth
-    from .plugins import get_backend
+    from .device.plugins import get_backend
 
     backend = backend if backend is not None else get_backend(None)
     return pinned_copy_bandwidth(backend, nbytes), f"measured: pinned copies on the {backend.name} backend"

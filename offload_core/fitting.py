@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .backend import DeviceBackend
+from .device.backend import DeviceBackend
 from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .api import given_options, resolve_config
-from .backend import DeviceBackend
+from .device.backend import DeviceBackend
 from .config import OffloadConfig
 from .enable import enable
 from .errors import OffloadConfigError

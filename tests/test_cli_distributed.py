@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from offload_core.plugins import ENV_BACKEND
+from offload_core.device.plugins import ENV_BACKEND
 
 from helpers import free_port
 

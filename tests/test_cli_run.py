@@ -25,7 +25,7 @@ from offload_core.cli_run.arguments import DEFAULT_PIPELINE, DEMO_STEPS, MAX_STE
 from offload_core.cli_run.command import run_pipeline
 from offload_core.cli_run.report import render
 from offload_core.overlap import copy_overlap
-from offload_core.plugins import ENV_BACKEND, registry
+from offload_core.device.plugins import ENV_BACKEND, registry
 from offload_core.tiny import PIPELINES, build_pipeline
 
 from helpers import chaos_backend

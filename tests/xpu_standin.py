@@ -24,9 +24,9 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offload_core.backend import Capability
-from offload_core.hookspecs import hookimpl
-from offload_core.memory_accounting import AllocationTracker
+from offload_core.device.backend import Capability
+from offload_core.device.hookspecs import hookimpl
+from offload_core.device.memory_accounting import AllocationTracker
 from offload_core_fake.streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent
 from offload_core_fake.trace import Timeline
 from offload_core_xpu import XpuBackend

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..cli_common import UsageError, available_backend, budget_type, check_writable
 
 if TYPE_CHECKING:
-    from ..backend import DeviceBackend
+    from ..device.backend import DeviceBackend
     from ..tiny import PipelineSpec
 
 STRATEGIES = ("none", "model", "layerwise", "distributed")

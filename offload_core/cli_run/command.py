@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from ..cli_common import UsageError, Writer, columns, write_all
 from ..errors import OffloadConfigError
 from ..timeline import Timeline
@@ -274,7 +274,7 @@ def _check_output_size(target: loading.Target, overrides: dict[str, Any], output
 def _backend(name: str | None) -> DeviceBackend:
     """The backend, made before any model is loaded: an option of it that does not parse (an
     ``OFFLOAD_CORE_FAKE_*`` variable) is bad input, and must not cost a model load."""
-    from ..plugins import get_backend
+    from ..device.plugins import get_backend
 
     try:
         return get_backend(name)

@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..backend import Capability
+from ..device.backend import Capability
 from ..config import OffloadConfig
 
 from ..errors import OffloadConfigError

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from torch import nn
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from ..config import OffloadConfig
 from .distributed import distributed_part
 from .layerwise import LayerwiseOffload
