@@ -21,13 +21,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .device.backend import DeviceBackend
 from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
+from .device.backend import DeviceBackend
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules
 from .planning import Plan, describe, make_plan
-from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
 from .planning.modules import components_from_modules
+from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
 
 logger = logging.getLogger(__name__)
 

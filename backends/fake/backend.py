@@ -25,7 +25,7 @@ from .memory import FakeOutOfMemoryError, Pool
 from .options import flag, nbytes, option, positive_number, seconds
 from .sanitizer import Sanitizer, suspended
 from .streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent, _Chaos, pause
-from .trace import Timeline, now_ns
+from .trace import StreamTrace, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class FakeBackend(DeviceBackend):
         self.chaos = chaos
         self.h2d_bandwidth = h2d_bandwidth
         self.inline_copy_bytes = inline_copy_bytes
-        self.timeline = Timeline()
+        self.timeline = StreamTrace()
         self._chaos = _Chaos(chaos_delay, seed) if self.chaos else None
         self._device = Pool("device", device_memory)
         self._pinned = Pool("pinned host memory", pinned_memory, **PINNED_ROUNDING[pinned_rounding])

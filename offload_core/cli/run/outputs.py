@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_common import Writer
+from ..common import Writer
 from .arguments import frame_path
 
 
