@@ -3,7 +3,7 @@
 Everything a user can get wrong on the command line is found here, before a pipeline is built or
 loaded, so that a typo costs nothing: unknown names, flags that do not apply to the strategy,
 values out of range, and output paths that cannot be written (a missing or read-only directory,
-a directory where a file is wanted). Each is a :class:`~offload_core.cli_common.UsageError`: one
+a directory where a file is wanted). Each is a :class:`~offload_core.cli.common.UsageError`: one
 line, exit status 2.
 """
 

@@ -12,7 +12,7 @@ handle, so tests can check the report against ``handle.stats()`` and the image a
 without offload; :func:`run_command` is the thin command around it (printing, files, exit codes).
 
 Bad input is found before the run starts (:mod:`.arguments` before anything is built or loaded,
-then the pipeline's own limits) and is a :class:`~offload_core.cli_common.UsageError` (one line,
+then the pipeline's own limits) and is a :class:`~offload_core.cli.common.UsageError` (one line,
 exit 2). Anything else that fails is reported as one line with the exception type (exit 1);
 ``--debug`` adds the traceback.
 """
