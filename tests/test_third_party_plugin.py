@@ -103,7 +103,7 @@ def test_a_plugin_that_fails_to_import_is_reported_not_fatal(report):
     [failure] = [f for f in data["failures"] if f["source"] == "acme-broken"]
     assert failure["entry_point"] == "acme_broken = acme_broken_plugin"
     assert "ImportError" in failure["error"] and "libacme_runtime" in failure["error"]
-    assert re.search(r"LOG WARNING offload_core\.plugins: .*acme_broken.*skipped.*libacme_runtime", stderr), stderr
+    assert re.search(r"LOG WARNING offload_core\.device\.plugins: .*acme_broken.*skipped.*libacme_runtime", stderr), stderr
     assert {"acme", "fake"} <= {b["name"] for b in data["backends"]}
 
 
