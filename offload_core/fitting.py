@@ -26,8 +26,8 @@ from .device.backend import DeviceBackend
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules
 from .planning import Plan, describe, make_plan
-from .planning.modules import components_from_modules
 from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
+from .planning.modules import components_from_modules
 
 logger = logging.getLogger(__name__)
 

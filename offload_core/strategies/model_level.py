@@ -34,8 +34,8 @@ from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
 from .autograd import SavedParameters, refuse_function_transforms
-from .calls import calls_running
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
+from .calls import calls_running
 from .part import Part, write_back
 
 logger = logging.getLogger(__name__)
