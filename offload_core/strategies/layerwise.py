@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
 from ..weights import nbytes_of, slot_numel, split_units
