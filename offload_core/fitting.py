@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .backend import DeviceBackend
-from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
+from .config import STRATEGIES, OffloadConfig
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules
 from .planning import Plan, describe, make_plan
@@ -30,10 +30,6 @@ from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
 from .planning.modules import components_from_modules
 
 logger = logging.getLogger(__name__)
-
-#: the strategy flag of each strategy a plan can choose ("resident" has none)
-FLAGS = {strategy: flag for flag, strategy in FLAG_PRIORITY}
-
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
@@ -68,7 +64,7 @@ def fit(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBacke
     if plan.asked_budget > plan.budget:
         warnings.warn(plan.notes[0], UserWarning, stacklevel=4)
     logger.info("device plan for %s:\n%s", type(target).__name__, plan.render())
-    flag = FLAGS.get(plan.strategy)
+    flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
     return Fit(plan, chosen)
 
@@ -103,7 +99,7 @@ def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, b
     free, total = backend.mem_get_info()
     device = f"the device, which has {size(free)} free of {size(total)} now"
     if plan is None:
-        what = (f"{STRATEGY_WORDS.get(strategy or '', strategy)} offload without a device budget; if the device "
+        what = (f"{STRATEGIES[strategy].words} offload without a device budget; if the device "
                 f"filled ({device}), give device_memory=, and the planner keeps within it")
     else:
         what = (f"device_memory={size(plan.budget)}, planned to peak at {size(plan.device_peak)} on {device}; if "

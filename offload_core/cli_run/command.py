@@ -34,6 +34,7 @@ import torch
 
 from ..backend import DeviceBackend
 from ..cli_common import UsageError, Writer, columns, write_all
+from ..config import STRATEGIES
 from ..errors import OffloadConfigError
 from ..timeline import Timeline
 from . import arguments, loading, outputs, ranks
@@ -290,11 +291,7 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     options: dict[str, Any] = {"backend": backend}
     if args.device_memory is not None:
         options["device_memory"] = args.device_memory
-    if args.strategy == "model":
-        options["enable_cpu_offload"] = True
-    elif args.strategy == "distributed":
-        options["enable_distributed_layerwise_offload"] = True
-    elif args.strategy == "layerwise":
-        options["enable_layerwise_offload"] = True
+    options[STRATEGIES[args.strategy].flag] = True
+    if args.strategy == "layerwise":
         options["prefetch_depth"] = args.prefetch_depth or 1
     return enable_offload(pipe, **options)
