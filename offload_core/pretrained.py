@@ -38,6 +38,7 @@ from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import auto_host_budget
+from .pipelines import inventory
 from .hostmem.disk import FileSlice, read_index
 from .weights.checkpoint import attach_slices
 
@@ -107,7 +108,7 @@ def from_pretrained(
     if config.strategy == "layerwise" and config.host_budget.auto:
         config = dataclasses.replace(config, host_memory=auto_host_budget())
     target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
-    return enable(target, config)
+    return enable(inventory(target), config)
 
 
 def _model_index(folder: str) -> dict | None:
