@@ -185,11 +185,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.prefetch_depth < 1:
         raise UsageError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
     from .errors import OffloadConfigError
-    from .planning import device_budget, make_plan
+    from .planning import device_bytes, make_plan
 
     free, total = device_memory(args.backend)
     try:
-        budget = device_budget(args.device_memory, total)
+        budget = device_bytes(args.device_memory, total)
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None
     bandwidth, bandwidth_source = _copy_bandwidth(args)

@@ -170,13 +170,13 @@ class Budget:
         return f"Budget({self.nbytes} bytes)" if self.nbytes is not None else f"Budget({self.fraction:g} of RAM)"
 
 
-def budget(value: object) -> object:
-    """The option parser of a host budget: ``value`` itself, once :func:`parse_budget` accepts it."""
+def host_budget_option(value: object) -> object:
+    """The option parser of a host budget (``pinned_memory``, ``host_memory``): ``value`` itself, once :func:`parse_budget` accepts it."""
     parse_budget(value)
     return value
 
 
-def device_budget(value: object) -> object:
+def device_budget_option(value: object) -> object:
     """The option parser of ``device_memory``: a budget whose fraction is of the device's memory."""
     parse_budget(value, of="the device's memory")
     return value
@@ -317,10 +317,10 @@ class OffloadConfig:
         None, _optional(names(COMPONENT_GROUPS)), strategies=("layerwise", "distributed"), targets=("pipeline",)
     )
     blocks: Sequence[str] | None = option(None, _optional(names()), strategies=("layerwise", "distributed"))
-    pinned_memory: Any = option(None, budget)
-    host_memory: Any = option(None, budget, strategies=("layerwise",))
+    pinned_memory: Any = option(None, host_budget_option)
+    host_memory: Any = option(None, host_budget_option, strategies=("layerwise",))
     offload_folder: str | os.PathLike | None = option(None, _optional(_path), strategies=("layerwise",))
-    device_memory: Any = option(None, device_budget)
+    device_memory: Any = option(None, device_budget_option)
     resident_blocks: int | str | None = option(None, _optional(resident_blocks), strategies=("layerwise", "distributed"))
     activation_memory: int | None = option(None, _optional(size))
 

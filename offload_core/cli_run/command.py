@@ -291,7 +291,8 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     options: dict[str, Any] = {"backend": backend}
     if args.device_memory is not None:
         options["device_memory"] = args.device_memory
-    options[STRATEGIES[args.strategy].flag] = True
+    if args.strategy is not None:  # else the device budget picks it
+        options[STRATEGIES[args.strategy].flag] = True
     if args.strategy == "layerwise":
         options["prefetch_depth"] = args.prefetch_depth or 1
     return enable_offload(pipe, **options)

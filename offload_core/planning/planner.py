@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from ..config import FLAGGED, STRATEGIES
 from ..errors import OffloadConfigError
-from .components import Component, device_budget
+from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, ComponentPlan, Plan, size
 from .timing import choose_resident, simulate
@@ -219,7 +219,7 @@ def make_plan(
     and block compute times feed the predictions (``bandwidth_source`` says where the bandwidth
     came from, for the text)."""
     _check_options(components, strategy, resident_blocks, prefetch_depth)
-    asked = device_budget(device_memory, device_total)
+    asked = device_bytes(device_memory, device_total)
     budget = asked if device_free is None else min(asked, device_free)
     groups = [list(g) for g in groups] if groups is not None else [[c.name] for c in components]
     layered = "distributed" if world_size > 1 else "layerwise"
