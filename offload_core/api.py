@@ -6,14 +6,13 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
-from torch import nn
 
 from .config import OffloadConfig
 from .device.backend import DeviceBackend
 from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
-from .pipelines import is_pipeline
+from .pipelines import inventory
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -52,16 +51,16 @@ def enable_offload(
     ``enable`` is a transaction: on any error the target is left as it was. What an offloaded
     model does when it is changed, shared or fails is in ``docs/design.md``.
     """
-    kind = "pipeline" if is_pipeline(target) else "module" if isinstance(target, nn.Module) else None
-    if kind is None:
+    found = inventory(target)
+    if found is None:
         raise OffloadConfigError(
             f"target must be a diffusers pipeline or a torch.nn.Module, got {type(target).__name__}"
         )
     config = resolve_config(config, given_options(locals(), unknown))
     config.warn_ignored()
     if config.strategy is not None:  # else the device budget picks it, and enable checks then
-        config.check_applies(kind)
-    return enable(target, config)
+        config.check_applies(found.kind)
+    return enable(found, config)
 
 
 def given_options(arguments: dict[str, Any], unknown: dict[str, Any]) -> dict[str, Any]:

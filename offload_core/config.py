@@ -22,14 +22,33 @@ from .errors import OffloadConfigError
 
 T = TypeVar("T")
 
-#: strategy flags, highest priority first, and the strategy each selects
-FLAG_PRIORITY = (
-    ("enable_distributed_layerwise_offload", "distributed"),
-    ("enable_layerwise_offload", "layerwise"),
-    ("enable_cpu_offload", "model"),
-)
-STRATEGIES = tuple(strategy for _, strategy in FLAG_PRIORITY)
-STRATEGY_WORDS = {"distributed": "distributed layerwise", "layerwise": "layerwise", "model": "model-level"}
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One strategy, as every layer names it: ``name`` in plans, ``handle.strategy`` and the
+    command's ``--strategy``; ``flag``, the ``enable_offload`` option that selects it (None for
+    "resident", which a device plan picks when everything fits, and which offloads nothing);
+    ``words``, how a sentence names it ("<words> offload")."""
+
+    name: str
+    flag: str | None
+    words: str
+
+    @property
+    def phrase(self) -> str:
+        """What a plan's text calls it."""
+        return f"{self.words} offload" if self.flag is not None else "no offload (everything resident)"
+
+
+#: every strategy by name; those with a flag first, highest flag priority first
+STRATEGIES = {s.name: s for s in (
+    Strategy("distributed", "enable_distributed_layerwise_offload", "distributed layerwise"),
+    Strategy("layerwise", "enable_layerwise_offload", "layerwise"),
+    Strategy("model", "enable_cpu_offload", "model-level"),
+    Strategy("resident", None, "no"),
+)}
+#: the strategies a flag selects, highest priority first
+FLAGGED = tuple(s for s in STRATEGIES.values() if s.flag is not None)
 #: what ``enable_offload`` can offload
 TARGETS = ("pipeline", "module")
 TARGET_WORDS = {"pipeline": "a diffusers pipeline", "module": "a bare torch.nn.Module"}
@@ -151,13 +170,13 @@ class Budget:
         return f"Budget({self.nbytes} bytes)" if self.nbytes is not None else f"Budget({self.fraction:g} of RAM)"
 
 
-def budget(value: object) -> object:
-    """The option parser of a host budget: ``value`` itself, once :func:`parse_budget` accepts it."""
+def host_budget_option(value: object) -> object:
+    """The option parser of a host budget (``pinned_memory``, ``host_memory``): ``value`` itself, once :func:`parse_budget` accepts it."""
     parse_budget(value)
     return value
 
 
-def device_budget(value: object) -> object:
+def device_budget_option(value: object) -> object:
     """The option parser of ``device_memory``: a budget whose fraction is of the device's memory."""
     parse_budget(value, of="the device's memory")
     return value
@@ -249,14 +268,14 @@ class Option:
     """How one field is checked, and what it applies to."""
 
     parse: Callable[[Any], Any]
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = tuple(s.name for s in FLAGGED)
     targets: tuple[str, ...] = TARGETS
 
 
 def option(
     default: Any,
     parse: Callable[[Any], Any],
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str] = tuple(s.name for s in FLAGGED),
     targets: Sequence[str] = TARGETS,
 ) -> Any:
     """A field of :class:`OffloadConfig`: its default, its parser, and the strategies and targets it
@@ -298,10 +317,10 @@ class OffloadConfig:
         None, _optional(names(COMPONENT_GROUPS)), strategies=("layerwise", "distributed"), targets=("pipeline",)
     )
     blocks: Sequence[str] | None = option(None, _optional(names()), strategies=("layerwise", "distributed"))
-    pinned_memory: Any = option(None, budget)
-    host_memory: Any = option(None, budget, strategies=("layerwise",))
+    pinned_memory: Any = option(None, host_budget_option)
+    host_memory: Any = option(None, host_budget_option, strategies=("layerwise",))
     offload_folder: str | os.PathLike | None = option(None, _optional(_path), strategies=("layerwise",))
-    device_memory: Any = option(None, device_budget)
+    device_memory: Any = option(None, device_budget_option)
     resident_blocks: int | str | None = option(None, _optional(resident_blocks), strategies=("layerwise", "distributed"))
     activation_memory: int | None = option(None, _optional(size))
 
@@ -344,20 +363,17 @@ class OffloadConfig:
     @property
     def strategy(self) -> str | None:
         """The selected strategy ("distributed" > "layerwise" > "model"), or None if no flag is set."""
-        for flag_name, strategy in FLAG_PRIORITY:
-            if getattr(self, flag_name):
-                return strategy
-        return None
+        return next((s.name for s in FLAGGED if getattr(self, s.flag)), None)
 
     def ignored_flags(self) -> list[str]:
         """Flags that are set but lose to a higher-priority one."""
-        set_flags = [flag_name for flag_name, _ in FLAG_PRIORITY if getattr(self, flag_name)]
+        set_flags = [s.flag for s in FLAGGED if getattr(self, s.flag)]
         return set_flags[1:]
 
     def warn_ignored(self) -> None:
         ignored = self.ignored_flags()
         if ignored:
-            chosen = next(flag_name for flag_name, _ in FLAG_PRIORITY if getattr(self, flag_name))
+            chosen = next(s.flag for s in FLAGGED if getattr(self, s.flag))
             message = f"offload flags are mutually exclusive: {chosen} wins; ignoring {', '.join(ignored)}"
             warnings.warn(message, UserWarning, stacklevel=3)
 
@@ -366,7 +382,7 @@ class OffloadConfig:
         "module") and to the selected strategy. One that a losing strategy flag would have used is
         warned about (one warning naming all of them); any other is an error."""
         chosen = self.strategy
-        losing = [strategy for flag_name, strategy in FLAG_PRIORITY if getattr(self, flag_name) and strategy != chosen]
+        losing = [s.name for s in FLAGGED if getattr(self, s.flag) and s.name != chosen]
         unused = []
         for field in dataclasses.fields(self):
             spec: Option = field.metadata[OPTION]
@@ -383,12 +399,12 @@ class OffloadConfig:
                 unused.append(field.name)
                 continue
             raise OffloadConfigError(
-                f"{field.name}= applies to {' or '.join(STRATEGY_WORDS[s] for s in spec.strategies)} offload, "
-                f"not to {STRATEGY_WORDS[chosen]} offload"
+                f"{field.name}= applies to {' or '.join(STRATEGIES[s].words for s in spec.strategies)} offload, "
+                f"not to {STRATEGIES[chosen].words} offload"
             )
         if unused:
             warnings.warn(
-                f"{', '.join(name + '=' for name in unused)} ignored: {STRATEGY_WORDS[chosen]} offload, "
+                f"{', '.join(name + '=' for name in unused)} ignored: {STRATEGIES[chosen].words} offload, "
                 "which wins by flag priority, does not use it",
                 UserWarning,
                 stacklevel=3,

@@ -27,12 +27,12 @@ from .device.plugins import get_backend
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .errors import AlreadyEnabledError, OffloadConfigError
-from .fitting import Fit, component_name, describe_parts, fit, out_of_memory
+from .fitting import Fit, describe_parts, fit, out_of_memory
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
 from .hostmem.placement import plan_placement
 from .installs import Mark, PipelineClass
 from .other_hooks import weight_hooks
-from .pipelines import component_kind, is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
+from .pipelines import Inventory, layerwise_layout
 from .strategies import streaming_part
 from .strategies.common import Transaction
 from .strategies.distributed import agreement
@@ -42,49 +42,46 @@ from .strategies.resident import ResidentModules
 logger = logging.getLogger(__name__)
 
 
-def enable(target: Any, config: OffloadConfig) -> OffloadHandle:
-    """Offload ``target`` (a diffusers pipeline or a module) under ``config``, already checked
-    against the kind of target (``OffloadConfig.check_applies``)."""
-    pipeline = is_pipeline(target)
-    roots = [m for m in target.components.values() if isinstance(m, nn.Module)] if pipeline else [target]
-    _refuse_taken(target, roots)
+def enable(target: Inventory, config: OffloadConfig) -> OffloadHandle:
+    """Offload ``target`` (a diffusers pipeline or a module, as its inventory) under ``config``,
+    already checked against the kind of target (``OffloadConfig.check_applies``)."""
+    _refuse_taken(target.target, list(target.roots))
     backend = get_backend(config.backend)
-    fitted = fit(target, pipeline, config, backend)  # before anything moves: an impossible budget is an error
+    fitted = fit(target, config, backend)  # before anything moves: an impossible budget is an error
     if fitted is not None:
         config = fitted.config
         if config.strategy is not None:  # a strategy the budget chose: its options must apply to it
-            config.check_applies("pipeline" if pipeline else "module")
+            config.check_applies(target.kind)
     try:
-        handle = _open(target, pipeline, roots, config, backend, fitted)
+        handle = _open(target, config, backend, fitted)
     except torch.OutOfMemoryError as exc:  # rolled back: say which budget the device could not hold
         raise out_of_memory(exc, fitted.plan if fitted is not None else None, config.strategy, backend) from exc
     return handle
 
 
-def _open(target: Any, pipeline: bool, roots: list[nn.Module], config: OffloadConfig, backend: DeviceBackend,
-          fitted: Fit | None) -> OffloadHandle:
+def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None) -> OffloadHandle:
     """The transaction itself: parts, homes, installs, the handle; all of it or, on any error,
     none (and once this frame is gone, nothing of the parts is left referenced)."""
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
     with Transaction() as txn, agreement(config) as agreed:
-        if pipeline:
+        if target.pipeline:
             parts = _pipeline_parts(target, config, backend, fitted)
         else:
             parts = [_module_part(target, config, backend, fitted)]
         agreed.parts = parts
         # without a budget, the plan of what the strategy flag set up
-        plan = fitted.plan if fitted is not None else describe_parts(target, pipeline, config, backend, parts)
-        handle = OffloadHandle(target, config, backend, baseline=baseline, plan=plan)
+        plan = fitted.plan if fitted is not None else describe_parts(target, config, backend, parts)
+        handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan)
         placement = plan_placement(parts, config, backend)
         placement.attach(parts, txn)
         for part in parts:
             part.join(handle)
             part.enable(txn)
         installs: list = []
-        if pipeline:
-            installs.append(PipelineClass(target, handle, parts, dict(pipeline_modules(target))))
-        installs.append(Mark(target, roots, handle))
+        if target.pipeline:
+            installs.append(PipelineClass(target.target, handle, parts, dict(target.modules)))
+        installs.append(Mark(target.target, list(target.roots), handle))
         for install in installs:
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
@@ -114,41 +111,40 @@ def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
         )
 
 
-def _module_part(module: nn.Module, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None):
+def _module_part(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None):
     """A module is one component: its blocks streamed (those the plan keeps stay on the device),
     resident when it has none or the plan keeps all of it, or swapped whole (model-level)."""
-    mode = fitted.mode(component_name(module)) if fitted is not None else None
+    [(name, module)] = target.modules
+    mode = fitted.mode(name) if fitted is not None else None
     if config.strategy == "model":
         return ModelLevelOffload.for_module(module, backend)
     if mode == "resident":
-        return ResidentModules([(type(module).__name__, module)], backend)
+        return ResidentModules([(name, module)], backend)
     blocks = find_blocks(module, config.blocks)
     if blocks:
-        kept = fitted.kept(component_name(module)) if fitted is not None else ()
+        kept = fitted.kept(name) if fitted is not None else ()
         return streaming_part(module, blocks, config, backend, kept)
     logger.warning("%s offload: %s has no blocks to stream, so nothing is offloaded: it stays resident on the device. "
                    "Name its block lists with the blocks= option (enable_offload(model, blocks=[\"layers\"], ...)), "
-                   "or %s", config.strategy, type(module).__name__, no_blocks_hint(module))
-    return ResidentModules([(type(module).__name__, module)], backend)
+                   "or %s", config.strategy, name, no_blocks_hint(module))
+    return ResidentModules([(name, module)], backend)
 
 
-def _pipeline_parts(pipe: Any, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None) -> list:
+def _pipeline_parts(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None) -> list:
     """A pipeline's components as parts: model-level swaps groups of them; layerwise streams the
     chosen ones (or those the plan streams, keeping its resident blocks on the device), stages
     those without blocks and keeps the rest resident."""
-    modules = pipeline_modules(pipe)
-    if not modules:
-        raise ValueError(f"{type(pipe).__name__} has no component with weights to offload")
+    modules = target.components()
     if config.strategy == "model":
         limit = fitted.plan.budget if fitted is not None else None
-        return [ModelLevelOffload(model_level_groups(pipe, modules), backend, device_limit=limit)]
+        return [ModelLevelOffload(target.swap_groups(), backend, device_limit=limit)]
     modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
-    layout = layerwise_layout(pipe, modules, config, modes)
+    layout = layerwise_layout(target, config, modes)
     parts: list = []
     for name, module, blocks in layout.streamed:
         parts.append(streaming_part(module, blocks, config, backend, fitted.kept(name) if fitted is not None else ()))
         parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
-        parts[-1].once_per_call = component_kind(pipe, name) != "dit"
+        parts[-1].once_per_call = target.kinds[name] != "dit"
     if layout.staged:
         parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))
     if layout.resident:

@@ -21,19 +21,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
+from .config import STRATEGIES, OffloadConfig
 from .device.backend import DeviceBackend
 from .errors import OffloadConfigError
-from .pipelines import component_kind, model_level_groups, pipeline_modules
+from .pipelines import Inventory, pipeline_inventory
 from .planning import Plan, describe, make_plan
 from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
-from .planning.modules import components_from_modules
+from .planning.modules import component_from_split, components_from_modules
 
 logger = logging.getLogger(__name__)
-
-#: the strategy flag of each strategy a plan can choose ("resident" has none)
-FLAGS = {strategy: flag for flag, strategy in FLAG_PRIORITY}
-
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
@@ -49,12 +45,12 @@ class Fit:
         return self.plan.component(name).resident_blocks
 
 
-def fit(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBackend) -> Fit | None:
+def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit | None:
     """The plan of ``target`` under ``config``'s ``device_memory`` (the device's free memory when
     only ``resident_blocks`` is given, and at most that), or None when neither is set."""
     if config.device_budget.auto and config.resident_blocks is None:
         return None
-    components, groups = _plan_inputs(target, pipeline, config)
+    components, groups = plan_inputs(target, config.blocks)
     if config.activation_memory is not None:
         components = [c.with_measurements(activation_bytes=config.activation_memory) for c in components]
     free, total = backend.mem_get_info()
@@ -67,26 +63,34 @@ def fit(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBacke
     )
     if plan.asked_budget > plan.budget:
         warnings.warn(plan.notes[0], UserWarning, stacklevel=4)
-    logger.info("device plan for %s:\n%s", type(target).__name__, plan.render())
-    flag = FLAGS.get(plan.strategy)
+    logger.info("device plan for %s:\n%s", type(target.target).__name__, plan.render())
+    flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
     return Fit(plan, chosen)
 
 
-def describe_parts(target: Any, pipeline: bool, config: OffloadConfig, backend: DeviceBackend,
-                   parts: Sequence[Any]) -> Plan:
+def describe_parts(target: Inventory, config: OffloadConfig, backend: DeviceBackend, parts: Sequence[Any]) -> Plan:
     """The plan of what the strategy flag set up without a device budget: each component's mode
-    and resident blocks read from ``parts`` (built, nothing moved yet), its figures the planner's."""
-    components, groups = _plan_inputs(target, pipeline, config)
+    and resident blocks read from ``parts`` (built, nothing moved yet), its figures the planner's.
+    A streamed component is measured by its part's own units (the packer has split it already);
+    the others as the planner measures any module."""
     layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    split: dict[str, Any] = {}
     for part in parts:
         if hasattr(part, "kept_names"):  # a streamed component (layerwise, distributed)
             layout[part.label] = (STREAMED, tuple(part.all_names.index(n) for n in part.kept_names))
+            split[part.label] = part
         elif hasattr(part, "groups"):  # model-level: swapped, or staged around its use (prefetch off)
             layout.update({c.name: (SWAPPED if part.prefetch else STAGED, ()) for g in part.groups
                            for c in g.components})
         else:
             layout.update({name: (RESIDENT, ()) for name, _ in part.members})
+    components = [
+        component_from_split(name, module, target.kinds[name], split[name].resident, split[name].units)
+        if name in split else components_from_modules([(name, module)], target.kinds, config.blocks)[0]
+        for name, module in target.components()
+    ]
+    groups = _group_names(target) if target.pipeline else None
     return describe(components, layout, config.strategy, device_total=backend.mem_get_info()[1], groups=groups,
                     prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
                     pinned_memory=config.pinned_memory)
@@ -103,7 +107,7 @@ def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, b
     free, total = backend.mem_get_info()
     device = f"the device, which has {size(free)} free of {size(total)} now"
     if plan is None:
-        what = (f"{STRATEGY_WORDS.get(strategy or '', strategy)} offload without a device budget; if the device "
+        what = (f"{STRATEGIES[strategy].words} offload without a device budget; if the device "
                 f"filled ({device}), give device_memory=, and the planner keeps within it")
     else:
         what = (f"device_memory={size(plan.budget)}, planned to peak at {size(plan.device_peak)} on {device}; if "
@@ -113,29 +117,24 @@ def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, b
                                   f"under {what}")
 
 
-def _plan_inputs(target: Any, pipeline: bool, config: OffloadConfig) -> tuple[list, list[list[str]] | None]:
-    """The planner's components of ``target`` and its model-level swap groups (None: a module)."""
-    if not pipeline:
-        name = component_name(target)
-        return components_from_modules([(name, target)], {name: "dit"}, config.blocks), None
-    modules = pipeline_modules(target)
-    if not modules:
-        raise ValueError(f"{type(target).__name__} has no component with weights to offload")
-    return plan_inputs(target, modules, config.blocks)
+def plan_inputs(target: Inventory, blocks: Any = None) -> tuple[list, list[list[str]] | None]:
+    """The planner's components of ``target`` and its model-level swap groups (None: a module):
+    what enable and ``offload-core plan`` both plan from."""
+    components = components_from_modules(target.components(), target.kinds, blocks)
+    return components, _group_names(target) if target.pipeline else None
 
 
-def plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None) -> tuple[list, list[list[str]]]:
-    """The planner's components of a pipeline's ``(name, module)`` pairs, each of its kind (with
-    ``pipe`` None, read from the names alone), and the pipeline's model-level swap groups: what
-    enable and ``offload-core plan`` both plan from."""
-    components = components_from_modules(modules, {name: component_kind(pipe, name) for name, _ in modules}, blocks)
-    groups = [[name for name, _ in members] for _, members in model_level_groups(pipe, modules)]
-    return components, groups
+def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None
+                         ) -> tuple[list, list[list[str]]]:
+    """:func:`plan_inputs` of a pipeline's ``(name, module)`` pairs (with ``pipe`` None, each
+    component's kind read from its name); none is no error here, the planner says there is
+    nothing to plan."""
+    target = pipeline_inventory(pipe, modules)
+    return components_from_modules(modules, target.kinds, blocks), _group_names(target)
 
 
-def component_name(module: nn.Module) -> str:
-    """A bare model is the plan's one component, named by its class."""
-    return type(module).__name__
+def _group_names(target: Inventory) -> list[list[str]]:
+    return [[name for name, _ in members] for _, members in target.swap_groups()]
 
 
 def _world(config: OffloadConfig) -> int:

@@ -3,9 +3,11 @@
 Components come from ``pipe.components`` and are sorted into kinds: ``dit`` (the denoisers),
 ``text_encoder`` (every prompt/image encoder), ``vae`` (decoders back to pixels or sound) and
 ``other``. The generic rule works on component names; ``PIPELINE_OVERRIDES`` fixes the pipelines
-it gets wrong. The pipeline's own ``model_cpu_offload_seq`` gives the usual order of use. Pure
-functions of the pipeline and the config: the enable transaction (``enable.py``) makes the parts,
-and the pipeline's subclass while offloading is on is an install (``installs.py``).
+it gets wrong. The pipeline's own ``model_cpu_offload_seq`` gives the usual order of use. What
+the enable path needs of its target is read here once, as an :class:`Inventory` that ``enable_offload``
+makes and hands down, so that no layer below asks the target again. Pure functions of the pipeline
+and the config: the enable transaction (``enable.py``) makes the parts, and the pipeline's subclass
+while offloading is on is an install (``installs.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -61,14 +63,54 @@ def pipeline_modules(pipe: Any) -> list[tuple[str, nn.Module]]:
     return [(n, modules[n]) for n in order]
 
 
-def model_level_groups(pipe: Any, modules: list[tuple[str, nn.Module]]) -> list[tuple[str, list]]:
-    """Swap groups: all encoders together, each DiT alone, all VAEs together, the rest alone."""
-    groups: dict[str, list] = {}
-    for name, module in modules:
-        kind = component_kind(pipe, name)
-        key = kind if kind in ("text_encoder", "vae") else name
-        groups.setdefault(key, []).append((name, module))
-    return list(groups.items())
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """A target as the enable path sees it: whether it is a pipeline, the roots whose weights it
+    holds (every ``nn.Module`` component of a pipeline), and its weight-holding components in their
+    usual order of use with their kinds. A bare module is one component, a DiT named by its class."""
+
+    target: Any
+    pipeline: bool
+    roots: tuple[nn.Module, ...]
+    modules: tuple[tuple[str, nn.Module], ...]
+    kinds: Mapping[str, str]
+
+    @property
+    def kind(self) -> str:
+        """What :meth:`OffloadConfig.check_applies` takes: "pipeline" or "module"."""
+        return "pipeline" if self.pipeline else "module"
+
+    def components(self) -> list[tuple[str, nn.Module]]:
+        """The weight-holding components; a pipeline with none has nothing to offload."""
+        if not self.modules:
+            raise ValueError(f"{type(self.target).__name__} has no component with weights to offload")
+        return list(self.modules)
+
+    def swap_groups(self) -> list[tuple[str, list]]:
+        """Model-level swap groups: all encoders together, each DiT alone, all VAEs together, the rest alone."""
+        groups: dict[str, list] = {}
+        for name, module in self.modules:
+            kind = self.kinds[name]
+            key = kind if kind in ("text_encoder", "vae") else name
+            groups.setdefault(key, []).append((name, module))
+        return list(groups.items())
+
+
+def inventory(target: Any) -> Inventory | None:
+    """The inventory of a diffusers pipeline or an ``nn.Module``; None for anything else."""
+    if is_pipeline(target):
+        roots = tuple(m for m in target.components.values() if isinstance(m, nn.Module))
+        return dataclasses.replace(pipeline_inventory(target, pipeline_modules(target)), roots=roots)
+    if isinstance(target, nn.Module):
+        name = type(target).__name__
+        return Inventory(target, False, (target,), ((name, target),), {name: "dit"})
+    return None
+
+
+def pipeline_inventory(pipe: Any, modules: list[tuple[str, nn.Module]]) -> Inventory:
+    """The inventory of a pipeline's ``(name, module)`` pairs; with ``pipe`` None (modules built
+    on their own, as ``offload-core plan`` does for real-size configs), kinds read from the names."""
+    return Inventory(pipe, True, (), tuple(modules), {name: component_kind(pipe, name) for name, _ in modules})
 
 
 @dataclasses.dataclass
@@ -80,20 +122,21 @@ class LayerwiseLayout:
     resident: list[tuple[str, nn.Module]]
 
 
-def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: OffloadConfig,
-                     modes: dict[str, str] | None = None) -> LayerwiseLayout:
+def layerwise_layout(target: Inventory, config: OffloadConfig, modes: dict[str, str] | None = None
+                     ) -> LayerwiseLayout:
     """Streamed components stream their blocks; one without blocks is staged like the VAE (onto
     the device around its use, dropped at the end of the call), so that no single component can
     fail the whole pipeline; the rest stays resident. Which are streamed: ``config.components``,
     or a device plan's ``modes`` (component name -> "streamed", "staged" or "resident")."""
     if modes is not None:
-        return _planned_layout(pipe, modules, modes, config)
+        return _planned_layout(target, modes, config)
     streamed = config.components or ("dit",)
     layout = LayerwiseLayout([], [], [])
-    kinds = {name: component_kind(pipe, name) for name, _ in modules}
+    kinds = target.kinds
     if "dit" not in kinds.values() and "dit" in streamed:
-        raise OffloadConfigError(f"{type(pipe).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
-    for name, module in modules:
+        raise OffloadConfigError(
+            f"{type(target.target).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
+    for name, module in target.modules:
         kind = kinds[name]
         if kind in ("dit", "text_encoder") and kind in streamed:
             blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
@@ -108,12 +151,11 @@ def layerwise_layout(pipe: Any, modules: list[tuple[str, nn.Module]], config: Of
     return layout
 
 
-def _planned_layout(pipe: Any, modules: list[tuple[str, nn.Module]], modes: dict[str, str], config: OffloadConfig
-                    ) -> LayerwiseLayout:
+def _planned_layout(target: Inventory, modes: dict[str, str], config: OffloadConfig) -> LayerwiseLayout:
     layout = LayerwiseLayout([], [], [])
-    for name, module in modules:
+    for name, module in target.modules:
         if modes[name] == "streamed":  # blocks= names the DiTs' block lists, as the plan read them
-            attrs = config.blocks if component_kind(pipe, name) == "dit" else None
+            attrs = config.blocks if target.kinds[name] == "dit" else None
             layout.streamed.append((name, module, find_blocks(module, attrs)))
         elif modes[name] == "staged":
             layout.staged.append((name, [(name, module)]))

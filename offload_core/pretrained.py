@@ -23,26 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from .api import given_options, resolve_config
+from .api import enable_offload, given_options, resolve_config
 from .config import OffloadConfig
 from .device.backend import DeviceBackend
 from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.budget import auto_host_budget
+from .pipelines import inventory
 from .hostmem.disk import FileSlice, read_index
 from .weights.checkpoint import attach_slices
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -50,32 +49,28 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 
+def _with_offload_options(func: Callable[..., OffloadHandle]) -> Callable[..., OffloadHandle]:
+    """``func``'s signature with :func:`enable_offload`'s options (its keyword-only parameters)
+    before its ``**`` parameter: one list of options, which ``help()`` and ``inspect.signature``
+    show for both functions."""
+    *own, rest = inspect.signature(func).parameters.values()
+    options = [p for p in inspect.signature(enable_offload).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    func.__signature__ = inspect.signature(func).replace(parameters=[*own, *options, rest])
+    return func
+
+
+@_with_offload_options
 def from_pretrained(
     path: str | os.PathLike,
     *,
     torch_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
-    enable_cpu_offload: bool = False,
-    enable_layerwise_offload: bool = False,
-    enable_distributed_layerwise_offload: bool = False,
-    backend: str | DeviceBackend | None = None,
-    pin_memory: bool = True,
-    prefetch_depth: int = 1,
-    process_group: ProcessGroup | None = None,
-    shard_host_weights: bool = True,
-    components: Sequence[str] | None = None,
-    blocks: Sequence[str] | None = None,
-    pinned_memory: int | float | str | None = None,
-    host_memory: int | float | str | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    device_memory: int | float | str | None = None,
-    resident_blocks: int | str | None = None,
-    activation_memory: int | str | None = None,
     **replaced_components: Any,
 ) -> OffloadHandle:
     """Load the diffusers pipeline (a folder with ``model_index.json``) or single diffusers or
     transformers model (a folder with ``config.json``) at ``path`` and turn offloading on, weights
     read from the checkpoint straight into their offloaded homes. The options are
-    :func:`enable_offload`'s; ``handle.target`` is the loaded pipeline or model.
+    :func:`enable_offload`'s (the signature lists them); ``handle.target`` is the loaded pipeline
+    or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
     (or ``"default"``) to dtype. For a pipeline, ``replaced_components``: a keyword naming one of
@@ -85,11 +80,12 @@ def from_pretrained(
     loading starts; the blocks beyond it stay on disk and are read from the checkpoint when they
     run. See ``docs/bigger-than-ram.md``.
     """
-    options = given_options(locals(), replaced_components)
+    defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+    passed = replaced_components  # the options too: the signature names them, the call brings them here
+    options = given_options({**defaults, **passed}, {k: v for k, v in passed.items() if k not in defaults})
     folder = os.fspath(path)
     index = _model_index(folder)
-    fields = {f.name for f in dataclasses.fields(OffloadConfig)}
-    replaced = {k: options.pop(k) for k in list(options) if k not in fields and index is not None and k in index}
+    replaced = {k: options.pop(k) for k in list(options) if k not in defaults and index is not None and k in index}
     config = resolve_config(None, options)
     if torch_dtype is not None and not isinstance(torch_dtype, (torch.dtype, dict)):
         raise OffloadConfigError(f"torch_dtype must be a torch.dtype (or, for a pipeline, a dict), got {torch_dtype!r}")
@@ -107,7 +103,7 @@ def from_pretrained(
     if config.strategy == "layerwise" and config.host_budget.auto:
         config = dataclasses.replace(config, host_memory=auto_host_budget())
     target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
-    return enable(target, config)
+    return enable(inventory(target), config)
 
 
 def _model_index(folder: str) -> dict | None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.fitting import plan_inputs
+from offload_core.fitting import pipeline_plan_inputs
 from offload_core.pipelines import pipeline_modules
 from offload_core.planning import make_plan
 from offload_core.tiny import build_pipeline
@@ -27,7 +27,7 @@ ACTIVATION = 16 * 2**10  # given: the fake counts the weights' device memory, no
 
 
 def components(pipe):
-    return plan_inputs(pipe, pipeline_modules(pipe))[0]
+    return pipeline_plan_inputs(pipe, pipeline_modules(pipe))[0]
 
 
 def streamed_copies(handle) -> dict[str, tuple[int, int]]:

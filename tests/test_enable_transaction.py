@@ -2,7 +2,7 @@
 a failure at its very last step (an install half put on the target) leaves either target exactly
 as it was, unregistered, so that it can be enabled again. And the path flows downward: a static
 walk of where ``enable_offload``'s target goes (tools/enable_walk.py) climbs back up to a higher
-layer at most four times."""
+layer at most four times, and reads each fact of a pipeline once."""
 
 from __future__ import annotations
 
@@ -69,9 +69,20 @@ def test_a_failure_at_the_last_step_of_enable_leaves_the_target_as_it_was(kind, 
 
 
 def test_the_enable_path_climbs_at_most_four_times():
-    stays, climbs = enable_walk.walk(enable_walk.Package(enable_walk.ROOT))
+    stays, climbs, _ = enable_walk.walk(enable_walk.Package(enable_walk.ROOT))
     assert "enable" in stays and "handle" in stays, "the walk no longer follows the target through enable"
     assert len(climbs) <= 4, climbs
+
+
+def test_each_pipeline_fact_is_read_once():
+    """What a target is (a pipeline or not, its components, their kinds) is read from it once,
+    into the inventory that enable_offload hands down: no function of pipelines.py is reached
+    from two places (the inventory's own methods read what it holds)."""
+    asks = enable_walk.walk(enable_walk.Package(enable_walk.ROOT)).asks
+    reads = {callee: sites for callee, sites in asks.items()
+             if callee.startswith("pipelines.") and not callee.startswith("pipelines.Inventory.")}
+    assert {"pipelines.is_pipeline", "pipelines.pipeline_modules"} <= reads.keys()
+    assert {callee: sites for callee, sites in reads.items() if len(sites) > 1} == {}
 
 
 #: beside the library: the command, its benchmarks and demos, the pytest plugin (docs/design.md)
@@ -116,6 +127,6 @@ def test_the_walk_sees_a_climb(tmp_path):
             def __init__(self, target):
                 self.target = target
     """))
-    stays, climbs = enable_walk.walk(enable_walk.Package(package))
+    stays, climbs, _ = enable_walk.walk(enable_walk.Package(package))
     assert stays == {"api": {"enable_offload"}, "strategies.part": {"pack"}, "handle": {"Handle.__init__"}}
     assert climbs == [("strategies.part", "pack", "handle", "__init__")]

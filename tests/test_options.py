@@ -169,3 +169,18 @@ def test_a_new_option_is_one_field_checked_like_the_others():
     with pytest.raises(OffloadConfigError, match="budget= applies to layerwise offload, not to model-level"):
         _WithBudget(enable_cpu_offload=True, budget=5).check_applies("module")
     _WithBudget(enable_layerwise_offload=True, budget=5).check_applies("module")
+
+
+def test_from_pretrained_takes_enable_offloads_options_from_its_signature():
+    """One list of options: from_pretrained's signature (what help() shows, what a call binds
+    to) has enable_offload's, with their defaults and annotations, between its own parameters."""
+    import inspect
+
+    from offload_core.pretrained import from_pretrained
+
+    options = [p for p in inspect.signature(offload_core.enable_offload).parameters.values()
+               if p.kind is p.KEYWORD_ONLY]
+    assert [p.name for p in options] == [f.name for f in dataclasses.fields(OffloadConfig)]
+    params = list(inspect.signature(from_pretrained).parameters.values())
+    assert [p.name for p in params[:2]] == ["path", "torch_dtype"] and params[-1].kind is params[-1].VAR_KEYWORD
+    assert params[2:-1] == options

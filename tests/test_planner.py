@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import OffloadConfigError
-from offload_core.planning import Component, choose_resident, device_budget, make_plan, simulate
+from offload_core.planning import Component, choose_resident, device_bytes, make_plan, simulate
 from offload_core.planning.modules import component_from_module
 from offload_core.planning.timing import spread
 from offload_core.weights.unit import ALIGN_BYTES
@@ -37,16 +37,16 @@ def plan(budget, **kwargs):
 
 
 def test_device_memory_is_bytes_a_size_string_or_a_fraction_of_the_device():
-    assert device_budget(12345) == 12345
-    assert device_budget("16GiB") == 16 * 2**30
-    assert device_budget("12 GB") == 12 * 10**9
-    assert device_budget(0.5, total=80 * 2**30) == 40 * 2**30
+    assert device_bytes(12345) == 12345
+    assert device_bytes("16GiB") == 16 * 2**30
+    assert device_bytes("12 GB") == 12 * 10**9
+    assert device_bytes(0.5, total=80 * 2**30) == 40 * 2**30
     with pytest.raises(OffloadConfigError, match="fraction of the device's memory, which is unknown"):
-        device_budget(0.5)
+        device_bytes(0.5)
     with pytest.raises(OffloadConfigError, match="invalid device_memory='16 gigs'"):
-        device_budget("16 gigs")
+        device_bytes("16 gigs")
     with pytest.raises(OffloadConfigError, match="needs a budget"):
-        device_budget(None)
+        device_bytes(None)
 
 
 @pytest.mark.parametrize("budget, strategy", [
@@ -323,5 +323,5 @@ def test_the_smallest_budget_printed_works_when_typed_back(seed, strategy):
     accepted = make_plan(components, printed, strategy=strategy)
     assert accepted.min_budget <= accepted.budget
     assert f"the smallest budget that works: {printed}" in accepted.render()
-    exact = device_budget(printed)
+    exact = device_bytes(printed)
     assert exact - accepted.min_budget < scale // 10, "rounded up by less than the last printed digit"

@@ -12,7 +12,9 @@ followed. Each function reached is a *stay*; a call from a module to one in a hi
     python tools/enable_walk.py                 # this checkout's offload_core/
     python tools/enable_walk.py --root DIR      # another copy of the package (an older commit)
 
-It prints the stays per module and every climb; ``--max-climbs N`` makes it exit 1 above N.
+It prints the stays per module, every climb, and the call sites of each function of ``FACTS``
+that reads the target (a fact asked again instead of handed down shows as two sites);
+``--max-climbs N`` makes it exit 1 above N.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ast
 import pathlib
 import sys
 from collections import defaultdict
+from typing import NamedTuple
 
 #: the layer diagram of docs/design.md, top (0) to bottom: a module may call into its own layer
 #: and the ones below. Matched by longest prefix. backend/accelerator/hookspecs are the import
@@ -40,6 +43,8 @@ LAYERS = {
     "plugins": 7, "dist": 7, "memory_accounting": 7,
 }
 START = ("api", "enable_offload", "target")
+#: the module that reads what a target is (a pipeline or not, its components and their kinds)
+FACTS = "pipelines"
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"
 
 
@@ -165,19 +170,31 @@ def parameters(func: ast.AST, skip_first: bool) -> tuple[list[str], set[str]]:
     return (positional[1:] if skip_first else positional), {a.arg for a in (*args.args, *args.kwonlyargs)}
 
 
-def walk(pkg: Package):
+class Walk(NamedTuple):
+    """``stays``: module -> the functions reached in it; ``climbs``: (caller module, caller,
+    callee module, callee) of each call into a higher layer; ``asks``: "module.function" -> the
+    call sites ("module.function:line") that pass it something made from the target."""
+
+    stays: dict[str, set[str]]
+    climbs: list[tuple[str, str, str, str]]
+    asks: dict[str, set[str]]
+
+
+def walk(pkg: Package) -> Walk:
     start_module, start_func, start_arg = START
     queue = [(start_module, pkg.defs[start_module][start_func], None, frozenset({start_arg}))]
     seen: dict[int, set[str]] = {}
     stays: dict[str, set[str]] = defaultdict(set)
     climbs: list[tuple[str, str, str, str]] = []
+    asks: dict[str, set[str]] = defaultdict(set)
     while queue:
         module, func, cls, params = queue.pop()
         key = id(func)
         if params <= seen.get(key, set()):
             continue
         seen.setdefault(key, set()).update(params)
-        stays[module].add(f"{cls.name}.{func.name}" if cls is not None else func.name)
+        here_name = f"{cls.name}.{func.name}" if cls is not None else func.name
+        stays[module].add(here_name)
         tainted = spread(func, set(seen[key]))
         classes = known_classes(pkg, module, func)
         for call in (n for n in ast.walk(func) if isinstance(n, ast.Call)):
@@ -195,11 +212,13 @@ def walk(pkg: Package):
                     received.add(callee.args.args[0].arg)  # the object made from the target is ``self``
                 if not received:
                     continue
+                callee_name = f"{callee_cls.name}.{callee.name}" if callee_cls is not None else callee.name
+                asks[f"{callee_module}.{callee_name}"].add(f"{module}.{here_name}:{call.lineno}")
                 here, there = layer(module), layer(callee_module)
                 if here is not None and there is not None and there < here:
                     climbs.append((module, func.name, callee_module, callee.name))
                 queue.append((callee_module, callee, callee_cls, frozenset(received)))
-    return stays, climbs
+    return Walk(stays, climbs, asks)
 
 
 def known_classes(pkg: Package, module: str, func: ast.AST) -> dict[str, tuple[str, ast.ClassDef]]:
@@ -274,11 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=pathlib.Path, default=ROOT)
     parser.add_argument("--max-climbs", type=int, default=None)
     args = parser.parse_args(argv)
-    stays, climbs = walk(Package(args.root))
+    stays, climbs, asks = walk(Package(args.root))
     for module in sorted(stays):
         print(f"{module}: {', '.join(sorted(stays[module]))}")
     for caller_module, caller, callee_module, callee in climbs:
         print(f"climb: {caller_module}.{caller} -> {callee_module}.{callee}")
+    for callee in sorted(asks):
+        if callee.startswith(f"{FACTS}.") and callee.count(".") == 1:
+            print(f"{callee} asked from {', '.join(sorted(asks[callee]))}")
     total = sum(len(v) for v in stays.values())
     print(f"{total} stays in {len(stays)} modules, {len(climbs)} climbs")
     return 1 if args.max_climbs is not None and len(climbs) > args.max_climbs else 0

@@ -112,7 +112,7 @@ def pipeline_names() -> dict[str, str]:
 def _components(args: argparse.Namespace, bandwidth: float):
     """The plan inputs of the pipeline the flags name (copies at ``bandwidth`` bytes per second),
     and its model-level swap groups."""
-    from ..fitting import plan_inputs
+    from ..fitting import pipeline_plan_inputs
     from ..pipelines import pipeline_modules
 
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
@@ -126,7 +126,7 @@ def _components(args: argparse.Namespace, bandwidth: float):
         pipeline_class(load_args)  # checks a --model folder before loading it
         pipe = load(load_args).pipe
         modules = pipeline_modules(pipe)
-    components, groups = plan_inputs(pipe, modules)
+    components, groups = pipeline_plan_inputs(pipe, modules)
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
@@ -185,11 +185,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.prefetch_depth < 1:
         raise UsageError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
     from ..errors import OffloadConfigError
-    from ..planning import device_budget, make_plan
+    from ..planning import device_bytes, make_plan
 
     free, total = device_memory(args.backend)
     try:
-        budget = device_budget(args.device_memory, total)
+        budget = device_bytes(args.device_memory, total)
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None
     bandwidth, bandwidth_source = _copy_bandwidth(args)

@@ -12,10 +12,10 @@ Importing this package imports no torch (the CLI's ``plan --help`` stays fast); 
 :mod:`.realsize` do.
 """
 
-from .components import Component, device_budget
+from .components import Component, device_bytes
 from .plan import ComponentPlan, Plan
 from .planner import describe, make_plan
 from .timing import Forward, choose_resident, simulate
 
-__all__ = ["Component", "ComponentPlan", "Forward", "Plan", "choose_resident", "describe", "device_budget",
+__all__ = ["Component", "ComponentPlan", "Forward", "Plan", "choose_resident", "describe", "device_bytes",
            "make_plan", "simulate"]

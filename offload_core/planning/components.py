@@ -76,7 +76,7 @@ class Component:
         return dataclasses.replace(self, **values)
 
 
-def device_budget(value: object, total: int | None = None) -> int:
+def device_bytes(value: object, total: int | None = None) -> int:
     """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a
     fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``): a float, or a
     string with a decimal point, in (0, 1]. Read by the one size parser of every option

@@ -53,9 +53,7 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit",
             raise
         found = []
     try:  # the packer's own units: their sizes include the alignment of every region
-        resident, units = split_units(module, found, report=False)
-        whole = WeightUnit(name, collect_tensors([module]), report=False)  # as it is kept resident, staged or swapped
-        return Component(name, kind, resident.nbytes, tuple(u.nbytes for u in units), unit_bytes=whole.nbytes)
+        return component_from_split(name, module, kind, *split_units(module, found, report=False))
     except UnsupportedTensorError:  # meta tensors with no checkpoint behind them: a real-size config
         pass
     per_block = [_tensors(block) for _, block in found]
@@ -66,6 +64,14 @@ def component_from_module(name: str, module: nn.Module, kind: str = "dit",
             owners[key] = owners.get(key, 0) + 1
     block_bytes = tuple(sum(b for key, b in tensors.items() if owners[key] == 1) for tensors in per_block)
     return Component(name, kind, sum(everything.values()) - sum(block_bytes), block_bytes)
+
+
+def component_from_split(name: str, module: nn.Module, kind: str, resident: WeightUnit,
+                         units: Sequence[WeightUnit]) -> Component:
+    """The :class:`Component` of ``module`` as the packer split it (``split_units``: its resident
+    weights and its blocks' units), so that a part that has split it already is not split again."""
+    whole = WeightUnit(name, collect_tensors([module]), report=False)  # as it is kept resident, staged or swapped
+    return Component(name, kind, resident.nbytes, tuple(u.nbytes for u in units), unit_bytes=whole.nbytes)
 
 
 def components_from_modules(modules: Sequence[tuple[str, nn.Module]], kinds: Mapping[str, str],

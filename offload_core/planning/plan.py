@@ -10,13 +10,13 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+from ..config import STRATEGIES
+
 #: what a component does under the plan
 RESIDENT = "resident"  # on the device for the whole run
 STREAMED = "streamed"  # layerwise: its resident blocks stay, the others stream through the slot ring
 STAGED = "staged"  # copied onto the device around its use and dropped after (a VAE under layerwise)
 SWAPPED = "swapped"  # model-level: its group swaps in when it runs
-STRATEGY_WORDS = {"resident": "no offload (everything resident)", "model": "model-level offload",
-                  "layerwise": "layerwise offload", "distributed": "distributed layerwise offload"}
 
 
 def size(n: float, up: bool = False) -> str:
@@ -184,12 +184,12 @@ class Plan:
     def render(self) -> str:
         by = "the budget" if self.chosen_by == "budget" else "the strategy flag"
         if self.budget is None:
-            lines = [f"no device budget: {STRATEGY_WORDS[self.strategy]}, chosen by {by}",
+            lines = [f"no device budget: {STRATEGIES[self.strategy].phrase}, chosen by {by}",
                      f"predicted device peak {size(self.device_peak)}"]
         else:
             total = f" of {size(self.device_total)}" if self.device_total else ""
             clamped = f" (clamped from {size(self.asked_budget)})" if (self.asked_budget or 0) > self.budget else ""
-            lines = [f"budget {size(self.budget)}{total}{clamped}: {STRATEGY_WORDS[self.strategy]}, chosen by {by}",
+            lines = [f"budget {size(self.budget)}{total}{clamped}: {STRATEGIES[self.strategy].phrase}, chosen by {by}",
                      f"predicted device peak {size(self.device_peak)}; the smallest budget that works: "
                      f"{size(self.min_budget, up=True)}"]
         if self.strategy in ("layerwise", "distributed"):

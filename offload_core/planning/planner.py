@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+from ..config import FLAGGED, STRATEGIES
 from ..errors import OffloadConfigError
-from .components import Component, device_budget
+from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, ComponentPlan, Plan, size
 from .timing import choose_resident, simulate
 
-STRATEGIES = ("resident", "model", "layerwise", "distributed")
+#: the strategies a plan can be asked to size, coarsest first
+SIZED = tuple(s.name for s in reversed(FLAGGED))
 #: order in which layerwise gives spare budget to resident blocks: the DiTs run every step, the
 #: text encoders once per call
 BLOCK_PRIORITY = ("dit", "text_encoder")
@@ -35,7 +37,6 @@ DISTRIBUTED_DEPTH = 1
 #: aborted, disabling), and the headers it gathers, two rows of four per rank
 GATHER_SENT_BYTES = 3 * 4 * 8
 GATHER_GATHERED_BYTES = 2 * 4 * 8
-STRATEGY_WORDS_SHORT = {"layerwise": "layerwise", "distributed": "distributed layerwise", "model": "model-level"}
 
 
 @dataclasses.dataclass
@@ -179,8 +180,8 @@ def _check_options(components: Sequence[Component], strategy: str | None, reside
                    prefetch_depth: object) -> None:
     if not components:
         raise OffloadConfigError("nothing to plan: no component holds weights")
-    if strategy is not None and strategy not in STRATEGIES[1:]:
-        raise OffloadConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES[1:])}")
+    if strategy is not None and strategy not in SIZED:
+        raise OffloadConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(SIZED)}")
     if resident_blocks != "auto" and (isinstance(resident_blocks, bool) or not isinstance(resident_blocks, int)
                                       or resident_blocks < 0):
         raise OffloadConfigError(f"invalid resident_blocks={resident_blocks!r}: expected 'auto' or an integer >= 0")
@@ -218,7 +219,7 @@ def make_plan(
     and block compute times feed the predictions (``bandwidth_source`` says where the bandwidth
     came from, for the text)."""
     _check_options(components, strategy, resident_blocks, prefetch_depth)
-    asked = device_budget(device_memory, device_total)
+    asked = device_bytes(device_memory, device_total)
     budget = asked if device_free is None else min(asked, device_free)
     groups = [list(g) for g in groups] if groups is not None else [[c.name] for c in components]
     layered = "distributed" if world_size > 1 else "layerwise"
@@ -255,7 +256,7 @@ def make_plan(
             raise OffloadConfigError(
                 f"device_memory={size(budget)} is too small: the smallest budget that works is "
                 f"{size(smallest, up=True)} "
-                f"({STRATEGY_WORDS_SHORT[layered if smallest == floor else 'model']}"
+                f"({STRATEGIES[layered if smallest == floor else 'model'].words}"
                 + (", every block streamed" if smallest == floor else "") + ")")
         parts = [_component_plan(s.component, s.mode, prefetch_depth, s.kept, s.held(prefetch_depth),
                                  s.slot_bytes(prefetch_depth) if s.mode == STREAMED else 0) for s in states]

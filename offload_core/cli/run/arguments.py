@@ -17,13 +17,15 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ...config import FLAGGED
 from ..common import UsageError, available_backend, budget_type, check_writable
 
 if TYPE_CHECKING:
     from ...device.backend import DeviceBackend
     from ...tiny import PipelineSpec
 
-STRATEGIES = ("none", "model", "layerwise", "distributed")
+#: "none" runs the pipeline without offload; the others are the strategies a flag selects, coarsest first
+STRATEGIES = ("none", *(s.name for s in reversed(FLAGGED)))
 DEFAULT_PIPELINE = "flux2-deep"
 #: the demo's denoising steps unless --steps is given: enough after the first for its figures to
 #: be a steady state with a range (the zoo's pipelines keep their two)

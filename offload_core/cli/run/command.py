@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ...config import STRATEGIES
 from ...device.backend import DeviceBackend
 from ...errors import OffloadConfigError
 from ...timeline import Timeline
@@ -290,11 +291,8 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     options: dict[str, Any] = {"backend": backend}
     if args.device_memory is not None:
         options["device_memory"] = args.device_memory
-    if args.strategy == "model":
-        options["enable_cpu_offload"] = True
-    elif args.strategy == "distributed":
-        options["enable_distributed_layerwise_offload"] = True
-    elif args.strategy == "layerwise":
-        options["enable_layerwise_offload"] = True
+    if args.strategy is not None:  # else the device budget picks it
+        options[STRATEGIES[args.strategy].flag] = True
+    if args.strategy == "layerwise":
         options["prefetch_depth"] = args.prefetch_depth or 1
     return enable_offload(pipe, **options)
