@@ -36,7 +36,7 @@ from offload_core_npu import NpuBackend
 
 from helpers import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENDOR_NAMES = ("torch.cuda", "torch.npu", "torch_npu")
 
 no_cuda_build = pytest.mark.skipif(

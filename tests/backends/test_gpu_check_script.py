@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECK, WHEELS, CHECKS = REPO / "ci" / "gpu-check.sh", REPO / "ci" / "gpu-wheels.sh", REPO / "ci" / "gpu_check.py"
 
 

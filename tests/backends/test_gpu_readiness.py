@@ -157,7 +157,7 @@ def _headers_worker(rank: int, port: int) -> None:
     """Rank 0 fails in block 1 while the stager is still behind with block 2's load: the headers
     each rank gathers, in the order it issues them, must pair up, and rank 0's loads after its
     failure must say so."""
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     from contract_models import raise_once
 

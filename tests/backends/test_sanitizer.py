@@ -61,7 +61,7 @@ def test_compute_reading_a_copy_destination(b, ordered):
         assert "read by aten.mul.Tensor on stream 'default'" in report
         assert f"write by copy_async (H2D) on stream '{side.name}'" in report
         assert f"tensor ({N},) float32, bytes [0, {4 * N})" in report
-        assert "tests/test_sanitizer.py" in report and "in test_compute_reading_a_copy_destination" in report
+        assert "tests/backends/test_sanitizer.py" in report and "in test_compute_reading_a_copy_destination" in report
     b.synchronize()
 
 

@@ -30,7 +30,7 @@ from offload_core import BackendNotFoundError, hookimpl
 from offload_core.plugins import ENV_BACKEND, IN_TREE_DISTRIBUTION, BackendInfo, Registry
 from offload_core_fake import FakeBackend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "docs" / "examples" / "minimal_backend"
 DOC = REPO / "docs" / "backends.md"
 

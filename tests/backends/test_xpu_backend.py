@@ -24,7 +24,7 @@ from test_conformance_can_fail import outcomes
 from test_accelerator_backends import Recorder, _signature_problems, run_python, torch_as_of
 from xpu_standin import StandInXpu, StandInXpuBackend
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 no_xpu_build = pytest.mark.skipif(torch.xpu._is_compiled(), reason="this torch build has XPU")
 pytestmark = pytest.mark.quick
 

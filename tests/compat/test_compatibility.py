@@ -18,7 +18,7 @@ from helpers import chaos_backend, free_port
 #: the table is a statement about the fake backend (chaos mode, its sanitizer, CPU references)
 pytestmark = pytest.mark.fake_only
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 WORLD = 2
 SINGLE = cells(("model", "layerwise"))
 
@@ -31,7 +31,7 @@ def test_cell(case, strategy, verdict):
 def _worker(rank: int, port: int) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])  # tests/ helpers in the spawned process
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/ helpers in the spawned process
     torch.set_num_threads(1)
     import compat_cases
     from helpers import chaos_backend

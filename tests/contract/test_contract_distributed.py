@@ -36,7 +36,7 @@ def spawn_bounded(fn, *args) -> None:
 
 
 def _setup(rank: int, port: int):
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     import offload_core
 

@@ -16,7 +16,7 @@ from offload_core.cli_common import UsageError
 
 pytestmark = pytest.mark.quick
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "index.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "index.md"
 TABLE = re.compile(r"<!-- size table: .*? -->\n\| you write \| it means \|\n\| --- \| --- \|\n((?:\|.*\|\n)+)")
 BUDGETS = ("device_memory", "pinned_memory", "host_memory")
 FLAGS = {"device_memory": "--device-memory", "pinned_memory": "--pinned-memory", "host_memory": "--host-memory",

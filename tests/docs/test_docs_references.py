@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SKIP = {".git", ".venv", "build", "__pycache__"}
 OUTSIDE = re.compile(r"DESIGN(\.md| ?§| section)|\.\./shared")
 

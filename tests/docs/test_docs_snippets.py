@@ -41,7 +41,7 @@ import torch
 import offload_core
 from offload_core import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 MARK = re.compile(r"<!-- snippet: checked, not run: (.+?) -->\s*\Z")

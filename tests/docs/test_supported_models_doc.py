@@ -10,7 +10,7 @@ from denoisers import TRANSFORMERS
 from standins import STANDINS
 from tools.supported_models import ROWS, render
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def test_models_doc_is_up_to_date():

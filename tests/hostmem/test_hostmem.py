@@ -519,7 +519,7 @@ def test_disable_releases_each_slab_before_unpacking_the_next(monkeypatch):
 
 
 def _distributed_worker(rank: int, port: int) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     torch.set_num_threads(1)
     from helpers import assert_same_state, chaos_backend, snapshot
     from offload_core.hostmem import staging

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "offload_core"
 
 
 def modules() -> dict[str, pathlib.Path]:

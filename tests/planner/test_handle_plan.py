@@ -126,7 +126,7 @@ def test_a_budgeted_handle_keeps_the_planners_plan():
 def _distributed_worker(rank: int, port: int, world: int) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     import offload_core
     from test_handle_plan import host_planned, stack, weights_held

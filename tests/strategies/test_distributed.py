@@ -22,7 +22,7 @@ pytestmark = pytest.mark.fake_only
 def _worker(rank: int, port: int, shard: bool, pipeline: bool) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])  # tests/ helpers in the spawned process
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/ helpers in the spawned process
     torch.set_num_threads(1)
     import offload_core
     from helpers import assert_same_state, snapshot

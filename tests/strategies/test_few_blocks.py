@@ -88,7 +88,7 @@ def test_a_one_entry_stack_is_not_mistaken_for_the_lists_inside_its_block():
 def _one_block_worker(rank: int, port: int) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     from helpers import assert_same_state, snapshot
     from stacks import StackSpec, build_stack

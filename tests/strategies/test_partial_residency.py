@@ -133,7 +133,7 @@ def _note(seen: dict, part, ahead: int, module, args) -> None:
 def _distributed_worker(rank: int, port: int) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     from stacks import StackSpec, build_stack
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.fake_only  # the ranks run on the fake backend over glo
 def _worker(rank: int, port: int) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])  # tests/ helpers in the spawned process
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/ helpers in the spawned process
     torch.set_num_threads(1)
     import offload_core
     from denoisers import build_transformer

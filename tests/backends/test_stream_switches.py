@@ -142,7 +142,7 @@ def test_accelerator_base_selects_the_stream_once_per_block(monkeypatch):
 def _distributed_worker(rank: int, port: int) -> None:
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     import torch.distributed as dist
 
