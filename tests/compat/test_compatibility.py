@@ -1,6 +1,7 @@
 """docs/compatibility.md: every cell of the table is a check that runs, and the file is generated
-from the table. The checks are in compat_cases.py; model-level and layerwise run here, the
-distributed column on two gloo processes."""
+from the table. The checks are in compat_cases.py and, for torch.compile, test_compile.py, which
+runs its own cells; the other model-level and layerwise cells run here, the whole distributed
+column on two gloo processes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 from tools.compatibility import ROWS, cells, render
 
 import compat_cases
+import test_compile
 from helpers import chaos_backend, free_port
 
 #: the table is a statement about the fake backend (chaos mode, its sanitizer, CPU references)
@@ -20,7 +22,9 @@ pytestmark = pytest.mark.fake_only
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 WORLD = 2
-SINGLE = cells(("model", "layerwise"))
+#: every row's check, in the table's order
+CHECKS = {**test_compile.CASES, **compat_cases.CASES}
+SINGLE = [cell for cell in cells(("model", "layerwise")) if cell[0] in compat_cases.CASES]
 
 
 @pytest.mark.parametrize("case,strategy,verdict", SINGLE, ids=[f"{c}-{s}" for c, s, _ in SINGLE])
@@ -33,14 +37,13 @@ def _worker(rank: int, port: int) -> None:
 
     sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/ helpers in the spawned process
     torch.set_num_threads(1)
-    import compat_cases
     from helpers import chaos_backend
 
     backend = chaos_backend()
     backend.init_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}")
     for case, strategy, verdict in cells(("distributed",)):
         try:
-            compat_cases.CASES[case](strategy, backend, verdict)
+            CHECKS[case](strategy, backend, verdict)
         except BaseException as exc:
             raise AssertionError(f"rank {rank}, {case} ({verdict}): {exc}") from exc
 
@@ -50,7 +53,7 @@ def test_distributed_cells():
 
 
 def test_every_row_has_its_check_and_the_doc_is_current():
-    assert [row.case for row in ROWS] == list(compat_cases.CASES), "a row without a check, or a check without a row"
+    assert [row.case for row in ROWS] == list(CHECKS), "a row without a check, or a check without a row"
     assert DOC.read_text(encoding="utf-8") == render(), (
         "docs/compatibility.md is stale: run `python tools/compatibility.py > docs/compatibility.md`"
     )

@@ -1,5 +1,6 @@
-"""Issue 20's cases (docs/design.md, "What you can do to an offloaded model", rows 11 to 18): what
-an experienced user does to a model that an earlier contract pass did not try. Each is applied
+"""Weight edits at moments a strategy might not see, inference mode, ``_apply``, copies and saves,
+the lifetime of a model dropped without ``disable()``, and its structure changed (docs/design.md,
+"What you can do to an offloaded model", rows 11 to 18). Each is applied
 alike to an offloaded model and to the same model without offload and compared with
 torch.equal, or must raise a clear error that names the fix and leave the model usable."""
 
@@ -224,31 +225,6 @@ def test_a_pipeline_dropped_without_disable_frees_its_memory(strategy):
     assert gone() is None
     assert backend.memory_allocated() == 0
     assert backend.pinned_memory_allocated() == 0
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_component_replaced_after_enable_is_refused_at_the_next_call(strategy):
-    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
-    original = ours.pipe.transformer
-    ours.pipe.transformer = build_pipeline("flux2", seed=1).pipe.transformer
-    with pytest.raises(OffloadedModelError, match=r"transformer changed since enable_offload.*handle.disable\(\)"):
-        ours.run()
-    ours.pipe.transformer = original  # the model is usable again as it was
-    assert torch.equal(ours.run(), theirs.run())
-    handle.disable()
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload"])
-def test_diffusers_own_offloading_after_enable_is_refused(strategy, method):
-    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
-    with pytest.raises(offload_core.OffloadConfigError, match=rf"{method}\(\).*handle.disable\(\)"):
-        getattr(ours.pipe, method)()
-    assert torch.equal(ours.run(), theirs.run())
-    handle.disable()
-    assert type(ours.pipe).enable_model_cpu_offload is type(theirs.pipe).enable_model_cpu_offload
 
 
 # -- structure and lifecycle ---------------------------------------------------------------------

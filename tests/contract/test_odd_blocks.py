@@ -1,6 +1,8 @@
-"""Issue 29, items 8, 10 and 11, and the third adversarial round (docs/design.md, contract rows 13,
-20, 22 and 23): each case exact against the same model without offload (``torch.equal``) or a clear
-error that leaves the model usable."""
+"""Blocks with a float8 weight, a complex buffer and an int counter under hooks that return new
+tensors, grad modes, attribute writes during forward and six threads; and, on plain stacks, the
+torch.func transforms, ``share_memory`` and a re-pack out of device memory (docs/design.md,
+contract rows 13, 20, 22 and 23): each case exact against the same model without offload
+(``torch.equal``) or a clear error that leaves the model usable."""
 
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
 """Every invalid option is an OffloadConfigError that names it, raised before anything changes:
 wrong types and values, unknown names (options, backends, backend options), options that do not
-apply to the target or strategy, and environment variables that do not parse."""
+apply to the target or strategy, and environment variables that do not parse. And how the options
+that are valid combine: which strategy flag wins, and how the backend is chosen (the argument, the
+environment variable, auto-detection)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import pytest
@@ -169,3 +172,67 @@ def test_a_new_option_is_one_field_checked_like_the_others():
     with pytest.raises(OffloadConfigError, match="budget= applies to layerwise offload, not to model-level"):
         _WithBudget(enable_cpu_offload=True, budget=5).check_applies("module")
     _WithBudget(enable_layerwise_offload=True, budget=5).check_applies("module")
+
+
+def test_layerwise_wins_over_model_level_with_a_warning_naming_the_ignored_flag(flux2):
+    with pytest.warns(UserWarning, match="enable_layerwise_offload wins; ignoring enable_cpu_offload"):
+        handle = offload_core.enable_offload(
+            flux2.pipe, enable_cpu_offload=True, enable_layerwise_offload=True, backend=chaos_backend()
+        )
+    assert handle.strategy == "layerwise"
+    handle.disable()
+
+
+def test_config_object_priority_and_ignored_flags():
+    config = offload_core.OffloadConfig(
+        enable_cpu_offload=True, enable_layerwise_offload=True, enable_distributed_layerwise_offload=True
+    )
+    assert config.strategy == "distributed"
+    assert config.ignored_flags() == ["enable_layerwise_offload", "enable_cpu_offload"]
+    assert offload_core.OffloadConfig(enable_cpu_offload=True).strategy == "model"
+    assert offload_core.OffloadConfig().strategy is None
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"enable_layerwise_offload": True, "prefetch_depth": 0}, "invalid prefetch_depth=0: must be >= 1"),
+        ({"enable_layerwise_offload": True, "components": ("dit", "unet")}, r"invalid components=.*unknown 'unet'"),
+        ({"enable_layerwise_offload": "yes"}, "invalid enable_layerwise_offload='yes': expected True or False"),
+        ({"enable_layerwise_offload": True, "prefetch": 2}, "unknown option.*prefetch; valid options"),
+        ({}, "no strategy selected"),
+    ],
+)
+def test_bad_options_are_clear_errors_and_leave_the_pipeline_untouched(flux2, options, message):
+    before = snapshot(flux2.pipe.transformer)
+    original = type(flux2.pipe)
+    with pytest.raises(offload_core.OffloadConfigError, match=message):
+        offload_core.enable_offload(flux2.pipe, backend=chaos_backend(), **options)
+    assert type(flux2.pipe) is original
+    assert_same_state(before, snapshot(flux2.pipe.transformer))
+
+
+def test_auto_detection_falls_back_to_fake_with_a_logged_warning(flux2, caplog, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_CORE_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING, logger="offload_core"):
+        handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True)
+    assert handle.backend.name == "fake"
+    assert "no accelerator" in caplog.text
+    assert torch.equal(flux2.run(seed=0), flux2.expected)
+    handle.disable()
+
+
+def test_environment_variable_selects_the_backend(flux2, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_BACKEND", "fake")
+    handle = offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True)
+    assert handle.backend is offload_core.get_backend("fake")
+    handle.disable()
+    monkeypatch.setenv("OFFLOAD_CORE_BACKEND", "no-such-backend")
+    with pytest.raises(offload_core.BackendNotFoundError, match="registered backends: .*fake"):
+        offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True)
+
+
+def test_components_apply_to_layerwise_only(flux2):
+    with pytest.raises(offload_core.OffloadConfigError, match="components= applies to layerwise"):
+        offload_core.enable_offload(flux2.pipe, enable_cpu_offload=True, components=["vae"], backend=chaos_backend())
+    assert not hasattr(flux2.pipe, "_offload_core_handle")

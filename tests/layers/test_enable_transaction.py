@@ -10,6 +10,7 @@ import gc
 import textwrap
 
 import pytest
+import torch
 from torch import nn
 
 import offload_core
@@ -119,3 +120,18 @@ def test_the_walk_sees_a_climb(tmp_path):
     stays, climbs = enable_walk.walk(enable_walk.Package(package))
     assert stays == {"api": {"enable_offload"}, "strategies.part": {"pack"}, "handle": {"Handle.__init__"}}
     assert climbs == [("strategies.part", "pack", "handle", "__init__")]
+
+
+def test_failure_in_a_later_component_rolls_back_the_earlier_ones(flux2):
+    """Packing succeeds for the DiT, then the device runs out for the resident encoder: all undone."""
+    before = {n: snapshot(m) for n, m in flux2.pipe.components.items() if isinstance(m, nn.Module)}
+    probe = offload_core.enable_offload(flux2.pipe, enable_layerwise_offload=True, backend=chaos_backend())
+    streamed = probe.parts[0].device_weight_bytes
+    probe.disable()
+    backend = chaos_backend(device_memory=streamed + 16)
+    with pytest.raises(torch.OutOfMemoryError):
+        offload_core.enable_offload(flux2.pipe, enable_layerwise_offload=True, backend=backend)
+    for name, state in before.items():
+        assert_same_state(state, snapshot(flux2.pipe.components[name]))
+    assert backend.memory_allocated() == 0
+    assert torch.equal(flux2.run(seed=0), flux2.expected)

@@ -156,13 +156,6 @@ def test_zero_blocks_keep_the_model_resident_with_one_logged_line(caplog, cls):
 # -- components without a stack: staged like the VAE -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def flux2():
-    tiny = build_pipeline("flux2")
-    tiny.expected = tiny.run(seed=0)
-    return tiny
-
-
 def _staged(handle) -> set[int]:
     return {id(c.module) for p in handle.parts if isinstance(p, ModelLevelOffload) for g in p.groups for c in g.components}
 
