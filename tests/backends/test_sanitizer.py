@@ -275,13 +275,20 @@ def test_a_report_names_the_label_a_strategy_gave_the_memory(b):
 
 
 def test_the_same_race_is_silent_without_the_sanitizer():
-    b = offload_core.get_backend("fake", sanitize=False)
-    side = b.new_stream()
-    src, dev = pinned(b, torch.ones(N)), b.empty_device(N, torch.float32)
-    b.copy_async(dev, src, side)
-    dev.sum()  # racy, and nobody says so
-    b.synchronize()
-    b.close()
+    """A read of a copy's destination with no wait: reported with the sanitizer, unsaid without."""
+    for sanitize in (True, False):
+        b = offload_core.get_backend("fake", sanitize=sanitize)
+        assert (b.sanitizer is not None) is sanitize
+        side = b.new_stream()
+        src, dev = pinned(b, torch.ones(N)), b.empty_device(N, torch.float32)
+        b.copy_async(dev, src, side)
+        if sanitize:
+            with pytest.raises(StreamRaceError, match=r"^read-after-write"):
+                dev.sum()
+        else:
+            dev.sum()  # racy, and nobody says so
+        b.synchronize()
+        b.close()
 
 
 def test_the_environment_variable_turns_it_on(monkeypatch):

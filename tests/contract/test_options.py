@@ -109,8 +109,18 @@ def test_an_option_only_a_losing_flag_would_use_is_warned_about_once(model):
 
 
 def test_defaults_given_explicitly_are_not_misuse(model):
-    handle = offload_core.enable_offload(model, enable_cpu_offload=True, prefetch_depth=1, shard_host_weights=True,
-                                         backend=chaos_backend())
+    """prefetch_depth=1 and shard_host_weights=True are the defaults: given to model-level offload,
+    which uses neither, they are neither an error nor a warning, and the model runs offloaded."""
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = offload_core.enable_offload(model, enable_cpu_offload=True, prefetch_depth=1, shard_host_weights=True,
+                                             backend=chaos_backend())
+    assert handle.strategy == "model"
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
     handle.disable()
 
 
