@@ -5,7 +5,7 @@ backend is probed once per process.
 
 The plugins are real throwaway distributions (a module and its ``.dist-info`` with the entry
 point, as an installer leaves them) in a folder that only the subprocesses see (their
-``PYTHONPATH``); ``tests/test_third_party_plugin.py`` installs one with pip.
+``PYTHONPATH``); ``tests/backends/test_third_party_plugin.py`` installs one with pip.
 """
 
 from __future__ import annotations

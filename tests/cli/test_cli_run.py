@@ -89,7 +89,7 @@ def parse(*argv: str):
     return cli.build_parser().parse_args(["run", *argv])
 
 
-#: one process each; distributed runs under torchrun in tests/test_cli_distributed.py
+#: one process each; distributed runs under torchrun in tests/cli/test_cli_distributed.py
 SINGLE_PROCESS = [s for s in STRATEGIES if s != "distributed"]
 
 

@@ -95,7 +95,7 @@ def test_device_oom_leaves_the_model_untouched():
 def test_device_oom_midway_through_enable_rolls_back():
     """A device one byte short of what enable takes: its last allocation fails, after the others
     succeeded, and the model is left as it was. (A pinned allocation that fails does not roll
-    back: that home goes pageable, tests/test_pinned_fallback.py.)"""
+    back: that home goes pageable, tests/hostmem/test_pinned_fallback.py.)"""
     model = mixed_stack()
     before = snapshot(model)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
@@ -239,7 +239,7 @@ def test_block_tensors_show_their_slot_only_inside_their_own_forward():
 
 
 def test_a_forward_with_autograd_is_exact_and_silent():
-    """Autograd through the blocks is supported (tests/test_autograd.py): nothing to warn about."""
+    """Autograd through the blocks is supported (tests/training/test_autograd.py): nothing to warn about."""
     model = mixed_stack()
     expected = run(model, X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
