@@ -98,7 +98,7 @@ run() {
     step strategies 90 "$OUT/strategies.xml" \
         "$PY" -m pytest --backend="$backend" -q -m "not fake_only" --junitxml="$OUT/strategies.xml" \
         -k "not cosmos3-omni and not test_removing_the_ready_wait_is_reported_as_a_race" \
-        tests/test_layerwise_lifecycle.py tests/test_layerwise_properties.py tests/test_layerwise_models.py
+        tests/strategies/test_layerwise_lifecycle.py tests/strategies/test_layerwise_properties.py tests/strategies/test_layerwise_models.py
     step hardware 150 "$OUT/hardware.json" \
         "$PY" ci/gpu_check.py hardware --out "$OUT/hardware.json" ${dry[@]+"${dry[@]}"}
     step realsize 100 "$OUT/realsize.json" \

@@ -33,28 +33,28 @@ STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [
 #: statements that order work or hand memory over; each must be the target of a mutant
 SYNC = re.compile(r"\.(wait|record|synchronize)\b|wait_stream\(|release_all\(\)$")
 
-LIFECYCLE = "tests/test_layerwise_lifecycle.py"
-STRATEGIES = "tests/test_sanitizer_strategies.py"
-PROPERTIES = "tests/test_layerwise_properties.py"
-LAYERWISE_MODELS = "tests/test_layerwise_models.py"
-PIPELINES = "tests/test_pipelines.py"
-DISTRIBUTED = "tests/test_distributed.py::test_distributed_layerwise_on_two_ranks"
-CONFIG = "tests/test_config_and_priority.py"
-CHANGES = "tests/test_contract_changes.py::test_a_change_between_forwards_acts_as_without_offload"
-LORA = "tests/test_contract_lora.py"
-CALLBACK_DISABLE = "tests/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
-SHARDED = "tests/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
-REUSE = "tests/test_layerwise_lifecycle.py::test_first_copies_are_ordered_after_compute_on_reused_device_memory"
-CHILD_ALONE = "tests/test_contract_failures.py::test_a_component_child_called_alone_leaves_the_device_after_it"
-WRITE_AFTER_FORWARD = "tests/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
-STAGED = "tests/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
-STAGED_PIPELINE = "tests/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
-STAGED_RESIDENT = "tests/test_hostmem.py::test_resident_components_are_on_the_device_when_enable_returns"
-STAGED_LAYERWISE_RESIDENT = "tests/test_hostmem.py::test_a_staged_resident_part_is_on_the_device_when_enable_returns"
-STAGED_DISABLE = "tests/test_hostmem.py::test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued"
-TRAINING = "tests/test_autograd.py::test_weight_gradients_and_optimizer_steps_update_the_host_truth"
-NEW_SLOT = "tests/test_autograd.py::test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse"
-LET_GO = "tests/test_autograd.py::test_a_view_a_finished_transfer_lets_go_of_at_synchronize_is_not_a_kept_slot"
+LIFECYCLE = "tests/strategies/test_layerwise_lifecycle.py"
+STRATEGIES = "tests/strategies/test_sanitizer_strategies.py"
+PROPERTIES = "tests/strategies/test_layerwise_properties.py"
+LAYERWISE_MODELS = "tests/strategies/test_layerwise_models.py"
+PIPELINES = "tests/strategies/test_pipelines.py"
+MODEL_LEVEL = "tests/strategies/test_model_level.py"
+DISTRIBUTED = "tests/strategies/test_distributed.py::test_distributed_layerwise_on_two_ranks"
+CHANGES = "tests/contract/test_contract_changes.py::test_a_change_between_forwards_acts_as_without_offload"
+LORA = "tests/contract/test_contract_lora.py"
+CALLBACK_DISABLE = "tests/contract/test_contract_failures.py::test_disable_from_a_step_callback_finishes_the_call_without_offload"
+SHARDED = "tests/contract/test_contract_distributed.py::test_sharded_ranks_agree_fail_together_and_never_mix_blocks"
+REUSE = "tests/strategies/test_layerwise_lifecycle.py::test_first_copies_are_ordered_after_compute_on_reused_device_memory"
+CHILD_ALONE = "tests/contract/test_contract_failures.py::test_a_component_child_called_alone_leaves_the_device_after_it"
+WRITE_AFTER_FORWARD = "tests/contract/test_contract_changes.py::test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host"
+STAGED = "tests/hostmem/test_hostmem.py::test_a_pinned_budget_stages_the_other_blocks_through_the_bounce_ring_exactly"
+STAGED_PIPELINE = "tests/hostmem/test_hostmem.py::test_pipeline_components_without_pinned_memory_are_staged_exactly"
+STAGED_RESIDENT = "tests/hostmem/test_hostmem.py::test_resident_components_are_on_the_device_when_enable_returns"
+STAGED_LAYERWISE_RESIDENT = "tests/hostmem/test_hostmem.py::test_a_staged_resident_part_is_on_the_device_when_enable_returns"
+STAGED_DISABLE = "tests/hostmem/test_hostmem.py::test_disable_unpacks_only_once_every_load_handed_to_the_stager_is_issued"
+TRAINING = "tests/training/test_autograd.py::test_weight_gradients_and_optimizer_steps_update_the_host_truth"
+NEW_SLOT = "tests/training/test_autograd.py::test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse"
+LET_GO = "tests/training/test_autograd.py::test_a_view_a_finished_transfer_lets_go_of_at_synchronize_is_not_a_kept_slot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,28 +134,28 @@ MUTANTS = [
     Mutant("model-level: disable swaps every group home, also in the middle of a call", M, "self.release_all()",
            (CALLBACK_DISABLE,), occurrence=0, occurrences=4),
     Mutant("model-level: a pipeline call's groups leave the device when it ends", M, "self.release_all()",
-           (PIPELINES, LORA), occurrence=1, occurrences=4),
+           (PIPELINES, MODEL_LEVEL, LORA), occurrence=1, occurrences=4),
     Mutant("model-level: a component called on its own leaves the device after its forward", M,
-           "self.release_all()", (CONFIG,), occurrence=2, occurrences=4),
+           "self.release_all()", (MODEL_LEVEL,), occurrence=2, occurrences=4),
     Mutant("model-level: a child called on its own (vae.decode) leaves the device after it", M,
            "self.release_all()", (CHILD_ALONE,), occurrence=3, occurrences=4),
-    Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES,)),
+    Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES, MODEL_LEVEL)),
     Mutant("model-level: a staged group's ticket is waited before its ready event", M,
            "self.placement.wait(ticket)", (STAGED_PIPELINE,)),
     Mutant("model-level: a group's copies wait for earlier compute (the free wait)", M,
            "freed.wait(stream)", (STRATEGIES,)),
     Mutant("model-level: the group's ready event is recorded after its copies", M,
-           "group.ready.record(stream)", (PIPELINES,)),
+           "group.ready.record(stream)", (PIPELINES, MODEL_LEVEL)),
     Mutant("model-level: the free event is recorded after all compute issued", M,
            "event.record(self.backend.current_stream())", (STRATEGIES,)),
     Mutant("model-level: swapping a group out waits for its copies before the host may write its home", M,
-           "group.ready.synchronize()", (PIPELINES, LORA)),
-    Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES,)),
-    Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES,)),
+           "group.ready.synchronize()", (PIPELINES, MODEL_LEVEL, LORA)),
+    Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES, MODEL_LEVEL)),
+    Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES, MODEL_LEVEL)),
     # -- resident modules and pipelines ------------------------------------------------------
     Mutant("resident: copies wait for earlier compute", R,
            "self.backend.wait_stream(stream, self.backend.current_stream())", (STRATEGIES, REUSE)),
-    Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES,)),
+    Mutant("resident: host waits for the copies before binding", R, "stream.synchronize()", (PIPELINES, MODEL_LEVEL)),
     Mutant("resident: a staged copy is issued before the host waits for the stream", R,
            "self.placement.wait(copy_unit(unit, buf, self.placement, stream, self.counters))", (STAGED_RESIDENT,),
            replacement="copy_unit(unit, buf, self.placement, stream, self.counters)"),

@@ -2,7 +2,7 @@
 Qwen-Image (real sizes, built on the meta device) on a 12, 16, 24 and 48 GB card.
 
 ``python tools/plan_table.py`` rewrites the table between its markers from the JSON plans the
-command prints; ``tests/test_cli_plan.py`` fails when the page is stale. Not part of the package.
+command prints; ``tests/cli/test_cli_plan.py`` fails when the page is stale. Not part of the package.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each entry is a real diffusers pipeline class with every model shrunk (hidden sizes of 4 to 32, one
 or two blocks per list, as in diffusers' own fast tests, whose dummy configs were the model here) and
-tokenizers built in code, so that nothing is downloaded. ``tests/test_pipeline_sweep.py`` runs every
+tokenizers built in code, so that nothing is downloaded. ``tests/compat/test_pipeline_sweep.py`` runs every
 entry with model-level offload, layerwise offload and layerwise offload of every component group,
 each ``torch.equal`` to the pipeline without offload; ``docs/models.md`` lists them.
 

@@ -1,0 +1,347 @@
+"""Weight edits at moments a strategy might not see, inference mode, ``_apply``, copies and saves,
+the lifetime of a model dropped without ``disable()``, and its structure changed (docs/design.md,
+"What you can do to an offloaded model", rows 11 to 18). Each is applied
+alike to an offloaded model and to the same model without offload and compared with
+torch.equal, or must raise a clear error that names the fix and leave the model usable."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import offload_core
+from offload_core.errors import OffloadedModelError
+from offload_core.tiny import build_pipeline
+
+from contract_models import STRATEGIES, assert_offloaded, assert_same, build, run
+from helpers import chaos_backend
+from offload_core_fake import UnseenWriteError
+from stacks import Block, Layer, Stack
+
+
+def _enable(model, strategy, **options):
+    return offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy], **options)
+
+
+def _same_forwards(model, reference, steps=(0, 1)) -> None:
+    for step in steps:
+        assert torch.equal(run(model, step), run(reference, step)), f"forward {step}"
+
+
+# -- weight edits at moments the strategy might not see ------------------------------------------
+def _scale_in_place(x):
+    with torch.no_grad():
+        x.blocks[1].layers[0].weight.mul_(1.5)
+
+
+def _scale_through_data(x):
+    x.blocks[1].layers[0].weight.data.mul_(1.5)
+
+
+def _assign_data(x):
+    w = x.blocks[1].layers[0].weight
+    w.data = w.data * 1.5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("edit", [_scale_in_place, _scale_through_data, _assign_data], ids=lambda f: f.__name__[1:])
+def test_a_model_pre_hook_that_edits_a_block_weight_is_seen(strategy, edit):
+    """The pass begins (layerwise: the first blocks are queued) before the model's own pre-hooks
+    run: the block's copy must be checked against the host where it is used."""
+    if strategy == "model" and edit is _scale_through_data:
+        pytest.skip("model-level swaps the model in before its pre-hooks: see the sanitizer's test below")
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    for x in (model, reference):
+        x.register_forward_pre_hook(lambda module, args: edit(module))
+    _same_forwards(model, reference)
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
+class DataAssigning(nn.Module):
+    """A layer whose forward gives its weight new data (a quantiser's fake-quant step, say)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        w = self.inner.weight
+        w.data = (w.data * 0.5).to(w.dtype)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_that_assigns_weight_data_is_kept(strategy):
+    model, reference = build(), build()
+    for x in (model, reference):
+        x.blocks[1].layers[0] = DataAssigning(x.blocks[1].layers[0])
+    handle = _enable(model, strategy)
+    _same_forwards(model, reference, steps=(0, 1, 2))
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
+class DataEditing(nn.Module):
+    """A layer whose forward edits its weight in place through ``.data`` (no version counter moves)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        self.inner.weight.data.mul_(0.5)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_in_place_write_through_data_into_device_weights_is_reported_by_the_sanitizer(strategy):
+    """No version counter shows it and it would be lost: under ``pytest --backend=fake`` the race
+    sanitizer reports it where it happens, naming the fix; the model stays usable."""
+    model, reference = build(), build()
+    layer = model.blocks[1].layers[0]
+    model.blocks[1].layers[0] = DataEditing(layer)
+    handle = _enable(model, strategy)
+    with pytest.raises(UnseenWriteError, match=r"(?s)through `.data`.*fix: write through the parameter itself"):
+        run(model, 0)
+    model.blocks[1].layers[0] = layer  # the model keeps working once the forward is fixed
+    run(model, 1)
+    handle.disable()
+    for name, value in reference.named_parameters():  # the unseen write went nowhere
+        assert torch.equal(model.get_parameter(name), value), name
+
+
+# -- inference mode ------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_enable_and_repack_inside_inference_mode_build_ordinary_tensors(strategy):
+    model, reference = build(), build()
+    with torch.inference_mode():
+        handle = _enable(model, strategy)
+    _same_forwards(model, reference)
+    for x in (model, reference):  # a structural change: the next forward re-packs, inside inference_mode
+        x.blocks[3].layers[0].register_buffer("extra", torch.ones(2))
+    with torch.inference_mode():
+        assert torch.equal(model(torch.ones(3, 8)), reference(torch.ones(3, 8)))
+    _same_forwards(model, reference, steps=(2,))
+    assert not any(p.is_inference() for p in model.parameters())
+    with torch.inference_mode():
+        handle.disable()
+    assert not handle.enabled
+    assert not any(p.is_inference() for p in model.parameters())
+    assert_same(model, reference)
+
+
+# -- _apply with functions stand-ins cannot read -------------------------------------------------
+APPLIED = {
+    "in_place": lambda t: t.mul_(2) if t.is_floating_point() else t,
+    "value_dependent": lambda t: t - t.mean() if t.is_floating_point() and t.numel() > 1 else t,
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("fn", APPLIED)
+def test_apply_with_an_in_place_or_value_dependent_function_acts_as_without_offload(strategy, fn):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    for x in (model, reference):
+        x._apply(APPLIED[fn])
+    _same_forwards(model, reference)
+    assert_same(model, reference)
+    assert_offloaded(handle, model)
+    handle.disable()
+    assert_same(model, reference)
+
+
+# -- copies and saves ----------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_copy_copy_is_a_shallow_copy_as_without_offload(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    shallow = copy.copy(model)
+    assert shallow is not model and shallow.blocks is model.blocks and shallow.embed.weight is model.embed.weight
+    assert torch.equal(run(shallow, 0), run(copy.copy(reference), 0))
+    _same_forwards(model, reference, steps=(1,))  # the copy's forward ran the same blocks: same state
+    handle.disable()
+    assert_same(model, reference)
+
+
+def _saved_bytes(tensors: dict) -> int:
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return len(buffer.getvalue())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saving_detached_tensors_writes_only_their_bytes(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    picks = ("embed.bias", "blocks.0.layers.0.weight", "blocks.2.layers.1.weight")
+    ours = {n: p.detach() for n, p in model.named_parameters() if n in picks}
+    theirs = {n: p.detach() for n, p in reference.named_parameters() if n in picks}
+    assert _saved_bytes(ours) == _saved_bytes(theirs)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()))
+    assert all(torch.equal(loaded[n], theirs[n]) for n in picks)
+    handle.disable()
+
+
+# -- lifetime ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("options", [{}, {"pinned_memory": 0}], ids=["pinned", "staged"])
+def test_a_model_dropped_without_disable_frees_its_memory(strategy, options):
+    backend = chaos_backend()
+    model = build()
+    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy], **options)
+    run(model, 0)
+    assert backend.pinned_memory_allocated() > 0 or options
+    gone = weakref.ref(model)
+    del model, handle
+    gc.collect()
+    assert gone() is None
+    assert backend.memory_allocated() == 0
+    assert backend.pinned_memory_allocated() == 0
+
+
+# -- pipelines -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_pipeline_dropped_without_disable_frees_its_memory(strategy):
+    backend = chaos_backend()
+    tiny = build_pipeline("flux2")
+    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **STRATEGIES[strategy])
+    tiny.run()
+    gone = weakref.ref(tiny.pipe)
+    del tiny, handle
+    gc.collect()
+    assert gone() is None
+    assert backend.memory_allocated() == 0
+    assert backend.pinned_memory_allocated() == 0
+
+
+# -- structure and lifecycle ---------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_shortened_block_list_is_found_again(strategy):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    assert torch.equal(run(model, 0), run(reference, 0))
+    for x in (model, reference):
+        x.blocks = x.blocks[:3]
+    _same_forwards(model, reference, steps=(1, 2))
+    assert_offloaded(handle, model)
+    if strategy == "layerwise":
+        assert handle.parts[0].block_names == ["blocks.0", "blocks.1", "blocks.2"]
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_torch_export_is_refused_naming_disable(strategy, strict):
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    with pytest.raises(Exception, match=r"torch.export cannot trace Reuse while it is offloaded.*handle.disable\(\)"):
+        torch.export.export(model, (torch.randn(3, 8),), strict=strict)
+    _same_forwards(model, reference)
+    handle.disable()
+    exported = torch.export.export(model, (torch.randn(3, 8),))  # the fix the message names
+    assert exported is not None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_closing_the_fake_backend_while_enabled_does_not_hang(strategy):
+    model, reference = build(), build()
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    assert torch.equal(run(model, 0), run(reference, 0))
+    backend.close()
+    _same_forwards(model, reference, steps=(1, 2))
+    handle.disable()
+    assert_same(model, reference)
+
+
+def _plain_stack() -> nn.Module:
+    """Blocks whose forward changes nothing (a block on disk refuses buffer changes)."""
+    g = torch.Generator().manual_seed(0)
+    return Stack(8, [Block([Layer(8, torch.float32, i == 1, g)]) for i in range(3)], g).eval()
+
+
+@pytest.mark.parametrize("write", ["zero_", "fill_", "init_constant"])
+def test_a_write_into_a_disk_placeholder_is_refused_and_undone(tmp_path, write):
+    model, reference = _plain_stack(), _plain_stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         host_memory=0, offload_folder=tmp_path)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        weight = model.blocks[1].layers[0].weight
+        {"zero_": lambda: weight.zero_(), "fill_": lambda: weight.data.fill_(2.0),
+         "init_constant": lambda: nn.init.constant_(weight, 0.5)}[write]()
+        with pytest.raises(OffloadedModelError, match=r"home on disk.*was undone.*handle.disable\(\)"):
+            model(x)
+        assert weight.isnan().all() and model.blocks[1].layers[0].scale.isnan().all()
+        assert torch.equal(model(x), reference(x))
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
+    pytest.importorskip("peft")
+    from test_contract_lora import lora_state_dict
+
+    ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
+    for tiny in (ours, theirs):
+        tiny.pipe.load_lora_weights(lora_state_dict(theirs.pipe.transformer, 1), adapter_name="first")
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+
+    def lora(pipe):
+        return {n: p.detach() for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert _saved_bytes(lora(ours.pipe)) == _saved_bytes(lora(theirs.pipe))
+    handle.disable()
+
+
+# -- distributed, on two gloo ranks --------------------------------------------------------------
+def _distributed_cases(rank: int, port: int, shard: bool) -> None:
+    from test_contract_distributed import _model, _run, _setup
+
+    backend = _setup(rank, port)
+    options = {"enable_distributed_layerwise_offload": True, "backend": backend, "shard_host_weights": shard}
+    model, reference = _model(), _model()
+    with torch.inference_mode():  # row 12
+        handle = offload_core.enable_offload(model, **options)
+    assert torch.equal(_run(model, 0), _run(reference, 0))
+    assert not any(p.is_inference() for p in model.parameters())
+    shallow = copy.copy(model)  # row 14
+    assert shallow.blocks is model.blocks and torch.equal(_run(shallow, 1), _run(reference, 1))
+    with pytest.raises(OffloadedModelError, match=r"handle.disable\(\)"):  # row 13: refused across ranks
+        model._apply(lambda t: t.mul_(2))
+    with pytest.raises(Exception, match=r"torch.export cannot trace .*handle.disable\(\)"):  # row 17
+        torch.export.export(model, (torch.randn(3, 8),))
+    if not shard:  # row 11 and 14: a replicated rank holds the whole host copy
+        for x in (model, reference):
+            weight = x.blocks[1].layers[0].weight
+            x.register_forward_pre_hook(lambda module, args, w=weight: setattr(w, "data", w.data * 1.5))
+        assert torch.equal(_run(model, 2), _run(reference, 2))
+        picks = ("blocks.0.layers.0.weight", "embed.bias")
+        assert _saved_bytes({n: p.detach() for n, p in model.named_parameters() if n in picks}) == _saved_bytes(
+            {n: p.detach() for n, p in reference.named_parameters() if n in picks})
+    assert torch.equal(_run(model, 3), _run(reference, 3))
+    del model, handle, shallow  # row 15: dropped without disable() on every rank
+    gc.collect()
+    assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_issue_20_cases_across_ranks(shard):
+    from test_contract_distributed import spawn_bounded
+
+    spawn_bounded(_distributed_cases, shard)

@@ -1,0 +1,86 @@
+"""The package's modules import one another without a cycle (module-level, deferred and
+``TYPE_CHECKING`` imports alike: a type named from a module is knowledge of it, and a circle
+through annotations is still two modules that cannot be read apart): each layer can be read,
+tested and changed below the ones that use it. Exceptions live in ``offload_core/errors.py``,
+which imports nothing of the library, so raising one never needs a layer above."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "offload_core"
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: pathlib.Path, known: dict) -> set[str]:
+    """The library modules ``name`` imports, wherever in the file (under ``TYPE_CHECKING`` too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            found |= {t for t in submodules or [target] if t in known and t != name}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known and a.name != name}
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert cycles(graph) == []
+
+
+def test_the_detector_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_errors_imports_nothing_of_the_library():
+    known = modules()
+    assert imports("offload_core.errors", known["offload_core.errors"], known) == set()
