@@ -34,7 +34,7 @@ from .other_hooks import weight_hooks
 from .pipelines import component_kind, is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
 from .plugins import get_backend
 from .strategies import streaming_part
-from .strategies.common import Transaction
+from .transaction import Transaction
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
 from .strategies.resident import ResidentModules

@@ -34,7 +34,7 @@ LAYERS = {
     "strategies": 4,
     "discovery": 5, "hostmem": 5, "weights": 5, "planning": 5,
     "changes": 6, "ownership": 6, "config": 6, "plugins": 6, "backend": 6, "timeline": 6, "labels": 6,
-    "errors": 6, "dist": 6, "hookspecs": 6, "memory_accounting": 6, "accelerator": 6, "overlap": 6,
+    "errors": 6, "transaction": 6, "dist": 6, "hookspecs": 6, "memory_accounting": 6, "accelerator": 6, "overlap": 6,
 }
 START = ("api", "enable_offload", "target")
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"

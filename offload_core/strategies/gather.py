@@ -40,13 +40,15 @@ from tqdm.auto import tqdm
 from ..errors import DistributedOffloadError
 from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..labels import label
+from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
 from .common import allocate_device, pack_units
 from .transport import CopyTransport, placeholders
 
 logger = logging.getLogger(__name__)
 
-#: header of one load: magic, the part's serial number, block index (END for the end of a pass), status
+#: header of one load: magic, the part's serial number, block index (END for the end of a pass),
+#: status; the device bytes of the headers are the planner's GATHER_SENT_BYTES and GATHER_GATHERED_BYTES
 HEADER = 4
 MAGIC = 0x0FF10AD
 #: a forward's loads are OK (ABORTED: the rank failed); disable's rebuilding loads say DISABLING,
@@ -100,7 +102,7 @@ class ShardedGather(CopyTransport):
     def device_bytes(self) -> int:
         part = self.part
         staging = part.num_slots * nbytes_of({d: n // self.world for d, n in part.slot_shape.items()})
-        return staging + (len(STATUSES) * (len(part.units) + 1) + self._header_rows * self.world) * HEADER * 8
+        return staging + (len(part.units) + 1) * (GATHER_SENT_BYTES + GATHER_GATHERED_BYTES * self.world)
 
     def pack(self, txn) -> None:
         """Keep only this rank's shard of each block, building one block's padded copy at a time;

@@ -32,12 +32,13 @@ from torch import nn
 from ..backend import DeviceBackend
 from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
-from ..weights import nbytes_of, slot_numel, split_units
+from ..transaction import Transaction
+from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
 from .autograd import SavedSlots
-from .common import Transaction, allocate_device, copy_unit, default_placement, unpack_units
+from .common import allocate_device, copy_unit, default_placement, unpack_units
 from .part import Part, adopt_foreign, blocks_now, write_back
-from .ring import BlockPlan, SlotRing
+from .ring import BlockPlan, SlotRing, slot_numel
 from .streaming import Streaming
 from .transport import CopyTransport
 

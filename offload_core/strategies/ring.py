@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -46,6 +46,15 @@ class BlockPlan:
     write_back: Callable  # how a forward's changes to its tensors go home (see Binding.to_home)
     ready: Any  # event recorded once its transfers are queued
     ticket: Any = None  # the stager's ticket of a pending load
+
+
+def slot_numel(units: Iterable[Any]) -> dict[torch.dtype, int]:
+    """Per-dtype size of a slot that can hold any of ``units`` (its ``WeightUnit``s)."""
+    need: dict[torch.dtype, int] = {}
+    for unit in units:
+        for dtype, n in unit.numel.items():
+            need[dtype] = max(need.get(dtype, 0), n)
+    return need
 
 
 class SlotRing:
