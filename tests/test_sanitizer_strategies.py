@@ -50,7 +50,7 @@ def test_layerwise_without_the_slot_free_wait_is_a_reported_race():
     with torch.no_grad():
         assert torch.equal(model(X), expected)  # correct as shipped
     part = handle.parts[0]
-    part.ring.freed = [_Unordered() for _ in part.ring.freed]
+    part.ring._freed = [_Unordered() for _ in part.ring._freed]  # the ring's free events, made unordered
     with pytest.raises(StreamRaceError) as race, torch.no_grad():
         model(X)
     report = str(race.value)
