@@ -103,7 +103,7 @@ run() {
         "$PY" ci/gpu_check.py hardware --out "$OUT/hardware.json" ${dry[@]+"${dry[@]}"}
     step realsize 100 "$OUT/realsize.json" \
         "$PY" -m offload_core.bench.realsize --out "$OUT/realsize.json" "${realsize[@]}"
-    "$PY" -m offload_core.bench.check_report --steps "$STEPS" --out "$OUT/report.json" ${dry[@]+"${dry[@]}"} &&
+    "$PY" ci/check_report.py --steps "$STEPS" --out "$OUT/report.json" ${dry[@]+"${dry[@]}"} &&
         "$PY" ci/gpu_check.py table --report "$OUT/report.json" --out "$OUT/report.md" &&
         "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' "$OUT/report.json"
 }

@@ -482,7 +482,7 @@ def hardware(dry_run: bool) -> list[Check]:
 
 def environment(dry_run: bool, site: str) -> dict[str, Any]:
     import offload_core
-    from offload_core import dist as offload_dist
+    from offload_core.device import collectives as offload_dist
     from offload_core_cuda import CudaBackend
 
     import torch.distributed as dist

@@ -19,11 +19,12 @@ __version__ = "0.1.0"
 #: public name -> the submodule defining it
 _EXPORTS = {
     "enable_offload": ".api",
-    "Capability": ".backend",
-    "DeviceBackend": ".backend",
-    "Event": ".backend",
-    "Stream": ".backend",
-    "Waitable": ".backend",
+    "AcceleratorBackend": ".device.accelerator",
+    "Capability": ".device.backend",
+    "DeviceBackend": ".device.backend",
+    "Event": ".device.backend",
+    "Stream": ".device.backend",
+    "Waitable": ".device.backend",
     "OffloadConfig": ".config",
     "register_blocks": ".discovery",
     "AlreadyEnabledError": ".errors",
@@ -35,10 +36,10 @@ _EXPORTS = {
     "RepackError": ".errors",
     "UnsupportedTensorError": ".errors",
     "OffloadHandle": ".handle",
-    "hookimpl": ".hookspecs",
-    "BackendInfo": ".plugins",
-    "get_backend": ".plugins",
-    "list_backends": ".plugins",
+    "hookimpl": ".device.hookspecs",
+    "BackendInfo": ".device.plugins",
+    "get_backend": ".device.plugins",
+    "list_backends": ".device.plugins",
     "from_pretrained": ".pretrained",
 }
 
@@ -46,16 +47,17 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what IDEs and type checkers see
     from .api import enable_offload
-    from .backend import Capability, DeviceBackend, Event, Stream, Waitable
     from .config import OffloadConfig
+    from .device.accelerator import AcceleratorBackend
+    from .device.backend import Capability, DeviceBackend, Event, Stream, Waitable
+    from .device.hookspecs import hookimpl
+    from .device.plugins import BackendInfo, get_backend, list_backends
     from .discovery import register_blocks
     from .errors import (
         AlreadyEnabledError, BackendNotFoundError, BlockDiscoveryError, DistributedOffloadError, OffloadConfigError,
         OffloadedModelError, RepackError, UnsupportedTensorError,
     )
     from .handle import OffloadHandle
-    from .hookspecs import hookimpl
-    from .plugins import BackendInfo, get_backend, list_backends
     from .pretrained import from_pretrained
 
 def __getattr__(name: str) -> Any:

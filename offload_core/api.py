@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
-from .backend import DeviceBackend
 from .config import OffloadConfig
+from .device.backend import DeviceBackend
 from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle

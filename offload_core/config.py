@@ -81,7 +81,7 @@ def names(choices: Sequence[str] | None = None) -> Callable[[Any], tuple[str, ..
 
 
 def _backend(value: Any) -> Any:
-    from .backend import DeviceBackend
+    from .device.backend import DeviceBackend
 
     if value is None or isinstance(value, (str, DeviceBackend)):
         return value

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from . import changes
-from .backend import DeviceBackend
 from .config import OffloadConfig
+from .device.backend import DeviceBackend
+from .device.plugins import get_backend
 from .discovery import find_blocks
 from .discovery.blocks import no_blocks_hint
 from .errors import AlreadyEnabledError, OffloadConfigError
@@ -32,7 +33,6 @@ from .hostmem.placement import plan_placement
 from .installs import Mark, PipelineClass
 from .other_hooks import weight_hooks
 from .pipelines import component_kind, is_pipeline, layerwise_layout, model_level_groups, pipeline_modules
-from .plugins import get_backend
 from .strategies import streaming_part
 from .transaction import Transaction
 from .strategies.distributed import agreement

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .backend import DeviceBackend
 from .config import FLAG_PRIORITY, STRATEGY_WORDS, OffloadConfig
+from .device.backend import DeviceBackend
 from .errors import OffloadConfigError
 from .pipelines import component_kind, model_level_groups, pipeline_modules
 from .planning import Plan, describe, make_plan

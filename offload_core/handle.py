@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import changes
-from .backend import DeviceBackend
+from .device.backend import DeviceBackend
 from .hostmem.budget import Trimmer
 from .timeline import Timeline
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from .api import given_options, resolve_config
-from .backend import DeviceBackend
 from .config import OffloadConfig
+from .device.backend import DeviceBackend
 from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle

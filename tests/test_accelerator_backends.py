@@ -26,11 +26,11 @@ import pytest
 import torch
 
 import offload_core
-from offload_core import dist as offload_dist
-from offload_core.accelerator import AcceleratorBackend, BackendUnavailableError, CollectiveWork
-from offload_core.backend import Capability, DeviceBackend
-from offload_core.memory_accounting import AllocationTracker
-from offload_core.plugins import registry
+from offload_core.device import collectives as offload_dist
+from offload_core.device.accelerator import AcceleratorBackend, BackendUnavailableError, CollectiveWork
+from offload_core.device.backend import Capability, DeviceBackend
+from offload_core.device.memory_accounting import AllocationTracker
+from offload_core.device.plugins import registry
 from offload_core_cuda import CudaBackend
 from offload_core_npu import NpuBackend
 
@@ -204,7 +204,7 @@ def test_torch_generic_stream_and_event_satisfy_the_abc_protocols():
 
 
 def test_core_modules_of_this_layer_name_no_vendor_module():
-    for path in ("accelerator.py", "memory_accounting.py", "cli.py", "__main__.py"):
+    for path in ("device/accelerator.py", "device/memory_accounting.py", "cli/__init__.py", "__main__.py"):
         text = (REPO / "offload_core" / path).read_text()
         assert [n for n in VENDOR_NAMES if n in text] == [], path
 
@@ -557,8 +557,8 @@ def vendor_backend(monkeypatch):
     generic_unsupported = types.ModuleType("torch")
     generic_unsupported.__getattr__ = lambda name: getattr(torch, name)
     generic_unsupported.Stream = generic_unsupported.Event = unsupported
-    monkeypatch.setattr("offload_core.accelerator.torch", generic_unsupported)
-    monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr("offload_core.device.accelerator.torch", generic_unsupported)
+    monkeypatch.setattr("offload_core.device.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     VENDOR.__init__()
     return VendorBackend()
 
@@ -743,10 +743,10 @@ def test_the_host_cache_is_emptied_by_the_names_this_torch_has(monkeypatch, back
                                                                 expected):
     recorder = Recorder()
     stand_in = torch_as_of(recorder, **torch_names)
-    monkeypatch.setattr("offload_core.accelerator.torch", stand_in)
+    monkeypatch.setattr("offload_core.device.accelerator.torch", stand_in)
     monkeypatch.setattr("offload_core_cuda.torch", stand_in)
     monkeypatch.setattr("offload_core_npu.torch", stand_in)
-    monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr("offload_core.device.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     if backend_class is StandInNpu:
         monkeypatch.setattr(StandInNpu, "module", NpuModule(recorder if npu_has_it else None), raising=False)
     backend = backend_class()

@@ -101,11 +101,11 @@ def test_a_device_that_fills_during_enable_is_an_error_naming_the_budget(monkeyp
 
 
 def test_offload_core_plan_checks_the_budget_against_the_backend_it_names(capsys, monkeypatch):
-    import offload_core.plugins
+    import offload_core.device.plugins
 
     capped = chaos_backend(device_memory=CAPACITY)
-    get_backend = offload_core.plugins.get_backend
-    monkeypatch.setattr(offload_core.plugins, "get_backend",
+    get_backend = offload_core.device.plugins.get_backend
+    monkeypatch.setattr(offload_core.device.plugins, "get_backend",
                         lambda name=None, **options: capped if name == "fake" else get_backend(name, **options))
     assert main(["plan", "--backend", "fake", "--device-memory", "64MiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

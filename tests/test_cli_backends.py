@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from offload_core import cli
-from offload_core.plugins import ENV_BACKEND, PluginFailure, registry
+from offload_core.device.plugins import ENV_BACKEND, PluginFailure, registry
 
 KINDS = {"simulator", "in-tree accelerator", "vendor accelerator"}
 

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from offload_core import cli
-from offload_core.cli_check import counts, summary
+from offload_core.cli.check import counts, summary
 
 
 @pytest.mark.quick

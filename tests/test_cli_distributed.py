@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from offload_core.plugins import ENV_BACKEND
+from offload_core.device.plugins import ENV_BACKEND
 
 from helpers import free_port
 
@@ -64,7 +64,7 @@ def test_every_ranks_output_is_checked(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from offload_core.cli_run import ranks
+    from offload_core.cli.run import ranks
 
     def gathered(outputs, mine):
         outputs[0], outputs[1] = mine, mine + 1

@@ -1,6 +1,6 @@
 """docs/cli.md's and README.md's sample outputs are what the commands print today (the figures
 that depend on timing masked, with their units), on an idle machine or a loaded one; regenerate
-them with ``python -m offload_core.cli_run.sample`` on an idle machine (it refuses a busy one)."""
+them with ``python tools/cli_samples.py`` on an idle machine (it refuses a busy one)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from offload_core.cli_run import sample
+from tools import cli_samples as sample
 
 pytestmark = pytest.mark.quick
 
@@ -20,7 +20,7 @@ def test_the_sample_outputs_are_up_to_date():
     assert not differences, (
         "the sample outputs differ from what the commands print now in more than timing (times are masked):\n"
         + "\n".join(differences)
-        + "\nif the change is meant, run `python -m offload_core.cli_run.sample` on an idle machine (it refuses to "
+        + "\nif the change is meant, run `python tools/cli_samples.py` on an idle machine (it refuses to "
         "write a busy machine's figures)"
     )
 

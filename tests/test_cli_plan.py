@@ -143,7 +143,7 @@ def test_the_command_prints_the_plan_the_handle_runs(capsys):
 
 def test_a_measured_bandwidth_is_what_the_backend_copies_at(capsys):
     from offload_core import get_backend
-    from offload_core.cli_plan import measure_bandwidth
+    from offload_core.cli.plan import measure_bandwidth
 
     # the fake's bandwidth model: each copy takes its bytes over this, 84 ms for 4 MiB, so that a
     # loaded machine's scheduling delays (tens of ms) cannot halve it, while the memcpy alone

@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from offload_core import cli
-from offload_core.cli_run import STRATEGIES, loading, sample
-from offload_core.cli_run.arguments import DEFAULT_PIPELINE, DEMO_STEPS, MAX_STEPS, embedded
-from offload_core.cli_run.command import run_pipeline
-from offload_core.cli_run.report import render
+from offload_core.cli.run import STRATEGIES, loading
+from offload_core.cli.run.arguments import DEFAULT_PIPELINE, DEMO_STEPS, MAX_STEPS, embedded
+from offload_core.cli.run.command import run_pipeline
+from offload_core.cli.run.report import render
+from offload_core.device.plugins import ENV_BACKEND, registry
 from offload_core.overlap import copy_overlap
-from offload_core.plugins import ENV_BACKEND, registry
 from offload_core.tiny import PIPELINES, build_pipeline
+from tools import cli_samples as sample
 
 from helpers import chaos_backend
 
@@ -247,7 +248,7 @@ def test_step_times_come_from_the_denoising_loop_not_the_call(monkeypatch):
 
 
 def test_without_a_step_callback_the_steps_come_from_the_denoiser_forwards(monkeypatch):
-    from offload_core.cli_run import clock
+    from offload_core.cli.run import clock
 
     monkeypatch.setattr(clock, "takes_step_callback", lambda pipe: False)
     result = run_pipeline(parse("--pipeline", "flux2", "--steps", "3", "--json"), backend=chaos_backend())
@@ -275,7 +276,7 @@ def test_prefetches_for_a_step_that_never_comes_are_counted_apart():
 
 
 def test_unused_prefetches_are_found_in_a_timeline():
-    from offload_core.cli_run.report import unused_prefetches
+    from offload_core.cli.run.report import unused_prefetches
     from offload_core.timeline import Span
 
     class Recorded:
@@ -633,7 +634,7 @@ def test_the_demo_reports_a_steady_state_over_its_later_steps_and_says_when_it_c
     """The overlap per step, from the timeline cut at the host's step marks; the verdict gives the
     median and range of steps 2-8; a machine with more runnable work than cores makes the verdict
     say "unreliable (machine busy)" and why, as ``offload-core bench`` does."""
-    from offload_core.cli_run import steady
+    from offload_core.cli.run import steady
 
     monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     result = run_pipeline(parse("--json"), backend=chaos_backend())
@@ -654,7 +655,7 @@ def test_the_demo_reports_a_steady_state_over_its_later_steps_and_says_when_it_c
 
 
 def test_what_makes_a_run_unreliable():
-    from offload_core.cli_run.steady import Steady, unreliable_reasons
+    from offload_core.cli.run.steady import Steady, unreliable_reasons
 
     narrow, wide = Steady(0.95, 0.93, 0.97, 2, 8), Steady(0.8, 0.6, 0.99, 2, 8)
     steps, jumpy = Steady(0.03, 0.029, 0.031, 2, 8), Steady(0.03, 0.02, 0.09, 2, 8)

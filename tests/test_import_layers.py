@@ -1,7 +1,8 @@
-"""The package's modules import one another without a cycle (module-level and deferred imports
-alike, outside ``TYPE_CHECKING``): each layer can be read, tested and changed below the ones that
-use it. Exceptions live in ``offload_core/errors.py``, which imports nothing of the library, so
-raising one never needs a layer above."""
+"""The package's modules import one another without a cycle (module-level, deferred and
+``TYPE_CHECKING`` imports alike: a type named from a module is knowledge of it, and a circle
+through annotations is still two modules that cannot be read apart): each layer can be read,
+tested and changed below the ones that use it. Exceptions live in ``offload_core/errors.py``,
+which imports nothing of the library, so raising one never needs a layer above."""
 
 from __future__ import annotations
 
@@ -20,18 +21,11 @@ def modules() -> dict[str, pathlib.Path]:
 
 
 def imports(name: str, path: pathlib.Path, known: dict) -> set[str]:
-    """The library modules ``name`` imports, wherever in the file, except under TYPE_CHECKING."""
+    """The library modules ``name`` imports, wherever in the file (under ``TYPE_CHECKING`` too)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     tree = ast.parse(path.read_text())
-    hidden = {
-        id(n) for block in ast.walk(tree)
-        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-        for n in ast.walk(block)
-    }
     found = set()
     for node in ast.walk(tree):
-        if id(node) in hidden:
-            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from plugin_dists import plugin_env, write_installed
 
-from offload_core.plugins import ENV_BACKEND
+from offload_core.device.plugins import ENV_BACKEND
 
 #: distribution -> (entry point name, module, source)
 PLUGINS = {
@@ -126,7 +126,7 @@ def offload_core_register_backends(register):
 
 CHECK = r"""
 import json, offload_core
-from offload_core.plugins import registry
+from offload_core.device.plugins import registry
 chosen = offload_core.get_backend()
 fake = offload_core.get_backend("fake")
 print("CHECK " + json.dumps({

@@ -58,7 +58,7 @@ def test_without_backend_the_plugin_imports_nothing_and_changes_nothing(tmp_path
 
 def test_with_backend_fake_the_plugin_sets_the_run_up(tmp_path):
     seen, stdout = _run(tmp_path, "--backend=fake", "-v")  # -q -v: the header is shown
-    assert seen["torch"] and "offload_core.plugins" in seen["offload_core_modules"]
+    assert seen["torch"] and "offload_core.device.plugins" in seen["offload_core_modules"]
     assert seen["sanitize"] == "1"
     assert "offload_core backend: fake (chaos mode, race sanitizer)" in stdout
 

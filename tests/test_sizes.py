@@ -12,7 +12,7 @@ import pytest
 
 from offload_core import OffloadConfig, OffloadConfigError
 from offload_core.cli import build_parser
-from offload_core.cli_common import UsageError
+from offload_core.cli.common import UsageError
 
 pytestmark = pytest.mark.quick
 

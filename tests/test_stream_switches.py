@@ -117,7 +117,7 @@ def test_accelerator_base_selects_the_stream_once_per_block(monkeypatch):
         return stream(self, s)
 
     monkeypatch.setattr(VendorModule, "stream", counting)
-    monkeypatch.setattr("offload_core.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr("offload_core.device.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     VENDOR.__init__()
     backend = VendorBackend()
     model = _stack()

@@ -6,7 +6,7 @@ A second throwaway distribution holds a plugin that fails to import: it must be 
 skipped without hiding the others. Installed packages are only visible to subprocesses (their
 ``PYTHONPATH``), so this process's registry is untouched.
 
-The second half unit-tests the selection rules of :mod:`offload_core.plugins` in-process, on a
+The second half unit-tests the selection rules of :mod:`offload_core.device.plugins` in-process, on a
 registry whose entries are replaced.
 """
 
@@ -27,7 +27,7 @@ from plugin_dists import pip_install, plugin_env, write_project
 
 import offload_core
 from offload_core import BackendNotFoundError, hookimpl
-from offload_core.plugins import ENV_BACKEND, IN_TREE_DISTRIBUTION, BackendInfo, Registry
+from offload_core.device.plugins import ENV_BACKEND, IN_TREE_DISTRIBUTION, BackendInfo, Registry
 from offload_core_fake import FakeBackend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ REPORT = r"""
 import dataclasses, json, logging
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s: %(message)s")
 import offload_core
-from offload_core.plugins import registry
+from offload_core.device.plugins import registry
 
 report = {
     "backends": [
@@ -103,7 +103,7 @@ def test_a_plugin_that_fails_to_import_is_reported_not_fatal(report):
     [failure] = [f for f in data["failures"] if f["source"] == "acme-broken"]
     assert failure["entry_point"] == "acme_broken = acme_broken_plugin"
     assert "ImportError" in failure["error"] and "libacme_runtime" in failure["error"]
-    assert re.search(r"LOG WARNING offload_core\.plugins: .*acme_broken.*skipped.*libacme_runtime", stderr), stderr
+    assert re.search(r"LOG WARNING offload_core\.device\.plugins: .*acme_broken.*skipped.*libacme_runtime", stderr), stderr
     assert {"acme", "fake"} <= {b["name"] for b in data["backends"]}
 
 
@@ -133,7 +133,7 @@ def test_a_backend_whose_probe_is_false_is_skipped_by_auto_detection(site):
     best = next(b for b in data["backends"] if b["available"])  # listed in detection order
     assert data["selected"] == best["name"] != "acme"
     if not best["accelerator"]:  # the fake, on a machine without CUDA / NPU
-        assert "LOG WARNING offload_core.plugins: no accelerator backend is available" in stderr
+        assert "LOG WARNING offload_core.device.plugins: no accelerator backend is available" in stderr
     assert data["named"][2] == "acme"
 
 
@@ -228,7 +228,7 @@ def test_priority_orders_within_a_tier(reg):
 
 def test_a_probe_that_raises_means_unavailable(reg, caplog):
     swap(reg, "vendor", accelerator=True, probe=RuntimeError("driver too old"))
-    with caplog.at_level(logging.WARNING, logger="offload_core.plugins"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.device.plugins"):
         assert reg.auto()[0].name == "intree"
     assert "probe() of backend 'vendor' raised" in caplog.text
 
@@ -265,7 +265,7 @@ def test_nothing_available_is_an_error(reg):
 def test_simulator_fallback_is_logged(reg, caplog):
     for name in ("vendor", "intree"):
         swap(reg, name, accelerator=True, probe=False)
-    with caplog.at_level(logging.WARNING, logger="offload_core.plugins"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.device.plugins"):
         chosen = reg.get(None, {})
     assert chosen.name == "sim"
     assert "no accelerator backend is available" in caplog.text
@@ -315,7 +315,7 @@ def test_broken_plugins_are_skipped_and_reported(monkeypatch, caplog):
         EntryPoint("dup", _module(monkeypatch, "tp_dup", lambda register: register(duplicate)), "offload_core"),
     ]
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: eps if group == "offload_core" else [])
-    with caplog.at_level(logging.WARNING, logger="offload_core.plugins"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.device.plugins"):
         r = Registry()
     assert list(r.backends) == ["good"] and r.backends["good"].cls is good
     errors = {f.entry_point.split(" = ")[0]: f.error for f in r.failures}

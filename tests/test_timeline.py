@@ -188,8 +188,8 @@ def test_the_run_picture_names_the_time_outside_the_loop_the_blocks_and_the_resi
     import re
 
     from offload_core import cli
-    from offload_core.cli_run.command import run_pipeline
-    from offload_core.cli_run.drawing import block_runs, timeline_figure
+    from offload_core.cli.run.command import run_pipeline
+    from offload_core.cli.run.drawing import block_runs, timeline_figure
 
     result = run_pipeline(cli.build_parser().parse_args(["run", "--json"]), backend=FakeBackend())
     try:

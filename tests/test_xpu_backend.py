@@ -15,8 +15,8 @@ import torch
 
 import offload_core
 from offload_core import cli
-from offload_core.accelerator import BackendUnavailableError
-from offload_core.backend import Capability, DeviceBackend
+from offload_core.device.accelerator import BackendUnavailableError
+from offload_core.device.backend import Capability, DeviceBackend
 from offload_core_xpu import XpuBackend
 
 from plugin_dists import plugin_env, write_installed
@@ -97,7 +97,7 @@ def test_the_host_cache_is_emptied_by_the_generic_name_only(monkeypatch, torch_n
     """torch.xpu has no host-cache call of its own: torch.accelerator.empty_host_cache (2.12 and
     later) when XPU is torch's accelerator, never ``torch._C._host_emptyCache`` (CUDA builds)."""
     recorder = Recorder()
-    monkeypatch.setattr("offload_core.accelerator.torch", torch_as_of(recorder, **torch_names))
+    monkeypatch.setattr("offload_core.device.accelerator.torch", torch_as_of(recorder, **torch_names))
     emptier = XpuBackend.host_cache_emptier(object.__new__(XpuBackend))
     if emptier is not None:
         emptier()

@@ -24,11 +24,11 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offload_core.backend import Capability
-from offload_core.hookspecs import hookimpl
-from offload_core.memory_accounting import AllocationTracker
+from offload_core.device.backend import Capability
+from offload_core.device.hookspecs import hookimpl
+from offload_core.device.memory_accounting import AllocationTracker
 from offload_core_fake.streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent
-from offload_core_fake.trace import Timeline
+from offload_core_fake.trace import StreamTrace
 from offload_core_xpu import XpuBackend
 
 #: the stand-in device's memory
@@ -75,7 +75,7 @@ class StandInXpu:
     def __init__(self, count: int = 2) -> None:
         self._count = count
         self._local = threading.local()
-        self._timeline = Timeline()
+        self._timeline = StreamTrace()
         self._default = DefaultStream(self._timeline)
         self._streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
         self._ids = itertools.count(1)

@@ -24,8 +24,10 @@ import sys
 from collections import defaultdict
 
 #: the layer diagram of docs/design.md, top (0) to bottom: a module may call into its own layer
-#: and the ones below. Matched by longest prefix; ownership/foreign are the older names of
-#: changes/other_hooks, so that an older tree can be walked with the same table.
+#: and the ones below. Matched by longest prefix. backend/accelerator/hookspecs are the import
+#: paths plugins written for 0.1 use (re-exports of device/); ownership/foreign (changes/
+#: other_hooks) and plugins/dist/memory_accounting (now in device/) are older names, so that an
+#: older tree can be walked with the same table.
 LAYERS = {
     "api": 0, "pretrained": 0, "pretrained_transformers": 0,
     "enable": 1, "fitting": 1,
@@ -33,8 +35,9 @@ LAYERS = {
     "pipelines": 3, "other_hooks": 3, "foreign": 3,
     "strategies": 4,
     "discovery": 5, "hostmem": 5, "weights": 5, "planning": 5,
-    "changes": 6, "ownership": 6, "config": 6, "plugins": 6, "backend": 6, "timeline": 6, "labels": 6,
-    "errors": 6, "transaction": 6, "dist": 6, "hookspecs": 6, "memory_accounting": 6, "accelerator": 6, "overlap": 6,
+    "changes": 6, "ownership": 6, "config": 6, "timeline": 6, "labels": 6, "overlap": 6, "transaction": 6,
+    "device": 7, "errors": 7, "backend": 7, "accelerator": 7, "hookspecs": 7,
+    "plugins": 7, "dist": 7, "memory_accounting": 7,
 }
 START = ("api", "enable_offload", "target")
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"

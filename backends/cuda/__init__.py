@@ -1,6 +1,6 @@
 """In-tree plugin: the CUDA backend ``cuda`` (NCCL collectives). Registered like any third-party plugin.
 
-Everything but the probe is the generic :class:`offload_core.accelerator.AcceleratorBackend`;
+Everything but the probe is the generic :class:`offload_core.device.accelerator.AcceleratorBackend`;
 ROCm builds of torch expose HIP devices as ``cuda`` and are served by this backend as well.
 """
 
@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from offload_core.accelerator import AcceleratorBackend
-from offload_core.backend import Capability
-from offload_core.hookspecs import hookimpl
+from offload_core.device.accelerator import AcceleratorBackend
+from offload_core.device.backend import Capability
+from offload_core.device.hookspecs import hookimpl
 
 __all__ = ["CudaBackend"]
 

@@ -1,6 +1,6 @@
 """In-tree plugin: the CPU simulator backend ``fake``. Registered like any third-party plugin."""
 
-from offload_core.hookspecs import hookimpl
+from offload_core.device.hookspecs import hookimpl
 
 from .backend import FakeBackend
 from .memory import FakeOutOfMemoryError

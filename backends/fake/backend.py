@@ -15,17 +15,17 @@ from typing import Any, Sequence
 
 import torch
 
-from offload_core import dist as _dist
-from offload_core.backend import Capability, DeviceBackend
 from offload_core.config import check_value, count
+from offload_core.device import collectives
+from offload_core.device.backend import Capability, DeviceBackend
+from offload_core.device.memory_accounting import HostRegistrations, as_shape, power_of_two_ceil
 from offload_core.testing.capabilities import SimulatorCapability
-from offload_core.memory_accounting import HostRegistrations, as_shape, power_of_two_ceil
 
 from .memory import FakeOutOfMemoryError, Pool
 from .options import flag, nbytes, option, positive_number, seconds
 from .sanitizer import Sanitizer, suspended
 from .streams import DefaultStream, FakeEvent, FakeStream, FakeTimingEvent, _Chaos, pause
-from .trace import Timeline, now_ns
+from .trace import StreamTrace, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class FakeBackend(DeviceBackend):
         self.chaos = chaos
         self.h2d_bandwidth = h2d_bandwidth
         self.inline_copy_bytes = inline_copy_bytes
-        self.timeline = Timeline()
+        self.timeline = StreamTrace()
         self._chaos = _Chaos(chaos_delay, seed) if self.chaos else None
         self._device = Pool("device", device_memory)
         self._pinned = Pool("pinned host memory", pinned_memory, **PINNED_ROUNDING[pinned_rounding])
@@ -405,7 +405,7 @@ class FakeBackend(DeviceBackend):
 
     # -- collectives ----------------------------------------------------------------------
     def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:
-        _dist.init_process_group(self.dist_backend, rank, world_size, init_method, **kwargs)
+        collectives.init_process_group(self.dist_backend, rank, world_size, init_method, **kwargs)
 
     def all_gather_into_tensor(
         self,
@@ -422,7 +422,7 @@ class FakeBackend(DeviceBackend):
 
         def gather() -> None:
             try:
-                _dist.all_gather(output, input, group=group)
+                collectives.all_gather(output, input, group=group)
             finally:
                 if read_done is not None:
                     read_done()

@@ -1,7 +1,7 @@
 """Allocation accounting for the fake device and its pinned host memory.
 
 Tensors are ordinary CPU tensors; what makes them "device" or "pinned" memory is that a pool
-handed them out. The shared :class:`~offload_core.memory_accounting.AllocationTracker` gives the
+handed them out. The shared :class:`~offload_core.device.memory_accounting.AllocationTracker` gives the
 bytes back when the last tensor viewing a storage dies, so ``memory_allocated`` follows tensor
 lifetimes the way a caching allocator's does; the real accelerator backends count their pinned
 memory with the same class.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload_core.memory_accounting import AllocationTracker
+from offload_core.device.memory_accounting import AllocationTracker
 
 
 class FakeOutOfMemoryError(torch.OutOfMemoryError):

@@ -18,7 +18,7 @@ import weakref
 from typing import Callable
 
 from .sanitizer import suspended, watching
-from .trace import Timeline, now_ns
+from .trace import StreamTrace, now_ns
 
 # Set at interpreter exit: workers stop after their current task and simulated waits end early.
 _EXITING = threading.Event()
@@ -78,7 +78,7 @@ class _Queue:
     thread (a finalizer enqueues the stop sentinel).
     """
 
-    def __init__(self, name: str, timeline: Timeline, chaos: _Chaos | None) -> None:
+    def __init__(self, name: str, timeline: StreamTrace, chaos: _Chaos | None) -> None:
         self.name = name
         self.timeline = timeline
         self.chaos = chaos
@@ -188,7 +188,7 @@ class _Queue:
 class FakeStream:
     """A side stream: its work runs in order on its own worker thread."""
 
-    def __init__(self, name: str, timeline: Timeline, chaos: _Chaos | None, sanitizer=None) -> None:
+    def __init__(self, name: str, timeline: StreamTrace, chaos: _Chaos | None, sanitizer=None) -> None:
         self._q = _Queue(name, timeline, chaos)
         self._finalizer = weakref.finalize(self, self._q.stop)
         self._san = sanitizer
@@ -255,7 +255,7 @@ class DefaultStream:
 
     name = "default"
 
-    def __init__(self, timeline: Timeline, sanitizer=None) -> None:
+    def __init__(self, timeline: StreamTrace, sanitizer=None) -> None:
         self._timeline = timeline
         self._san = sanitizer
 
@@ -306,7 +306,7 @@ class FakeEvent:
     ``wait`` on the default stream blocks the calling thread (its later work is the caller's)."""
 
     def __init__(
-        self, current: Callable[[], FakeStream | DefaultStream], timeline: Timeline, sanitizer=None
+        self, current: Callable[[], FakeStream | DefaultStream], timeline: StreamTrace, sanitizer=None
     ) -> None:
         self._current = current
         self._timeline = timeline
@@ -356,7 +356,7 @@ class FakeTimingEvent(FakeEvent):
     its worker runs a stamp queued at the record."""
 
     def __init__(
-        self, current: Callable[[], FakeStream | DefaultStream], timeline: Timeline, sanitizer=None
+        self, current: Callable[[], FakeStream | DefaultStream], timeline: StreamTrace, sanitizer=None
     ) -> None:
         super().__init__(current, timeline, sanitizer)
         self._reached_ns: int | None = None

@@ -26,8 +26,11 @@ class Span:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-class Timeline:
-    """Bounded list of spans, appended to from every stream's thread. ``max_spans`` keeps long
+class StreamTrace:
+    """What the fake device's streams ran, as the device itself would see it (what the strategies
+    meant by it is :class:`offload_core.timeline.Timeline`, which they record themselves).
+
+    Bounded list of spans, appended to from every stream's thread. ``max_spans`` keeps long
     runs from growing memory. Appends are plain tuples (list.append is atomic), because they sit on
     every stream operation's path."""
 

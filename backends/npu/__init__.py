@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from offload_core.accelerator import AcceleratorBackend
-from offload_core.backend import Capability
-from offload_core.hookspecs import hookimpl
+from offload_core.device.accelerator import AcceleratorBackend
+from offload_core.device.backend import Capability
+from offload_core.device.hookspecs import hookimpl
 
 __all__ = ["NpuBackend"]
 

@@ -1,7 +1,7 @@
 """In-tree plugin: the Intel XPU backend ``xpu`` (XCCL collectives where this torch has them).
 Registered like any third-party plugin.
 
-Everything but the probe is the generic :class:`offload_core.accelerator.AcceleratorBackend`:
+Everything but the probe is the generic :class:`offload_core.device.accelerator.AcceleratorBackend`:
 torch's ``xpu`` device module has the same stream model as CUDA's (``torch.xpu.Stream``,
 ``torch.xpu.Event`` with timing, ``torch.xpu.stream`` contexts, ``current_stream``, ``synchronize``,
 the memory figures, ``mem_get_info``), and ``pin_memory=True`` pins through the XPU host
@@ -24,9 +24,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from offload_core.accelerator import AcceleratorBackend
-from offload_core.backend import Capability
-from offload_core.hookspecs import hookimpl
+from offload_core.device.accelerator import AcceleratorBackend
+from offload_core.device.backend import Capability
+from offload_core.device.hookspecs import hookimpl
 
 __all__ = ["XpuBackend"]
 

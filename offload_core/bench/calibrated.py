@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..plugins import get_backend
+from ..device.plugins import get_backend
 from .layerwise import MLPStack
 from .timing import bandwidth_calibration
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..api import enable_offload
-from ..plugins import get_backend
+from ..device.plugins import get_backend
 from .timing import bandwidth_calibration, interleaved, ratio
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..api import enable_offload
-from ..plugins import get_backend
+from ..device.plugins import get_backend
 
 logger = logging.getLogger(__name__)
 

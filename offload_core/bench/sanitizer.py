@@ -12,7 +12,7 @@ import statistics
 from typing import Any
 
 from ..api import enable_offload
-from ..plugins import get_backend
+from ..device.plugins import get_backend
 from ..tiny import build_pipeline
 from .timing import interleaved, ratio
 

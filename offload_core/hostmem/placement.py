@@ -35,8 +35,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..backend import Capability
 from ..config import OffloadConfig
+from ..device.backend import Capability
 
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned

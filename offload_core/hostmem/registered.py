@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..memory_accounting import PAGE_BYTES
+from ..device.memory_accounting import PAGE_BYTES
 
 
 def page_round(nbytes: int) -> int:

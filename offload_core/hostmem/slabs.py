@@ -42,7 +42,7 @@ from typing import Iterable
 
 import torch
 
-from ..backend import Capability
+from ..device.backend import Capability
 from ..weights.unit import ALIGN_BYTES
 from .registered import RegisteredMemory, page_round
 

@@ -6,8 +6,8 @@ from typing import Sequence
 
 from torch import nn
 
-from ..backend import DeviceBackend
 from ..config import OffloadConfig
+from ..device.backend import DeviceBackend
 from .distributed import distributed_part
 from .layerwise import LayerwiseOffload
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from ..errors import DistributedOffloadError
 from .gather import ShardedGather
 from .layerwise import LayerwiseOffload

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hooks
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
 from ..timeline import UNTRACED

@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..backend import DeviceBackend, Event
+from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
 from ..timeline import UNTRACED
 from ..transaction import Transaction

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from torch import nn
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
 from ..transaction import Transaction
 from ..weights import WeightUnit

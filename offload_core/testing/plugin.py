@@ -62,7 +62,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _info(name: str):
     from offload_core.errors import BackendNotFoundError
-    from offload_core.plugins import registry
+    from offload_core.device.plugins import registry
 
     try:
         return registry().info(name)
@@ -148,7 +148,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if name is None:
         return []
     from offload_core.errors import BackendNotFoundError
-    from offload_core.plugins import registry
+    from offload_core.device.plugins import registry
 
     info = _info(name)
     modes = [m for m, cap in (("chaos mode", SimulatorCapability.CHAOS), ("race sanitizer", SimulatorCapability.SANITIZE))

@@ -16,7 +16,7 @@ changes reduction order). The models are so small that intra-op threads only cos
 ``torch.set_num_threads(1)`` makes them about five times faster.
 """
 
-from .pipelines import DEMOS, PIPELINES, build_pipeline
+from .zoo import DEMOS, PIPELINES, build_pipeline
 from .spec import PipelineSpec, TinyPipeline, as_tensor, run
 
 __all__ = [

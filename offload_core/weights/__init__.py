@@ -1,7 +1,7 @@
 """Packing groups of tensors into flat per-dtype host buffers, and splitting a model into units."""
 
 from ..errors import UnsupportedTensorError
-from .plan import split_units
+from .split import split_units
 from .layout import nbytes_of
 from .unit import WeightUnit
 

@@ -14,7 +14,7 @@ Importing this package imports neither diffusers nor transformers; building a pi
 
 from __future__ import annotations
 
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline
+from offload_core.tiny.zoo import PipelineSpec, TinyPipeline
 from . import audio, dits, flux, sd, video, variants
 
 #: key -> spec, for every pipeline of the sweep

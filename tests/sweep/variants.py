@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from offload_core.tiny.pipelines import PipelineSpec, TinyPipeline, _cosmos3_omni, _flux2, _joyimage_edit
+from offload_core.tiny.zoo import PipelineSpec, TinyPipeline, _cosmos3_omni, _flux2, _joyimage_edit
 
 
 def _flux2_small(seed: int) -> TinyPipeline:

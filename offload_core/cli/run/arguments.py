@@ -3,7 +3,7 @@
 Everything a user can get wrong on the command line is found here, before a pipeline is built or
 loaded, so that a typo costs nothing: unknown names, flags that do not apply to the strategy,
 values out of range, and output paths that cannot be written (a missing or read-only directory,
-a directory where a file is wanted). Each is a :class:`~offload_core.cli_common.UsageError`: one
+a directory where a file is wanted). Each is a :class:`~offload_core.cli.common.UsageError`: one
 line, exit status 2.
 """
 
@@ -17,11 +17,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..cli_common import UsageError, available_backend, budget_type, check_writable
+from ..common import UsageError, available_backend, budget_type, check_writable
 
 if TYPE_CHECKING:
-    from ..backend import DeviceBackend
-    from ..tiny import PipelineSpec
+    from ...device.backend import DeviceBackend
+    from ...tiny import PipelineSpec
 
 STRATEGIES = ("none", "model", "layerwise", "distributed")
 DEFAULT_PIPELINE = "flux2-deep"
@@ -85,7 +85,7 @@ Exit status: 0 done, 1 the run failed (one line; --debug for the traceback), 2 b
 def embedded() -> dict[str, PipelineSpec]:
     """Every pipeline ``--pipeline`` can build, the demos first (imported when needed: the
     parser alone must not import torch)."""
-    from ..tiny import DEMOS, PIPELINES
+    from ...tiny import DEMOS, PIPELINES
 
     return {**DEMOS, **PIPELINES}
 

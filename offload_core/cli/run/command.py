@@ -12,7 +12,7 @@ handle, so tests can check the report against ``handle.stats()`` and the image a
 without offload; :func:`run_command` is the thin command around it (printing, files, exit codes).
 
 Bad input is found before the run starts (:mod:`.arguments` before anything is built or loaded,
-then the pipeline's own limits) and is a :class:`~offload_core.cli_common.UsageError` (one line,
+then the pipeline's own limits) and is a :class:`~offload_core.cli.common.UsageError` (one line,
 exit 2). Anything else that fails is reported as one line with the exception type (exit 1);
 ``--debug`` adds the traceback.
 """
@@ -32,10 +32,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ..backend import DeviceBackend
-from ..cli_common import UsageError, Writer, columns, write_all
-from ..errors import OffloadConfigError
-from ..timeline import Timeline
+from ...device.backend import DeviceBackend
+from ...errors import OffloadConfigError
+from ...timeline import Timeline
+from ..common import UsageError, Writer, columns, write_all
 from . import arguments, loading, outputs, ranks
 from .clock import MemorySampler, StepClock
 from .report import Measured, judge, make_report, render, weight_bytes
@@ -274,7 +274,7 @@ def _check_output_size(target: loading.Target, overrides: dict[str, Any], output
 def _backend(name: str | None) -> DeviceBackend:
     """The backend, made before any model is loaded: an option of it that does not parse (an
     ``OFFLOAD_CORE_FAKE_*`` variable) is bad input, and must not cost a model load."""
-    from ..plugins import get_backend
+    from ...device.plugins import get_backend
 
     try:
         return get_backend(name)
@@ -285,7 +285,7 @@ def _backend(name: str | None) -> DeviceBackend:
 def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     if args.strategy == "none":
         return None
-    from ..api import enable_offload
+    from ...api import enable_offload
 
     options: dict[str, Any] = {"backend": backend}
     if args.device_memory is not None:

@@ -27,9 +27,9 @@ from typing import Any
 
 import pluggy
 
+from ..errors import BackendNotFoundError, OffloadConfigError
 from . import hookspecs
 from .backend import DeviceBackend
-from .errors import BackendNotFoundError, OffloadConfigError
 
 logger = logging.getLogger(__name__)
 

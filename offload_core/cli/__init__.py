@@ -23,14 +23,14 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .cli_bench import add_bench
-from .cli_check import add_check_backend
-from .cli_common import UsageError, columns
-from .cli_plan import add_plan
-from .cli_run import add_run
+from .bench import add_bench
+from .check import add_check_backend
+from .common import UsageError, columns
+from .plan import add_plan
+from .run import add_run
 
 if TYPE_CHECKING:
-    from . import plugins
+    from ..device import plugins
 
 PROG = "offload-core"
 
@@ -54,7 +54,7 @@ def _kind(info: plugins.BackendInfo) -> str:
 
 def backends_report() -> dict[str, Any]:
     """Everything ``offload-core backends`` shows, as plain data (the ``--json`` document)."""
-    from . import plugins
+    from ..device import plugins
 
     registry = plugins.registry()
     rows = []
@@ -155,7 +155,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [add_backends, add_run, add_bench, ad
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog=PROG, description="Run diffusion pipelines with CPU-offloaded weights.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -1,7 +1,7 @@
 """``offload-core run``'s pixels as files: the output as frames, and one PNG writer per frame.
 
 The command writes them together with the trace and the timeline picture through
-:func:`~offload_core.cli_common.write_all`, all or none; the paths were checked before the run.
+:func:`~offload_core.cli.common.write_all`, all or none; the paths were checked before the run.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_common import Writer
+from ..common import Writer
 from .arguments import frame_path
 
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .cli_common import UsageError, available_backend
+from .common import UsageError, available_backend
 
 KIT = "offload_core.testing"
 #: outcome words on pytest's final summary line ("3 failed, 40 passed, 2 skipped in 20.1s")

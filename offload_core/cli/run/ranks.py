@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..cli_common import UsageError
+from ..common import UsageError
 
 #: what torchrun sets in every process it starts
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

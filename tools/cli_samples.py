@@ -1,5 +1,5 @@
 """The sample outputs in docs/cli.md and README.md, made by running the commands they show:
-``python -m offload_core.cli_run.sample`` rewrites each block that follows a ``<!-- output of:
+``python tools/cli_samples.py`` rewrites each block that follows a ``<!-- output of:
 COMMAND -->`` line with what COMMAND prints now (in-process, on the fake backend); ``COMMAND |
 grep WORD`` keeps the lines holding WORD, as the shell would.
 
@@ -19,9 +19,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from .steady import UNRELIABLE, busy_machine
+from offload_core.cli.run.steady import UNRELIABLE, busy_machine
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
 #: the pages whose marked blocks are generated
 PAGES = (DOC, ROOT / "README.md")
@@ -37,7 +37,7 @@ UNRELIABLE_CLAUSE = re.compile(r"; " + re.escape(UNRELIABLE) + r".*$")
 def output_of(command: str) -> str:
     """What ``offload-core ...`` prints on stdout (progress bars go to stderr), filtered by a
     trailing ``| grep WORD``."""
-    from ..cli import main
+    from offload_core.cli import main
 
     command, _, grep = command.partition(" | grep ")
     argv = shlex.split(command)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..cli_common import columns
-from ..overlap import timeline_overlap
-from ..timeline import Timeline
+from ...overlap import timeline_overlap
+from ...timeline import Timeline
+from ..common import columns
 from .outputs import frames_of
 from .steady import UNRELIABLE, Steady, step_overlaps, unreliable_reasons
 

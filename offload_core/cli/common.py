@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
-    from . import plugins
+    from ..device import plugins
 
 #: (final path, function writing the file to the path it is given)
 Writer = tuple[Path, Callable[[Path], None]]
@@ -23,7 +23,7 @@ class UsageError(Exception):
 def available_backend(name: str | None) -> plugins.BackendInfo:
     """The backend ``name`` (None: the one selection picks), or a UsageError saying why it cannot
     be used here; checked before any model is built or process started."""
-    from . import plugins
+    from ..device import plugins
 
     registry = plugins.registry()
     try:
@@ -45,7 +45,7 @@ def budget_type(of: str | None) -> Callable[[str], str]:
     def parse(text: str) -> str:
         import argparse
 
-        from .config import parse_budget
+        from ..config import parse_budget
 
         try:
             parse_budget(text, of=of)

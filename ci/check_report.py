@@ -58,7 +58,7 @@ def report(steps_file: Path, dry_run: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m offload_core.bench.check_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python ci/check_report.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", required=True, type=Path, help="the tab-separated step log")
     parser.add_argument("--out", required=True, type=Path, help="the JSON report to write")
     parser.add_argument("--dry-run", action="store_true", help="mark the report as a dry run")

@@ -18,10 +18,10 @@ import os
 import statistics
 from typing import Any, Sequence
 
-from ..bench import UNRELIABLE, status
-from ..bench.timing import ratio
-from ..overlap import copy_overlap
-from ..timeline import Timeline
+from ...bench import UNRELIABLE, status
+from ...bench.timing import ratio
+from ...overlap import copy_overlap
+from ...timeline import Timeline
 
 #: steps whose shares of copy time hidden span more than this (0..1) disagree too much to vouch for
 WIDE_OVERLAP = 0.10

@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from .cli_common import UsageError, budget_type
+from .common import UsageError, budget_type
 
 #: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
 #: a PCIe 4.0 x16 link (its 32 GB/s raw rate less protocol overhead); measure yours and pass it
@@ -102,8 +102,8 @@ def add_plan(subparsers: Any) -> None:
 
 def pipeline_names() -> dict[str, str]:
     """Every ``--pipeline`` name and what it is: the embedded tiny pipelines, then the real-size ones."""
-    from .cli_run.arguments import embedded
-    from .planning.realsize import PIPELINES
+    from .run.arguments import embedded
+    from ..planning.realsize import PIPELINES
 
     return {**{name: f"tiny: {spec.description}" for name, spec in embedded().items()},
             **{name: f"real size, meta device: {what}" for name, (what, _) in PIPELINES.items()}}
@@ -112,15 +112,15 @@ def pipeline_names() -> dict[str, str]:
 def _components(args: argparse.Namespace, bandwidth: float):
     """The plan inputs of the pipeline the flags name (copies at ``bandwidth`` bytes per second),
     and its model-level swap groups."""
-    from .fitting import plan_inputs
-    from .pipelines import pipeline_modules
+    from ..fitting import plan_inputs
+    from ..pipelines import pipeline_modules
 
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
-        from .planning.realsize import build_modules
+        from ..planning.realsize import build_modules
 
         pipe, modules = None, build_modules(args.pipeline)  # None: kinds from the component names
     else:
-        from .cli_run.loading import load, pipeline_class
+        from .run.loading import load, pipeline_class
 
         load_args = argparse.Namespace(model=args.model, pipeline=args.pipeline or DEFAULT_TINY)
         pipeline_class(load_args)  # checks a --model folder before loading it
@@ -130,7 +130,7 @@ def _components(args: argparse.Namespace, bandwidth: float):
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
-        from .config import size
+        from ..config import size
 
         measured["activation_bytes"] = size(args.activation_memory)
     return [c.with_measurements(**measured) for c in components], groups
@@ -148,8 +148,8 @@ def _copy_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
 def device_memory(name: str | None) -> tuple[int | None, int | None]:
     """``mem_get_info()`` (free, total) of the device the budget is checked against: the backend
     ``name``, or with None the auto-detected one if it is an accelerator; (None, None) without."""
-    from .cli_common import available_backend
-    from .plugins import get_backend
+    from .common import available_backend
+    from ..device.plugins import get_backend
 
     try:
         info = available_backend(name)
@@ -165,8 +165,8 @@ def device_memory(name: str | None) -> tuple[int | None, int | None]:
 def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20) -> tuple[float, str]:
     """Host-to-device bytes per second of a pinned copy on ``backend`` (default: the one
     auto-detection picks), as the real-size benchmark measures it, and where it comes from."""
-    from .bench.realsize import pinned_copy_bandwidth
-    from .plugins import get_backend
+    from ..bench.realsize import pinned_copy_bandwidth
+    from ..device.plugins import get_backend
 
     backend = backend if backend is not None else get_backend(None)
     return pinned_copy_bandwidth(backend, nbytes), f"measured: pinned copies on the {backend.name} backend"
@@ -174,7 +174,7 @@ def measure_bandwidth(backend: Any = None, nbytes: int = 64 * 2**20) -> tuple[fl
 
 def run_plan(args: argparse.Namespace) -> int:
     if args.pipeline == "list":
-        from .cli_common import columns
+        from .common import columns
 
         print("\n".join(columns([[name, what] for name, what in pipeline_names().items()])))
         return 0
@@ -184,8 +184,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown pipeline {args.pipeline!r}; known: {', '.join(pipeline_names())}")
     if args.prefetch_depth < 1:
         raise UsageError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
-    from .errors import OffloadConfigError
-    from .planning import device_budget, make_plan
+    from ..errors import OffloadConfigError
+    from ..planning import device_budget, make_plan
 
     free, total = device_memory(args.backend)
     try:

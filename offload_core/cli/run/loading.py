@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..cli_common import UsageError
-from ..tiny import as_tensor
+from ...tiny import as_tensor
+from ..common import UsageError
 from .arguments import CALL_PARAMETERS, DEFAULT_PIPELINE, DEMO_STEPS, embedded
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def load(args: argparse.Namespace) -> Target:
 
 
 def _build_tiny(args: argparse.Namespace) -> Target:
-    from ..tiny import build_pipeline
+    from ...tiny import build_pipeline
 
     name = args.pipeline or DEFAULT_PIPELINE
     logger.info("building the tiny pipeline %r", name)

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import bench
-from .bench.load import LoadMeter, describe
-from .bench.realscale import NotEnoughDisk, clean, default_cache_dir
-from .cli_common import UsageError, check_writable, columns, write_all
+from .. import bench
+from ..bench.load import LoadMeter, describe
+from ..bench.realscale import NotEnoughDisk, clean, default_cache_dir
+from .common import UsageError, check_writable, columns, write_all
 
 
 def _fmt(value: Any, spread: float | None) -> str:
