@@ -286,17 +286,18 @@ class LayerwiseOffload(Part):
     def _restore(self) -> None:
         """Before ``disable`` unpacks: every unit gets its full host values, by the loads the
         transport asks for (a rank's shards: every block gathered once more and read back)."""
-        reader = None
-        try:
-            with self.transport.restoring() as blocks:
+        with self.transport.restoring() as blocks:
+            if not blocks:  # every unit has its full host values already
+                return
+            reader = self.backend.new_stream()
+            try:
                 self.quiesce()
                 for i in blocks:
-                    reader = reader or self.backend.new_stream()
                     self.load(i)
                     self.wait_ready(i, reader)
                     self.transport.read_back(i, reader)
-        finally:
-            self.quiesce()
+            finally:
+                self.quiesce()
 
     def _release(self) -> None:
         self.ring = None
