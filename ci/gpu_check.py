@@ -297,7 +297,7 @@ def check_mem_get_info(backend, check: Check) -> None:
 def check_near_capacity(backend, check: Check) -> None:
     """Two model-level groups, and activations in the first group's forward, on a device filled
     so that 8 GiB stay free: prefetching must never push a forward into an out-of-memory error."""
-    from offload_core.strategies.common import Transaction
+    from offload_core.transaction import Transaction
     from offload_core.strategies.model_level import ModelLevelOffload
 
     device = backend.device()

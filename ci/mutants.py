@@ -70,7 +70,6 @@ class Mutant:
 
 C = "offload_core/strategies/part.py"
 L = "offload_core/strategies/layerwise.py"
-ST = "offload_core/strategies/streaming.py"
 M = "offload_core/strategies/model_level.py"
 G = "offload_core/strategies/gather.py"
 RING = "offload_core/strategies/ring.py"
@@ -87,27 +86,30 @@ MUTANTS = [
            "disable)", L, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,)),
     Mutant("layerwise: a slot is judged kept only once finished transfers let go of it (a collective's work)", RING,
            "copy_stream.synchronize()", (LET_GO,)),
-    Mutant("layerwise: a copy into a slot waits for the slot's free event", ST, "self.ring.freed[plan.slot].wait(stream)",
+    Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.ring.wait_free(plan.slot, stream)",
            (STRATEGIES,)),
-    Mutant("layerwise: the slot's occupant is recorded", ST, "ring.occupant[slot] = i", (PROPERTIES,)),
-    Mutant("layerwise: the block's ready event is recorded after its copies", ST, "plan.ready.record(stream)",
+    Mutant("ring: waiting for a slot's free event", RING, "self._freed[slot].wait(stream)", (STRATEGIES,)),
+    Mutant("layerwise: the slot's occupant is recorded", L, "ring.claim(slot, i)", (PROPERTIES,)),
+    Mutant("layerwise: the block's ready event is recorded after its copies", L, "plan.ready.record(stream)",
            (LIFECYCLE,)),
-    Mutant("layerwise: compute waits for the block's ready event", ST, "plan.ready.wait(stream)", (LIFECYCLE,)),
-    Mutant("layerwise: a reader other than compute waits for the block's ready event", ST,
+    Mutant("layerwise: compute waits for the block's ready event", L, "plan.ready.wait(stream)", (LIFECYCLE,)),
+    Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
            "plan.ready.wait(reader)", (DISTRIBUTED,)),
-    Mutant("layerwise: the slot of a block that ran is marked free", ST,
-           "self.ring.freed[plan.slot].record(self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
-    Mutant("layerwise: a block called out of order is loaded", ST, "self.load(i)", (LIFECYCLE,),
-           occurrence=0, occurrences=2),
-    Mutant("layerwise backward: a slot is refilled only after the backward that read it", ST,
-           "self.ring.freed[i % self.num_slots].record(self.backend.current_stream())", (TRAINING,)),
-    Mutant("layerwise backward: a block whose weights backward needs is loaded", ST, "self.load(i)", (TRAINING,),
-           occurrence=1, occurrences=2),
+    Mutant("layerwise: the slot of a block that ran is marked free", L,
+           "self.ring.mark_free(plan.slot, self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
+    Mutant("ring: marking a slot free records its event", RING, "self._freed[slot].record(stream)",
+           (STRATEGIES, LIFECYCLE)),
+    Mutant("layerwise: a block called out of order is loaded", L, "self.load(i)", (LIFECYCLE,),
+           occurrence=2, occurrences=4),
+    Mutant("layerwise backward: a slot is refilled only after the backward that read it", L,
+           "self.ring.mark_free(self.ring.slot_of(i), self.backend.current_stream())", (TRAINING,)),
+    Mutant("layerwise backward: a block whose weights backward needs is loaded", L, "self.load(i)", (TRAINING,),
+           occurrence=3, occurrences=4),
     Mutant("layerwise backward: its end marks every slot free for the next forward's copies", RING,
            "freed.record(stream)", (TRAINING,)),
     Mutant("layerwise: a new slot (the old one kept by its holder) is filled after earlier compute", RING,
            "self.backend.wait_stream(copy_stream, self.backend.current_stream())", (NEW_SLOT,)),
-    Mutant("layerwise: a block shows its slot only while it runs", ST, "self.plans[i].binding.to_device()", (LIFECYCLE,)),
+    Mutant("layerwise: a block shows its slot only while it runs", L, "self.plans[i].binding.to_device()", (LIFECYCLE,)),
     # -- changes copied home ------------------------------------------------------------------
     Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
     Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
@@ -115,7 +117,7 @@ MUTANTS = [
            "self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, "
            "self.counters))", (STAGED_LAYERWISE_RESIDENT,),
            replacement="copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters)"),
-    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", ST,
+    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
            "self.placement.wait(ticket)", (STAGED,)),
     # -- distributed --------------------------------------------------------------------------
     Mutant("distributed: the slot is used only after its all-gather", G,
@@ -123,11 +125,11 @@ MUTANTS = [
            replacement="backend.all_gather_into_tensor(out, staging, self.group, stream)"),
     Mutant("distributed: a load's header is gathered before its data", G, "gathered.wait(stream)", (SHARDED,)),
     Mutant("distributed: the host waits for the gathered headers before reading them", G,
-           "part.copy_stream.synchronize()", (SHARDED,)),
+           "at.copy_stream.synchronize()", (SHARDED,)),
     Mutant("distributed: a shard takes a forward's buffer changes only once they have landed", G,
            "done.synchronize()", (SHARDED,)),
     Mutant("distributed: the event after a shard's update is recorded", G, "done.record(stream)", (SHARDED,)),
-    Mutant("distributed disable: the read-back waits for the block's gather", G, "part.wait_ready(i, reader)",
+    Mutant("distributed disable: the read-back waits for the block's gather", L, "self.wait_ready(i, reader)",
            (DISTRIBUTED,)),
     Mutant("distributed disable: host waits for the read-back", G, "reader.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------

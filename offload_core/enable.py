@@ -34,7 +34,7 @@ from .installs import Mark, PipelineClass
 from .other_hooks import weight_hooks
 from .pipelines import Inventory, layerwise_layout
 from .strategies import streaming_part
-from .strategies.common import Transaction
+from .transaction import Transaction
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
 from .strategies.resident import ResidentModules

@@ -23,7 +23,7 @@ from ..device.backend import DeviceBackend
 from ..errors import DistributedOffloadError
 from .gather import ShardedGather
 from .layerwise import LayerwiseOffload
-from .transport import CopyTransport
+from .transport import RankCopy
 
 #: serial numbers of the distributed parts enabled in this process; ranks enable in step, so the
 #: same model gets the same number on every rank and headers of two models cannot pair up
@@ -58,7 +58,7 @@ def distributed_part(
 ) -> LayerwiseOffload:
     """A layerwise part across the ranks of ``process_group``: two slots (prefetch depth 1)."""
     ranks = Ranks.of(process_group)
-    transport = ShardedGather(ranks) if shard_host_weights and ranks.world > 1 else CopyTransport(ranks)
+    transport = ShardedGather(ranks) if shard_host_weights and ranks.world > 1 else RankCopy(ranks)
     return LayerwiseOffload(model, blocks, backend, 1, transport, resident_blocks)
 
 

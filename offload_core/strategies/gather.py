@@ -31,6 +31,7 @@ ranks are kept honest rather than trusted:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -40,13 +41,15 @@ from tqdm.auto import tqdm
 from ..errors import DistributedOffloadError
 from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..labels import label
+from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
 from .common import allocate_device, pack_units
-from .transport import CopyTransport, placeholders
+from .transport import RankCopy, placeholders
 
 logger = logging.getLogger(__name__)
 
-#: header of one load: magic, the part's serial number, block index (END for the end of a pass), status
+#: header of one load: magic, the part's serial number, block index (END for the end of a pass),
+#: status; the device bytes of the headers are the planner's GATHER_SENT_BYTES and GATHER_GATHERED_BYTES
 HEADER = 4
 MAGIC = 0x0FF10AD
 #: a forward's loads are OK (ABORTED: the rank failed); disable's rebuilding loads say DISABLING,
@@ -60,7 +63,7 @@ def padded(n: int, world: int) -> int:
     return -(-n // world) * world
 
 
-class ShardedGather(CopyTransport):
+class ShardedGather(RankCopy):
     """Loads a block as this rank's shard plus an all-gather; see the module docstring."""
 
     sharded = True
@@ -76,6 +79,7 @@ class ShardedGather(CopyTransport):
         self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
         self._disabling = False  # restore's loads carry DISABLING headers
         self._staging: list = []
+        self._rebuilt: list = []  # full host buffers of the blocks restore read back so far
         self._header_in = self._header_out = self._rows = None
 
     # -- sizes and homes ------------------------------------------------------------------------
@@ -85,35 +89,33 @@ class ShardedGather(CopyTransport):
     def _shard_buffers(self, unit) -> tuple[int, ...]:
         return tuple(padded(n, self.world) // self.world * dtype.itemsize for dtype, n in unit.numel.items())
 
-    def host_units(self) -> list:
-        part = self.part
-        return [HostUnit(part.resident, ONCE, part.resident.nbytes),
-                *(HostUnit(u, STREAM, sum(self._shard_buffers(u)), self._shard_buffers(u)) for u in part.units)]
+    def host_units(self, resident, units) -> list:
+        return [HostUnit(resident, ONCE, resident.nbytes),
+                *(HostUnit(u, STREAM, sum(self._shard_buffers(u)), self._shard_buffers(u)) for u in units)]
 
-    def host_bytes(self) -> int:
-        return sum(sum(self._shard_buffers(u)) for u in self.part.units)
+    def host_bytes(self, units) -> int:
+        return sum(sum(self._shard_buffers(u)) for u in units)
 
     @property
     def _header_rows(self) -> int:
-        return 2 * (len(self.part.units) + 1)
+        return 2 * (len(self.at.units) + 1)
 
-    def device_bytes(self) -> int:
-        part = self.part
-        staging = part.num_slots * nbytes_of({d: n // self.world for d, n in part.slot_shape.items()})
-        return staging + (len(STATUSES) * (len(part.units) + 1) + self._header_rows * self.world) * HEADER * 8
+    def device_bytes(self, units, slots: int, slot_shape) -> int:
+        staging = slots * nbytes_of({d: n // self.world for d, n in slot_shape.items()})
+        return staging + (len(units) + 1) * (GATHER_SENT_BYTES + GATHER_GATHERED_BYTES * self.world)
 
     def pack(self, txn) -> None:
         """Keep only this rank's shard of each block, building one block's padded copy at a time;
         outside their forward the blocks show placeholders. The undo log keeps the original
         tensors until enable succeeds, so a failure can put them back untouched."""
-        part = self.part
-        pack_units([part.resident], part.placement, txn, "resident weights")
+        at = self.at
+        pack_units([at.resident], at.placement, txn, "resident weights")
         self.shards, self.fingerprints = [], []
-        for unit in tqdm(part.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None,
+        for unit in tqdm(at.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None,
                          leave=False):
             txn.on_rollback(functools.partial(_rebind_all, unit.originals()))
             self.shards.append(self._shard(unit))
-            unit.keep_on(part.backend.device())
+            unit.keep_on(at.backend.device())
             unit.host_views = placeholders(unit)
             unit.bind(unit.host_views)
 
@@ -122,7 +124,7 @@ class ShardedGather(CopyTransport):
         cut from dies on return."""
         full = unit.take(lambda n, dtype: torch.zeros(padded(n, self.world), dtype=dtype))
         self.fingerprints.append(fingerprint(full))
-        allocate = self.part.placement.allocator(unit)
+        allocate = self._placement.allocator(unit)
         shards = {}
         for dtype, buffer in full.items():
             size = buffer.numel() // self.world
@@ -131,24 +133,24 @@ class ShardedGather(CopyTransport):
         return shards
 
     def allocate(self) -> None:
-        part = self.part
+        at = self.at
         self._staging = [
-            allocate_device(part.backend, {d: n // self.world for d, n in part.slot_shape.items()},
-                            f"all-gather staging buffer {s} of {part.name}")
-            for s in range(part.num_slots)
+            allocate_device(at.backend, {d: n // self.world for d, n in at.ring.shape.items()},
+                            f"all-gather staging buffer {s} of {at.name}")
+            for s in range(len(at.ring))
         ]
-        self._header_out = part.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
-        self._header_in = part.backend.empty_device((len(part.units) + 1, len(STATUSES), HEADER), torch.int64)
-        label(self._header_out, f"gathered load headers of {part.name}")
-        label(self._header_in, f"load headers of {part.name}")
+        self._header_out = at.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
+        self._header_in = at.backend.empty_device((len(at.units) + 1, len(STATUSES), HEADER), torch.int64)
+        label(self._header_out, f"gathered load headers of {at.name}")
+        label(self._header_in, f"load headers of {at.name}")
         self._pending, self._loaded_in_pass = [], -1
 
     def instrument(self) -> list:
         """A rank can neither produce nor take a full state dict: refused at every module."""
-        part = self.part
-        refuse = functools.partial(_refuse_state_dict, part.describe())
-        modules = {id(m): m for b in part.blocks for m in b.modules()}
-        modules[id(part.model)] = part.model
+        at = self.at
+        refuse = functools.partial(_refuse_state_dict, at.what)
+        modules = {id(m): m for b in at.blocks for m in b.modules()}
+        modules[id(at.model)] = at.model
         hooks = []
         for module in modules.values():
             hooks.append(module.register_state_dict_pre_hook(refuse))
@@ -161,42 +163,41 @@ class ShardedGather(CopyTransport):
         and the host rows stay referenced until ``release``, so nothing waits here."""
         self.serial = serial
         self._rows = torch.tensor(
-            [[[MAGIC, serial, i, status] for status in STATUSES] for i in [*range(len(self.part.units)), END]],
+            [[[MAGIC, serial, i, status] for status in STATUSES] for i in [*range(len(self.at.units)), END]],
             dtype=torch.int64,
         )
-        self.part.backend.copy_async(self._header_in, self._rows, self.part.copy_stream)
+        self._backend.copy_async(self._header_in, self._rows, self.at.copy_stream)
 
     # -- loads ------------------------------------------------------------------------------------
     def plan(self, i: int, unit, slot):
-        shards, staging = self.shards[i], self._staging[i % self.part.num_slots]
-        direct = self.part.placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
+        shards, staging = self.shards[i], self._staging[self.at.ring.slot_of(i)]
+        direct = self._placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
         transfers = [
             (staging[dtype][: shard.numel()], shard if direct else functools.partial(_read_flat, shard),
              slot[dtype][: shard.numel() * self.world])
             for dtype, shard in shards.items()
         ]
-        copies = self.part.placement.copies([(staged, src) for staged, src, _ in transfers])
+        copies = self._placement.copies([(staged, src) for staged, src, _ in transfers])
         return transfers, copies, sum(s.numel() * s.element_size() for s in shards.values()), None
 
     def issue(self, plan, stream) -> None:
         """The block's header gather, then per dtype its shard's copy and gather, all under one
         stream context (``stream`` is the copy stream the headers are gathered on too)."""
-        part = self.part
-        backend = part.backend
+        backend, placement = self._backend, self._placement
         with backend.batch(stream):
             self._gather_header(plan.index, self._header_status(plan.index))
             self._loaded_in_pass = max(self._loaded_in_pass, plan.index)
             for staging, shard, out in plan.transfers:
-                part.placement.issue([(staging, shard)], stream)
+                placement.issue([(staging, shard)], stream)
                 backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
 
     def _gather_header(self, i: int, status: int) -> None:
         """Queue the all-gather of block ``i``'s header (``END``: the end of a pass)."""
         if len(self._pending) == self._header_rows:
             self._check_headers()
-        row, stream = len(self._pending), self.part.copy_stream
+        row, stream = len(self._pending), self.at.copy_stream
         header, out = self._header_in[i, status], self._header_out[row]
-        gathered = self.part.backend.all_gather_into_tensor(out, header, self.group, stream)
+        gathered = self._backend.all_gather_into_tensor(out, header, self.group, stream)
         gathered.wait(stream)
         self._pending.append((row, i))
 
@@ -218,38 +219,41 @@ class ShardedGather(CopyTransport):
         new values): copy this rank's slice of the slot into its shard. Every rank runs the same
         forward, so every rank updates its own slice alike. The headers are checked first, so that
         values computed on mismatched weights are never kept."""
-        part = self.part
-        part.placement.drain()  # the stager appends the headers of the loads it issues
+        backend, ring = self._backend, self.at.ring
+        self._placement.drain()  # the stager appends the headers of the loads it issues
         self._check_headers()
-        slot = part.ring.slots[part.plans[i].slot]
-        stream = part.backend.current_stream()
-        with part.backend.batch(stream):
+        slot = ring.slots[ring.slot_of(i)]
+        stream = backend.current_stream()
+        with backend.batch(stream):
             for dtype, shard in self.shards[i].items():
                 size = shard.numel()
-                part.backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
-        done = part.backend.new_event()
+                backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
+        done = backend.new_event()
         done.record(stream)
         done.synchronize()
 
     # -- the ends of passes ---------------------------------------------------------------------
-    def abort_pass(self) -> None:
-        """This rank's forward failed: issue the loads the other ranks still run in this pass
-        (the blocks after the furthest one loaded here), flagged as aborted."""
-        self.part.placement.drain()  # the stager's loads have set how far this pass got
-        for i in range(self._loaded_in_pass + 1, len(self.part.units)):
-            self._aborted.add(i)
-            try:
-                self.part.load(i)
-            except BaseException:
-                self._aborted.discard(i)
-                raise
+    def abort_pass(self) -> range:
+        """This rank's forward failed: the loads the other ranks still run in this pass (the
+        blocks after the furthest one loaded here), which the part issues, each ``aborted``."""
+        self._placement.drain()  # the stager's loads have set how far this pass got
+        return range(self._loaded_in_pass + 1, len(self.at.units))
+
+    @contextlib.contextmanager
+    def aborted(self, i: int):
+        """Block ``i``'s load, while the part issues it, carries an aborted header."""
+        self._aborted.add(i)
+        try:
+            yield
+        except BaseException:
+            self._aborted.discard(i)
+            raise
 
     def finish(self, failed: bool) -> None:
         """Say whether this rank got through, and check every header since the last check."""
-        part = self.part
         try:
-            part.placement.drain()  # their gathers come before this one, on every rank alike
-            with part.backend.batch(part.copy_stream):  # the end header and its read-back
+            self._placement.drain()  # their gathers come before this one, on every rank alike
+            with self._backend.batch(self.at.copy_stream):  # the end header and its read-back
                 self._gather_header(END, ABORTED if failed else OK)
                 if failed:
                     try:
@@ -267,18 +271,18 @@ class ShardedGather(CopyTransport):
         pending, self._pending = self._pending, []
         if not pending:
             return
-        part = self.part
+        at = self.at
         seen = torch.empty((len(pending), self.world * HEADER), dtype=torch.int64)
-        part.backend.copy_async(seen, self._header_out[: len(pending)], part.copy_stream)  # after the gathers
-        part.copy_stream.synchronize()
-        part.landed()  # every load queued so far has landed
+        self._backend.copy_async(seen, self._header_out[: len(pending)], at.copy_stream)  # after the gathers
+        at.copy_stream.synchronize()
+        at.landed()  # every load queued so far has landed
         headers = seen.view(len(pending), self.world, HEADER).tolist()
         self._check_operations(headers)
         for (_, block), row in zip(pending, headers):
             for rank, header in enumerate(row):
                 if header[:3] != [MAGIC, self.serial, block]:
                     raise DistributedOffloadError(
-                        f"ranks out of step in {part.describe()}: this rank (rank {self.rank}) was at "
+                        f"ranks out of step in {at.what}: this rank (rank {self.rank}) was at "
                         f"{self._label(block)} while rank {rank} was at {self._label_of(header)} in the same gather; "
                         "the output of this call is discarded (gathers that pair different blocks would mix their "
                         "weights). Every rank must run the same forwards in the same order"
@@ -287,7 +291,7 @@ class ShardedGather(CopyTransport):
             for rank, header in enumerate(row):
                 if header[3] == ABORTED:
                     raise DistributedOffloadError(
-                        f"rank {rank} failed during this forward of {part.describe()}; its output is discarded on "
+                        f"rank {rank} failed during this forward of {at.what}; its output is discarded on "
                         "every rank. The ranks are still in step: the next forward can run"
                     )
 
@@ -298,40 +302,39 @@ class ShardedGather(CopyTransport):
             for rank, header in enumerate(row):
                 if header[0] == MAGIC and header[1] == self.serial and (header[3] == DISABLING) != self._disabling:
                     raise DistributedOffloadError(
-                        f"ranks out of step in {self.part.describe()}: this rank (rank {self.rank}) ran "
+                        f"ranks out of step in {self.at.what}: this rank (rank {self.rank}) ran "
                         f"{doing[self._disabling]} while rank {rank} ran {doing[not self._disabling]}; "
                         "nothing was computed or changed on either rank. handle.disable() is collective: "
                         "call it on every rank, at the same point"
                     )
 
     def _label(self, block: int) -> str:
-        return "the end of a forward" if block == END else f"block {self.part.block_names[block]}"
+        return "the end of a forward" if block == END else f"block {self.at.block_names[block]}"
 
     def _label_of(self, header: list[int]) -> str:
         magic, serial, block, _ = header
-        if magic != MAGIC or serial != self.serial or not END <= block < len(self.part.units):
+        if magic != MAGIC or serial != self.serial or not END <= block < len(self.at.units):
             return "another model's gather or unrelated data"
         return self._label(block)
 
     # -- changes, training, copies --------------------------------------------------------------
-    def replaced(self, blocks):
+    def replaced(self, blocks, plans, homes, dirty: bool):
         """A rank holds only shards: any change to a block's tensors is refused."""
-        part = self.part
-        changed = [f"{part.block_names[i]}:{owner.name}" for i in blocks
-                   for _, owner in part.units[i].foreign(part.units[i].host_views)]
-        changed += [f"{part.block_names[i]} (changed in place)" for i in blocks if part.plans[i].binding.touched()]
-        if changed or part.dirty:
+        at = self.at
+        changed = [f"{at.block_names[i]}:{owner.name}" for i in blocks
+                   for _, owner in at.units[i].foreign(at.units[i].host_views)]
+        changed += [f"{at.block_names[i]} (changed in place)" for i in blocks if plans[i].binding.touched()]
+        if changed or dirty:
             raise DistributedOffloadError(
-                f"tensors of {part.describe()} were replaced while its blocks are sharded across ranks "
+                f"tensors of {at.what} were replaced while its blocks are sharded across ranks "
                 f"({', '.join(changed[:4]) or 'a module or tensor was added'}); a rank holds only a shard of "
                 "each block, so changes need the collective handle.disable() first"
             )
         return iter(())
 
     def untrainable(self, i: int) -> Exception:
-        part = self.part
         return DistributedOffloadError(
-            f"weights of block {part.block_names[i]} of {part.describe()} require grad, but each rank holds only "
+            f"weights of block {self.at.block_names[i]} of {self.at.what} require grad, but each rank holds only "
             "a shard of them: freeze them (requires_grad_(False)), or enable with shard_host_weights=False to train them"
         )
 
@@ -341,46 +344,51 @@ class ShardedGather(CopyTransport):
             "collective handle.disable() first, which rebuilds the full weights on every rank"
         )
 
-    def restore(self) -> None:
-        """Rebuild every block's full weights from the shards on every rank, check that every
-        rank gathered the same blocks, and make them the units' homes. If the ranks are out of
-        step, raises and changes nothing (``disable`` can be called again)."""
-        part = self.part
-        reader = part.backend.new_stream()
-        rebuilt = []
+    @contextlib.contextmanager
+    def restoring(self):
+        """Disable: the part loads every block once more (with DISABLING headers; the blocks come
+        from the iterable this yields, once the part has waited for its copies) and has each read
+        back (``read_back``), rebuilding the full weights from the shards on every rank. On exit,
+        checks that every rank gathered the same blocks and makes the rebuilt buffers the units'
+        homes. If the ranks are out of step, raises and changes nothing (``disable`` can be called
+        again)."""
         try:
-            part.quiesce()
-            self._check_headers()
-            self._disabling = True
-            for i, unit in enumerate(part.units):
-                part.load(i)
-                part.wait_ready(i, reader)
-                slot = part.ring.slots[part.plans[i].slot]
-                buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
-                with part.backend.batch(reader):
-                    for dtype, buf in buffers.items():
-                        part.backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
-                reader.synchronize()  # later copies into this slot are queued after this: ordered
-                rebuilt.append(buffers)
-            with part.backend.batch(part.copy_stream):  # as a forward ends: the same count of gathers
+            yield self._rebuilding()
+            with self._backend.batch(self.at.copy_stream):  # as a forward ends: the same count of gathers
                 self._gather_header(END, DISABLING)
             self._check_headers()
         except Exception as exc:  # a mismatch, or the collective failed or timed out
-            part.landed()
-            self._pending = []
+            self.at.landed()
+            self._pending, self._rebuilt = [], []
             raise DistributedOffloadError(
-                f"handle.disable() cannot restore the exact weights of {part.describe()}: rank {self.rank} holds "
+                f"handle.disable() cannot restore the exact weights of {self.at.what}: rank {self.rank} holds "
                 f"only a shard of each block and rebuilding them with the other ranks failed ({exc}). Nothing was "
                 "changed: the model is still offloaded; call disable() again on every rank once they are in step"
             ) from exc
         finally:
             self._disabling = False
-            part.quiesce()
-        for unit, buffers in zip(part.units, rebuilt):
+        for unit, buffers in zip(self.at.units, self._rebuilt):
             unit.host = buffers  # unpacked from here; owners still show their placeholders
-        self.shards = []
+        self.shards, self._rebuilt = [], []
+
+    def _rebuilding(self):
+        self._check_headers()
+        self._disabling = True
+        yield from range(len(self.at.units))
+
+    def read_back(self, i: int, reader) -> None:
+        """Block ``i`` is in its slot for ``reader`` (after its gathers): copy it to new host buffers."""
+        at = self.at
+        slot = at.ring.slots[at.ring.slot_of(i)]
+        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in at.units[i].numel.items()}
+        with self._backend.batch(reader):
+            for dtype, buf in buffers.items():
+                self._backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
+        reader.synchronize()  # later copies into this slot are queued after this: ordered
+        self._rebuilt.append(buffers)
 
     def release(self) -> None:
+        super().release()
         self._staging = []
         self._header_in = self._header_out = self._rows = None
 

@@ -8,8 +8,43 @@ elsewhere) reads and writes the truth, and a copy never computes on another bloc
 The part has three pieces: the slot ring (ring.py: slots, their free events and occupants, the
 check that nothing outside the ring still holds a slot), one :class:`BlockPlan` per streamed block
 (its binding, transfers and ready event), and a transport (transport.py: a plain copy of the
-block's home; gather.py: a rank's shard plus an all-gather) that fills a slot. This module is the
-protocol that ties them together.
+block's home; gather.py: a rank's shard plus an all-gather) that fills a slot. The part is the
+protocol that ties them together, and does every load itself: the transport only says what a load
+issues, and which blocks it needs loaded.
+
+The protocol, pass by pass:
+
+A model forward is one *pass*. It starts by checking that every block still shows its own host
+buffer (a parameter given new data of the same shape is copied into it; anything else is a
+structural change and the model is re-packed); when its first block is reached (after the
+model's own pre-hooks, which may have edited weights) it checks again and queues blocks
+``0 .. prefetch_depth`` into their slots. Before block ``i`` runs, its wrapper makes sure ``i``
+is the occupant of its slot (else loads it synchronously and counts a miss), queues the next
+``prefetch_depth`` blocks, makes the compute stream wait for ``i``'s ready event and binds ``i``
+to its slot; after it, the slot is marked free with an event on the compute stream, changes the
+forward made to the block's tensors are copied home, and ``i`` is bound to its host buffer again.
+A copy into a slot always waits for the slot's free event. When the pass ends the host waits for
+the last queued copy, so host memory is never written while a copy still reads it, and nothing
+stays in a slot across passes: a block is loaded afresh in every pass, from the host as it is
+then. (A pass that saved weights for a backward leaves its last blocks in their slots for it; see
+autograd.py.)
+
+A block called outside a model forward is loaded synchronously (a miss) and dropped after.
+
+Inside ``handle.frozen()`` (every pipeline call without step callbacks is), the user promises not
+to change weights between forwards: the end of a pass then queues the first blocks of the next, so
+that their copies overlap whatever runs between two forwards (a scheduler step, the embeddings). A
+change the handle can see (a parameter given new data, a buffer replaced, a module added, a dtype
+change, an in-place write through a parameter, which moves its version: a pipeline's pre-hook
+editing a block's weight) still drops those copies and loads afresh; an in-place write through
+``.data`` it cannot see, which is what the promise is about.
+
+Blocks whose home is not pinned (a ``pinned_memory`` budget, or on disk with ``host_memory``) are
+loaded by the placement's stager thread through its bounce ring: a load then hands the whole
+load (slot wait, copies, ready event) to the stager, and the block's ticket is waited before
+compute waits on its ready event. As the stager starts each load, the blocks on disk that run
+after it (wrapping to the first for the next step) are read ahead.
+
 
 Blocks kept resident (``resident_blocks``, partial residency) are part of the resident weights:
 on the device for the whole time, like the model's non-block weights. Streamed blocks between
@@ -28,25 +63,27 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hooks
 
 from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
 from ..hostmem.disk import check_placeholders
-from ..weights import nbytes_of, slot_numel, split_units
+from ..timeline import UNTRACED
+from ..transaction import Transaction
+from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
-from .autograd import SavedSlots
-from .common import Transaction, allocate_device, copy_unit, default_placement, unpack_units
+from .autograd import SavedSlots, refuse_function_transforms
+from .calls import calls_running
+from .common import allocate_device, copy_unit, default_placement, unpack_units
 from .part import Part, adopt_foreign, blocks_now, write_back
-from .ring import BlockPlan, SlotRing
-from .streaming import Streaming
-from .transport import CopyTransport
+from .ring import BlockPlan, SlotRing, kept_views, slot_numel
+from .transport import CopyTransport, Served
 
 logger = logging.getLogger(__name__)
 
 
-class LayerwiseOffload(Streaming, Part):
-    """Streams the blocks of one model; everything outside the streamed blocks stays resident.
-    The pass and block protocol is :class:`Streaming`'s (streaming.py)."""
+class LayerwiseOffload(Part):
+    """Streams the blocks of one model; everything outside the streamed blocks stays resident."""
 
     def __init__(
         self,
@@ -70,7 +107,6 @@ class LayerwiseOffload(Streaming, Part):
         super().__init__(backend)
         self.model = model
         self.transport = transport or CopyTransport()
-        self.transport.serve(self)
         self.strategy = self.transport.strategy
         self.label = type(model).__name__  # names timeline spans: "<label>.<block name>"
         self.kept_names = [name for k, (name, _) in enumerate(blocks) if k in kept]
@@ -113,7 +149,7 @@ class LayerwiseOffload(Streaming, Part):
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step."""
-        return self.transport.host_units()
+        return self.transport.host_units(self.resident, self.units)
 
     def describe(self) -> str:
         return type(self.model).__name__
@@ -137,11 +173,12 @@ class LayerwiseOffload(Streaming, Part):
     @property
     def device_weight_bytes(self) -> int:
         """Device bytes this strategy holds: resident + slots x largest block (per dtype)."""
-        return self.resident_bytes + self.num_slots * self.slot_bytes + self.transport.device_bytes()
+        return (self.resident_bytes + self.num_slots * self.slot_bytes
+                + self.transport.device_bytes(self.units, self.num_slots, self.slot_shape))
 
     @property
     def host_bytes(self) -> int:
-        return self.resident.nbytes + self.transport.host_bytes()
+        return self.resident.nbytes + self.transport.host_bytes(self.units)
 
     @property
     def slots(self) -> list[dict[torch.dtype, torch.Tensor]]:
@@ -153,6 +190,9 @@ class LayerwiseOffload(Streaming, Part):
         default_placement(self, txn)
         self.copy_stream = self.transport.new_stream(backend)
         self.ring = SlotRing(backend, self.slot_shape, self.num_slots, functools.partial(_slot_label, weakref.ref(self)))
+        self.transport.serve(Served(
+            backend, self.placement, self.copy_stream, self.ring, self.model, self.blocks, self.block_names,
+            self.resident, self.units, self.describe(), self.name, self.landed))
         self.transport.allocate()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self.name}")
         txn.on_rollback(self._release)
@@ -226,7 +266,7 @@ class LayerwiseOffload(Streaming, Part):
         interruption, and does nothing once done."""
         with self.lock:
             if self.enabled:
-                self.transport.restore()  # collective when sharded; raises, changing nothing, out of step
+                self._restore()  # collective when sharded; raises, changing nothing, out of step
             self._remove_hooks()
             if not self.enabled:
                 return
@@ -242,6 +282,22 @@ class LayerwiseOffload(Streaming, Part):
             unpack_units([(self.resident, self.resident_views), *self.units], self.placement)
             self._release()
             self.enabled = False
+
+    def _restore(self) -> None:
+        """Before ``disable`` unpacks: every unit gets its full host values, by the loads the
+        transport asks for (a rank's shards: every block gathered once more and read back)."""
+        with self.transport.restoring() as blocks:
+            if not blocks:  # every unit has its full host values already
+                return
+            reader = self.backend.new_stream()
+            try:
+                self.quiesce()
+                for i in blocks:
+                    self.load(i)
+                    self.wait_ready(i, reader)
+                    self.transport.read_back(i, reader)
+            finally:
+                self.quiesce()
 
     def _release(self) -> None:
         self.ring = None
@@ -282,14 +338,303 @@ class LayerwiseOffload(Streaming, Part):
         for i in blocks:
             if self.plans[i].image is not None:
                 check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
-        self.reconcile(self.transport.replaced(blocks))
+        self.reconcile(self._replaced(blocks))
 
-    def no_ram_home(self, i: int) -> Exception:
-        """The error for a change to block ``i``, which has no home in RAM to take it."""
-        return OffloadedModelError(
-            f"block {self.block_names[i]} of {self.describe()} has its home on disk (a host_memory budget): "
-            "it has no host copy to change. Call handle.disable() first, or give it RAM"
-        )
+    def _replaced(self, blocks):
+        """(unit, home views) of each of ``blocks`` the transport finds replaced (``Part.reconcile``),
+        once the copies queued earlier (which read the host as it was) are done."""
+        for i in self.transport.replaced(blocks, self.plans, self.homes, self.dirty):
+            self.quiesce()
+            yield self.units[i], self.home_views(i)
+
+    # -- streaming ------------------------------------------------------------------------
+    def load(self, i: int) -> None:
+        """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
+        plan, ring = self.plans[i], self.ring
+        slot = plan.slot
+        if not ring.at_rest(slot):
+            self._renew(slot)
+            plan = self.plans[i]
+        ring.release(slot)  # an interrupted load leaves the slot empty, not stale
+        self._queued = True
+        stager = self.placement.stager
+        if stager is None:
+            self._queue_load(plan)
+        else:
+            # The stager waits on the slot's free event later: safe, because it is recorded again
+            # only after block i has run, and block i runs only after this load's ticket.
+            plan.ticket = stager.submit(functools.partial(self._stage_load, plan))
+        ring.claim(slot, i)
+        counters = self.counters
+        counters.loads += 1
+        counters.h2d_copies += plan.copies
+        counters.h2d_bytes += plan.nbytes
+
+    def _renew(self, slot: int) -> None:
+        """Something outside the ring still references ``slot``: leave it that memory, re-plan the
+        slot's blocks onto the new memory the ring gives the slot."""
+        occupant = self.ring.occupant(slot)
+        holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
+        old = self.ring.slots[slot]
+        if not self.ring.renew(slot, self.copy_stream, holding, self.describe()):
+            return
+        for where in kept_views(self.model, old):
+            logger.warning(
+                "%s: %s keeps a view of the device copy of offloaded weights across forwards: it reads the weights of "
+                "the forward that made it, never later changes to them (also after disable()). Make it again in each "
+                "forward, or keep a .clone()", self.describe(), where,
+            )
+        self.counters.retired_slot_bytes += self.ring.nbytes
+        for plan in self.plans[slot :: self.num_slots]:
+            self.plans[plan.index] = self._block_plan(plan.index, plan.ready, plan.ticket)
+        self.saved.index(self.ring.slots)
+        self.ring.settle(slot)
+
+    def _stage_load(self, plan: BlockPlan) -> None:
+        """A load on the stager thread: the blocks on disk after this one are read ahead while
+        it is staged (see ``hostmem.staging.ReadAhead``)."""
+        self.placement.staging_block(self.plans, plan.index)
+        self._queue_load(plan)
+
+    def _queue_load(self, plan: BlockPlan) -> None:
+        stream = self.copy_stream
+        self.ring.wait_free(plan.slot, stream)
+        try:
+            if self.timeline is None:
+                self.transport.issue(plan, stream)
+            else:
+                issue = functools.partial(self.transport.issue, plan, stream)
+                self.timeline.copy(stream, self._span_name(plan.index), plan.nbytes, issue)
+        finally:  # also after a failure half-way: what waits for block i waits for what was queued
+            plan.ready.record(stream)
+
+    def _begin_pass(self) -> None:
+        refuse_function_transforms(self.describe())
+        if self._passes or self._bound >= 0:  # rare: a nested pass, or one an interrupt tore
+            self._repair(calls_running([self.model]) - 1)
+        self._passes += 1
+        if self._passes > 1:
+            return
+        if self.saved.forget_backward():  # one that failed never reached its end
+            self.end_backward()
+        if self.saved.recorded:  # the slots kept for a backward are not trusted by a forward
+            self.saved.recorded = False
+            self.quiesce()
+        self._reconcile(range(len(self.units)))
+        if self._preloaded and (self.model._forward_pre_hooks or _global_pre_hooks):
+            # its pre-hooks may write the preloaded blocks' host weights: not while a copy reads them
+            self.quiesce(forget=False)
+        self._starting = True  # loads start at the first block: after the model's own pre-hooks
+        if self.activation_bytes is None:  # the first pass: what its compute takes beyond the weights
+            self._measure_from = self.backend.memory_allocated()
+
+    def _start_pass(self) -> None:
+        self._starting = False
+        with self.no_repack("a forward pre-hook of the model"):  # this call's blocks are bound already
+            self._reconcile(range(len(self.units)))
+        preloaded, self._preloaded = self._preloaded, []
+        for j, versions in preloaded:  # loaded as the last pass ended: a weight written since is reloaded
+            if self.ring.holds(j) and self.versions(j) != versions:
+                self.ring.release(self.ring.slot_of(j))
+        self._queue(0, self.num_slots)
+
+    def _before_kept(self, following: int) -> None:
+        """A kept block (on the device for good) is about to run; ``following``: the first streamed
+        block after it. Its compute hides copies: the pass starts here if it has not, and the
+        streamed blocks after it are queued as far as the ring allows (their slots' previous
+        occupants ran already)."""
+        if self._starting:
+            self._start_pass()
+        if self._passes > 0:
+            self._queue(following, self.num_slots)
+
+    def _end_pass(self, failed: bool) -> None:
+        self._passes = max(self._passes - 1, 0)  # a _begin_pass interrupted before its count: not below 0
+        if self._passes or not self.enabled:  # not enabled: a re-pack in this call failed, its RepackError says so
+            return
+        self._starting = False
+        try:
+            if failed:
+                self._abort_pass()
+            self.transport.finish(failed)
+        finally:
+            # after a forward that saved weights, a backward comes: it starts with the blocks still in
+            # their slots (they cannot change since without their versions showing it, which it checks)
+            backward = not failed and self.saved.recorded
+            self.quiesce(forget=not backward)
+        if not failed and self.activation_bytes is None:
+            # an upper bound: the peak since enable counts, and it held the weights already
+            self.activation_bytes = max(self.backend.max_memory_allocated() - self._measure_from, 0)
+        if not failed and not backward and self._frozen:
+            self._load_first()
+
+    def _abort_pass(self) -> None:
+        """This rank's forward failed before its end: load the blocks the transport says the
+        other ranks still load in this pass (the sharded transport's gathers, flagged aborted)."""
+        for i in self.transport.abort_pass():
+            with self.transport.aborted(i):
+                self.load(i)
+
+    def _load_first(self) -> None:
+        """Queue the first blocks of the next pass now, so that their copies overlap what runs
+        between two forwards; only inside ``handle.frozen()``, where weights do not change through
+        ``.data`` (their versions are noted, so that a write through a parameter is seen)."""
+        self._queue(0, self.num_slots)
+        self._preloaded = [(j, self.versions(j)) for j in range(min(self.num_slots, len(self.units)))]
+
+    def _queue(self, first: int, count: int) -> None:
+        """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet;
+        several under one stream context (``backend.batch``) unless the stager issues them (on its
+        own thread) or a slot must be renewed first (an allocation, which must not happen inside)."""
+        ring = self.ring
+        todo = [j for j in range(first, min(first + count, len(self.units))) if not ring.holds(j)]
+        if len(todo) > 1 and self.placement.stager is None and all(ring.at_rest(ring.slot_of(j)) for j in todo):
+            with self.backend.batch(self.copy_stream):
+                for j in todo:
+                    self.load(j)
+            return
+        for j in todo:
+            self.load(j)
+
+    def freeze(self) -> None:
+        with self.lock:
+            self._frozen += 1
+
+    def thaw(self) -> None:
+        with self.lock:
+            self._frozen -= 1
+            if not self._frozen and self.enabled and self._passes == 0:
+                self.quiesce()
+
+    def _repair(self, passes: int) -> None:
+        """The state of ``passes`` model calls in progress (those still on the stack): what an
+        interrupt left of a block or pass that is no longer running (its end never ran, or ran
+        half-way) is undone, so that the next call works."""
+        if self._passes <= passes and (self._bound < 0 or calls_running([self.blocks[self._bound]])):
+            return
+        logger.info("%s: undoing what an interrupted call left behind", self.describe())
+        self.saved.end_block()
+        if self._bound >= 0:
+            self.ring.free_all(self.backend.current_stream())  # its end never marked its slot free
+            bound, self._bound = self._bound, -1
+            plan = self.plans[bound]
+            if plan.binding.to_home(plan.write_back):
+                self.dirty = True
+        if passes == 0:
+            self._passes, self._starting = 0, False
+            self.quiesce()
+
+    def _before_block(self, i: int) -> None:
+        if self._bound >= 0 and self._passes == 0:  # a block call an interrupt tore, outside any pass
+            self._repair(0)
+        if self._bound >= 0:
+            raise RuntimeError(
+                f"block {self.block_names[i]} was called inside the forward of block "
+                f"{self.block_names[self._bound]}; offloaded blocks must not call one another"
+            )
+        if self._starting:
+            self._start_pass()
+        in_pass = self._passes > 0
+        if not in_pass:
+            self._reconcile([i])
+        if not self.ring.holds(i):
+            logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
+            self._count_miss(i)
+            self.load(i)
+        if in_pass:
+            self._queue(i + 1, self.depth)
+        self.wait_ready(i)
+        self._bound = i
+        self.plans[i].binding.to_device()
+        if torch.is_grad_enabled():
+            self._hook_gradients(i)
+            self.saved.begin_block()
+
+    def wait_ready(self, i: int, reader=None) -> None:
+        """Make compute (a trace records the wait), or the stream ``reader``, wait until block
+        ``i`` is in its slot."""
+        plan = self.plans[i]
+        if plan.ticket is not None:
+            ticket, plan.ticket = plan.ticket, None
+            self.placement.wait(ticket)
+        if reader is not None:  # not compute: the distributed read-back at disable
+            plan.ready.wait(reader)
+            return
+        stream = self.backend.current_stream()
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
+            plan.ready.wait(stream)
+
+    def _count_miss(self, i: int) -> None:
+        """Block ``i`` is needed now and no prefetch brought it: its load cannot overlap."""
+        self.counters.prefetch_misses += 1
+        if self.timeline is not None:
+            self.timeline.prefetch_miss(self._span_name(i))
+
+    def _span_name(self, i: int) -> str:
+        return f"{self.label}.{self.block_names[i]}"
+
+    def _after_block(self, i: int, failed: bool) -> None:
+        self.saved.end_block()
+        if self._bound != i:
+            return  # _before_block stopped before binding
+        plan, alone = self.plans[i], self._passes == 0
+        try:
+            self.ring.mark_free(plan.slot, self.backend.current_stream())
+            if self.timeline is not None:
+                self.timeline.end_compute(self.backend.current_stream())
+            self._bound = -1
+            if plan.binding.to_home(plan.write_back):
+                self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
+            if alone:
+                self.quiesce()
+        finally:
+            if alone:
+                self.transport.finish(failed)
+
+    # -- autograd (see autograd.py) ------------------------------------------------------------
+    def occupant(self, slot: int) -> int:
+        return self.ring.occupant(slot)
+
+    def load_for_backward(self, i: int, miss: bool) -> None:
+        """Load block ``i`` for its backward, once the backward issued so far (which read the
+        slot's last block) is done."""
+        self.ring.mark_free(self.ring.slot_of(i), self.backend.current_stream())
+        if miss:
+            self._count_miss(i)
+        self.load(i)
+
+    def versions(self, i: int) -> tuple[int, ...]:
+        return tuple(p._version for p in self.plans[i].binding.params)
+
+    def end_backward(self) -> None:
+        """The backward is over: check its end as a pass's (the sharded transport's headers), wait
+        for its copies (an optimizer step may write the host weights next) and forget what the
+        slots hold; a slot is refilled only after the backward compute that read it."""
+        try:
+            self.transport.finish(False)
+        finally:
+            self.ring.free_all(self.backend.current_stream())
+            self.saved.recorded = False
+            self.quiesce()
+
+    def _hook_gradients(self, i: int) -> None:
+        """Gradients of block ``i``'s trainable weights accumulate beside their home, the truth
+        an optimizer updates (see docs/layerwise.md, "Training and gradients")."""
+        binding = self.plans[i].binding
+        for param, home in zip(binding.params, binding.params_home):
+            if param.requires_grad and id(param) not in self._grad_hooks:
+                hook = functools.partial(_to_home, home.device) if self.units[i].host else functools.partial(
+                    _raise, self.transport.untrainable(i))
+                self._grad_hooks[id(param)] = param.register_hook(hook)
+
+
+def _to_home(device: torch.device, grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.device == device else grad.to(device)
+
+
+def _raise(error: Exception, *args) -> None:
+    raise error
+
 
 def _nothing(failed: bool) -> None:
     pass
@@ -300,6 +645,6 @@ def _slot_label(strategy: "weakref.ref[LayerwiseOffload]", slot: int) -> str:
     self = strategy()
     if self is None or self.ring is None:
         return f"slot {slot} of a layerwise offload that was disabled"
-    occupant = self.ring.occupant[slot] if slot < len(self.ring.occupant) else -1
+    occupant = self.ring.occupant(slot)
     holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block yet"
     return f"slot {slot} of {self.name} ({holding})"

@@ -30,12 +30,13 @@ from torch import nn
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
 from ..timeline import UNTRACED
+from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
 from .autograd import SavedParameters, refuse_function_transforms
-from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
-from .calls import calls_running
+from .common import allocate_device, default_placement, pack_units, unpack_units
+from .calls import calls_running, compile_disabled
 from .part import Part, write_back
 
 logger = logging.getLogger(__name__)
@@ -400,9 +401,9 @@ class ModelLevelOffload(Part):
 
 @functools.cache
 def _swaps_run_eagerly() -> None:
-    """Swaps run eagerly, also under a compiled root (``torch.compiler.disable``). Wrapped when the
+    """Swaps run eagerly, also under a compiled root (``compile_disabled``, calls.py). Wrapped when the
     first strategy is built, not at class definition: the wrapper imports torch._dynamo (seconds)
     that ``import offload_core`` should not cost; on the class, not the instance, so that no
     reference cycle keeps a disabled strategy alive until the next garbage collection."""
     for name in ("_release", "_before_use"):
-        setattr(ModelLevelOffload, name, torch.compiler.disable(getattr(ModelLevelOffload, name)))
+        setattr(ModelLevelOffload, name, compile_disabled(getattr(ModelLevelOffload, name)))

@@ -17,8 +17,9 @@ from torch import nn
 
 from .. import changes
 from ..errors import OffloadedModelError, RepackError
+from ..transaction import Transaction
 from .calls import CallWrapper
-from .common import Counters, Transaction
+from .common import Counters
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,10 @@ from torch import nn
 
 from ..device.backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
+from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.owners import collect_tensors
-from .common import Transaction, allocate_device, copy_unit, default_placement, pack_units, unpack_units
+from .common import allocate_device, copy_unit, default_placement, pack_units, unpack_units
 from .part import Part, adopt_foreign, write_back
 
 

@@ -2,7 +2,9 @@
 
 A :class:`SlotRing` owns a few device slots (each as large as the largest streamed block, one
 flat buffer per dtype), the event that says when each slot's last reader is done, and which block
-each slot holds. Block ``i`` always goes through slot ``i % len(ring)``.
+each slot holds. Block ``i`` always goes through slot ``i % len(ring)`` (``slot_of``). Only the
+ring writes its bookkeeping; the part asks it through verbs (``claim``, ``release``, ``holds``,
+``mark_free``, ``wait_free``, ``forget``).
 
 A slot is refilled only when nothing outside the ring references its memory: the ring counts the
 uses of each slot's storages at rest (its own views: bindings, transfers, autograd's index) and,
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -48,6 +50,15 @@ class BlockPlan:
     ticket: Any = None  # the stager's ticket of a pending load
 
 
+def slot_numel(units: Iterable[Any]) -> dict[torch.dtype, int]:
+    """Per-dtype size of a slot that can hold any of ``units`` (its ``WeightUnit``s)."""
+    need: dict[torch.dtype, int] = {}
+    for unit in units:
+        for dtype, n in unit.numel.items():
+            need[dtype] = max(need.get(dtype, 0), n)
+    return need
+
+
 class SlotRing:
     """``count`` device slots of ``shape`` (numel per dtype), their free events and occupants."""
 
@@ -56,8 +67,8 @@ class SlotRing:
         self.shape = shape
         self._name = name  # slot -> its label in error reports
         self.slots = [allocate_device(backend, shape, functools.partial(name, s)) for s in range(count)]
-        self.freed = [backend.new_event() for _ in range(count)]
-        self.occupant = [-1] * count
+        self._freed = [backend.new_event() for _ in range(count)]
+        self._occupant = [-1] * count
         # per slot: (its storages, kept alive, their addresses, their use counts at rest)
         self._uses: list[tuple[list, list[int], list[int]]] = [([], [], []) for _ in range(count)]
 
@@ -68,13 +79,45 @@ class SlotRing:
     def nbytes(self) -> int:
         return nbytes_of(self.shape)
 
+    def slot_of(self, block: int) -> int:
+        return block % len(self.slots)
+
+    def occupant(self, slot: int) -> int:
+        """The block ``slot`` holds, -1 for none (also for a slot past the ring, which a label
+        written while the ring is built may ask about)."""
+        return self._occupant[slot] if slot < len(self._occupant) else -1
+
+    @property
+    def occupants(self) -> list[int]:
+        """The block each slot holds (-1: none), a copy."""
+        return list(self._occupant)
+
+    def holds(self, block: int) -> bool:
+        return self._occupant[block % len(self.slots)] == block
+
+    def claim(self, slot: int, block: int) -> None:
+        """``slot`` holds ``block`` from now (its load is queued)."""
+        self._occupant[slot] = block
+
+    def release(self, slot: int) -> None:
+        """``slot`` holds no block (a load interrupted half-way leaves it empty, not stale)."""
+        self._occupant[slot] = -1
+
     def forget(self) -> None:
         """No slot holds a block any more (they are refilled before use)."""
-        self.occupant = [-1] * len(self.slots)
+        self._occupant = [-1] * len(self.slots)
+
+    def mark_free(self, slot: int, stream) -> None:
+        """``slot`` may be refilled once ``stream``'s work issued so far is done."""
+        self._freed[slot].record(stream)
+
+    def wait_free(self, slot: int, stream) -> None:
+        """``stream``'s next work (a copy into ``slot``) waits until the slot's last reader is done."""
+        self._freed[slot].wait(stream)
 
     def free_all(self, stream) -> None:
         """Every slot may be refilled once ``stream``'s work issued so far is done."""
-        for freed in self.freed:
+        for freed in self._freed:
             freed.record(stream)
 
     def settle(self, *slots: int) -> None:

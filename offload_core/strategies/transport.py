@@ -2,19 +2,27 @@
 
 :class:`CopyTransport` copies the block's host home into the slot (straight from pinned or
 pageable memory, or through the placement's bounce ring for a home without pinned memory or on
-disk). The sharded transport (gather.py) copies this rank's shard and all-gathers the block
-across ranks instead. The layerwise part (layerwise.py) keeps the protocol (which block is where,
-when a slot may be refilled, what a block shows); the transport decides what a home is, what a
-load issues, and what the end of a pass must check. A transport given ``ranks`` serves a
-distributed part: its copies run on the copy stream every distributed part of the process
-shares, so that collectives run in the same order on every rank.
+disk). :class:`RankCopy` does the same for a distributed part: its copies run on the copy stream
+every distributed part of the process shares, so that collectives run in the same order on every
+rank, and a structural change is refused. The sharded transport (gather.py) copies this rank's
+shard and all-gathers the block across ranks instead.
+
+The layerwise part (layerwise.py) keeps the protocol (which block is where, when a slot may be
+refilled, what a block shows) and does every load; the transport decides what a home is, what a
+load issues, and what the end of a pass must check. It is one-way: at each enable the part hands
+it a :class:`Served` (what it serves and the machinery it may use), and where the transport needs
+blocks loaded (a failed rank's remaining gathers, disable's rebuilding of shards) it says which,
+and the part loads them. The one method of the part it calls is ``landed`` (through ``Served``):
+a transport that waited for the copy stream says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,57 +36,60 @@ from .part import write_back
 _COLLECTIVE_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@dataclasses.dataclass(eq=False)
+class Served:
+    """What a layerwise part hands its transport at enable; dropped again by ``release``."""
+
+    backend: Any
+    placement: Any
+    copy_stream: Any
+    ring: Any  # the SlotRing (ring.py)
+    model: Any
+    blocks: list
+    block_names: list[str]
+    resident: Any  # the resident WeightUnit
+    units: list  # one WeightUnit per streamed block
+    what: str  # the model, for messages
+    name: str  # the part, for buffer labels
+    landed: Callable[[], None]  # the part's: every load queued so far has landed
+
+
 class CopyTransport:
-    """Blocks loaded from their whole host home; see the module docstring."""
+    """Blocks loaded from their whole host home, on this process alone; see the module docstring."""
 
     sharded = False
-    fingerprints: tuple | list = ()  # of each block's weights, when ranks must hold the same ones
+    strategy = "layerwise"
 
-    def __init__(self, ranks: Any = None) -> None:
-        self.ranks = ranks  # a distributed.Ranks, or None
-        self._part: Any = None
+    def __init__(self) -> None:
+        self.at: Served | None = None
 
-    @property
-    def part(self) -> Any:
-        """The layerwise part this transport serves (held weakly: disable frees the part at once)."""
-        return self._part()
-
-    def serve(self, part) -> None:
-        self._part = weakref.ref(part)
-
-    @property
-    def strategy(self) -> str:
-        return "layerwise" if self.ranks is None else "distributed"
+    def serve(self, served: Served) -> None:
+        """Enable: what this transport serves from now until ``release``."""
+        self.at = served
+        self._backend, self._placement = served.backend, served.placement
 
     # -- sizes and homes ------------------------------------------------------------------------
     def slot_shape(self, shape: dict[torch.dtype, int]) -> dict[torch.dtype, int]:
         return shape
 
-    def host_units(self) -> list:
-        part = self.part
-        return [HostUnit(part.resident, ONCE, part.resident.nbytes),
-                *(HostUnit(u, STREAM, u.nbytes) for u in part.units)]
+    def host_units(self, resident, units) -> list:
+        return [HostUnit(resident, ONCE, resident.nbytes), *(HostUnit(u, STREAM, u.nbytes) for u in units)]
 
-    def host_bytes(self) -> int:
-        return sum(u.nbytes for u in self.part.units)
+    def host_bytes(self, units) -> int:
+        return sum(u.nbytes for u in units)
 
-    def device_bytes(self) -> int:
+    def device_bytes(self, units, slots: int, slot_shape: dict[torch.dtype, int]) -> int:
         """Device bytes beyond the slots and the resident weights."""
         return 0
 
     def new_stream(self, backend):
-        if self.ranks is None:
-            return backend.new_stream()
-        stream = _COLLECTIVE_STREAMS.get(backend)
-        if stream is None:
-            stream = _COLLECTIVE_STREAMS[backend] = backend.new_stream()
-        return stream
+        return backend.new_stream()
 
     def pack(self, txn) -> None:
         """Give every unit its host home (the whole unit, one buffer per dtype)."""
-        part = self.part
-        pack_units([part.resident, *part.units], part.placement, txn, type(part.model).__name__)
-        for unit in part.units:  # a home on disk has no host memory to show outside the forward
+        at = self.at
+        pack_units([at.resident, *at.units], at.placement, txn, type(at.model).__name__)
+        for unit in at.units:  # a home on disk has no host memory to show outside the forward
             if unit.image is not None:
                 unit.host_views = placeholders(unit)
                 unit.bind(unit.host_views)
@@ -89,11 +100,11 @@ class CopyTransport:
     def instrument(self) -> list:
         """Hooks beyond the block wrappers (removed with them): a block whose home is on disk
         has its state dict read from there, and refuses one loaded into it."""
-        part, hooks = self.part, []
-        for i, unit in enumerate(part.units):
+        at, hooks = self.at, []
+        for i, unit in enumerate(at.units):
             if unit.image is None:
                 continue
-            block, what = part.blocks[i], f"block {part.block_names[i]} of {part.describe()}"
+            block, what = at.blocks[i], f"block {at.block_names[i]} of {at.what}"
             hooks.append(block.register_state_dict_pre_hook(functools.partial(_show_home, unit)))
             hooks.append(block.register_state_dict_post_hook(functools.partial(_show_placeholders, unit)))
             refuse = functools.partial(_refuse_loading, what)
@@ -103,83 +114,111 @@ class CopyTransport:
     # -- loads ------------------------------------------------------------------------------------
     def plan(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, int, int, Any]:
         """(transfers, copies, bytes, disk image) of a load of block ``i`` (``unit``) into ``slot``."""
-        placement = self.part.placement
+        placement = self._placement
         transfers = placement.transfers(unit, slot)
         return transfers, placement.copies(transfers), unit.nbytes, unit.image
 
     def issue(self, plan, stream) -> None:
         """Queue on ``stream`` what fills ``plan``'s slot: one stream context for all of it."""
-        part = self._part()  # once per block: not through the property
-        backend = part.backend
+        backend, placement = self._backend, self._placement
         with backend.batch(stream):
-            if part.placement.stager is None:  # every source is a host buffer: plain copies
+            if placement.stager is None:  # every source is a host buffer: plain copies
                 for dst, src in plan.transfers:
                     backend.copy_async(dst, src, stream)
             else:
-                part.placement.issue(plan.transfers, stream)
+                placement.issue(plan.transfers, stream)
 
     def write_back(self, i: int):
         """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""
-        part = self.part
-        if not part.units[i].host:
+        if not self.at.units[i].host:
             return functools.partial(self._no_ram_home, i)
-        return functools.partial(write_back, part.backend)
+        return functools.partial(write_back, self._backend)
 
     def _no_ram_home(self, i: int, pairs) -> None:
-        raise self.part.no_ram_home(i)
+        raise self.no_ram_home(i)
 
-    # -- keeping the model in step ----------------------------------------------------------------
-    def replaced(self, blocks):
-        """(unit, home views) of each of ``blocks`` whose owners no longer all show their home
-        views, for ``Part.reconcile``; once the copies queued earlier (which read the host as it
-        was) are done. A block with no home in RAM cannot take a change."""
-        part = self.part
-        if len(blocks) == len(part.plans) and part.homes.at_home():  # the rule, before each pass: one check
-            return
-        for i in blocks:
-            plan = part.plans[i]
-            if not plan.binding.at_home():
-                if not plan.unit.host:
-                    raise part.no_ram_home(i)
-                part.quiesce()
-                yield plan.unit, part.home_views(i)
-
-    def repack_refusal(self) -> Exception | None:
-        """Across ranks a part cannot be packed again alone: the others would not follow."""
-        if self.ranks is None:
-            return None
-        return DistributedOffloadError(
-            f"the structure of {self.part.describe()} changed while it is offloaded across ranks (a dtype change, "
-            "a new module or a replaced tensor): call the collective handle.disable() on every rank first"
+    def no_ram_home(self, i: int) -> Exception:
+        """The error for a change to block ``i``, which has no home in RAM to take it."""
+        return OffloadedModelError(
+            f"block {self.at.block_names[i]} of {self.at.what} has its home on disk (a host_memory budget): "
+            "it has no host copy to change. Call handle.disable() first, or give it RAM"
         )
 
-    def abort_pass(self) -> None:
-        """This rank's forward failed before its end."""
+    # -- keeping the model in step ----------------------------------------------------------------
+    def replaced(self, blocks, plans, homes, dirty: bool):
+        """Each of ``blocks`` whose owners no longer all show their home views, for
+        ``Part.reconcile`` (the part waits for the copies queued earlier, which read the host as it
+        was, before it takes each). A block with no home in RAM cannot take a change."""
+        if len(blocks) == len(plans) and homes.at_home():  # the rule, before each pass: one check
+            return
+        for i in blocks:
+            plan = plans[i]
+            if not plan.binding.at_home():
+                if not plan.unit.host:
+                    raise self.no_ram_home(i)
+                yield i
+
+    def repack_refusal(self) -> Exception | None:
+        return None
+
+    def abort_pass(self) -> range:
+        """This rank's forward failed before its end: the blocks the part loads still (none)."""
+        return range(0)
+
+    def aborted(self, i: int):
+        """Around the part's load of block ``i`` after ``abort_pass``."""
+        return contextlib.nullcontext()
 
     def finish(self, failed: bool) -> None:
         """The end of a pass, of a backward, or of a block called alone."""
 
     def untrainable(self, i: int) -> Exception:
-        return self.part.no_ram_home(i)
+        return self.no_ram_home(i)
 
     def truth(self) -> list:
         """(unit, views its owners show, buffers holding its true values) per streamed unit
         with a home (read from disk for a home there)."""
-        part = self.part
-        return [(u, part.home_views(i), u.home()) for i, u in enumerate(part.units) if u.host or u.image]
+        return [(u, u.host_views, u.home()) for u in self.at.units if u.host or u.image]
 
-    def restore(self) -> None:
-        """Before ``disable`` unpacks: every unit has its full host values."""
+    def restoring(self):
+        """Disable, before the part unpacks: a context around the part's loads that give every unit
+        its full host values, yielding the blocks to load (each then ``read_back``): none here."""
+        return contextlib.nullcontext(())
 
     def release(self) -> None:
-        """Drop what ``allocate`` made."""
+        """Drop what ``allocate`` made, and what ``serve`` handed over."""
+        self.at = None
+
+
+class RankCopy(CopyTransport):
+    """Blocks loaded from their whole host home, by one rank of a distributed part."""
+
+    strategy = "distributed"
+
+    def __init__(self, ranks: Any) -> None:
+        super().__init__()
+        self.ranks = ranks  # a distributed.Ranks
+        self.fingerprints: tuple | list = ()  # of each block's weights, when ranks must hold the same ones
+
+    def new_stream(self, backend):
+        stream = _COLLECTIVE_STREAMS.get(backend)
+        if stream is None:
+            stream = _COLLECTIVE_STREAMS[backend] = backend.new_stream()
+        return stream
+
+    def repack_refusal(self) -> Exception | None:
+        """Across ranks a part cannot be packed again alone: the others would not follow."""
+        return DistributedOffloadError(
+            f"the structure of {self.at.what} changed while it is offloaded across ranks (a dtype change, "
+            "a new module or a replaced tensor): call the collective handle.disable() on every rank first"
+        )
 
     def layout(self) -> tuple:
         """What every rank must have packed alike (see distributed.Agreement)."""
-        part = self.part
-        units = [part.resident, *part.units]
+        at = self.at
+        units = [at.resident, *at.units]
         sizes = tuple(tuple(sorted((str(d), n) for d, n in u.numel.items())) for u in units)
-        return (self.strategy, self.sharded, self.ranks.world, tuple(part.block_names), sizes,
+        return (self.strategy, self.sharded, self.ranks.world, tuple(at.block_names), sizes,
                 tuple(self.fingerprints))
 
     def agreed(self, serial: int) -> None:

@@ -2,7 +2,7 @@
 
 from ..errors import UnsupportedTensorError
 from .split import split_units
-from .layout import nbytes_of, slot_numel
+from .layout import nbytes_of
 from .unit import WeightUnit
 
-__all__ = ["UnsupportedTensorError", "WeightUnit", "nbytes_of", "slot_numel", "split_units"]
+__all__ = ["UnsupportedTensorError", "WeightUnit", "nbytes_of", "split_units"]

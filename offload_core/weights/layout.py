@@ -1,19 +1,16 @@
 """Where a unit's tensors lie in its per-dtype buffers: one entry per distinct tensor, one region
-per span of source storage (tensors sharing memory stay views of one region), and the sizes a
-set of buffers or a device slot needs."""
+per span of source storage (tensors sharing memory stay views of one region), and the bytes of a
+set of per-dtype buffers."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .owners import Owner
 from .subclass import has_storage, plain_alias
-
-if TYPE_CHECKING:
-    from .unit import WeightUnit
 
 ALIGN_BYTES = 512  # region starts aligned as the CUDA caching allocator aligns blocks: kernels pick by alignment
 
@@ -97,16 +94,6 @@ def region_tensor(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     first = (flat.storage_offset() + start) * size
     storage = flat.untyped_storage()[first : first + numel * size]
     return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, 0, (numel,), (1,))
-
-
-
-def slot_numel(units: Iterable[WeightUnit]) -> dict[torch.dtype, int]:
-    """Per-dtype size of a slot that can hold any of ``units``."""
-    need: dict[torch.dtype, int] = {}
-    for unit in units:
-        for dtype, n in unit.numel.items():
-            need[dtype] = max(need.get(dtype, 0), n)
-    return need
 
 
 def nbytes_of(numel: Mapping[torch.dtype, int]) -> int:

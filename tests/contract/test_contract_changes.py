@@ -173,12 +173,12 @@ def test_inside_frozen_the_next_forward_loads_early_and_visible_changes_still_co
     part = handle.parts[0]
     with handle.frozen():
         assert torch.equal(run(model, 0), run(reference, 0))
-        assert part.ring.occupant == list(range(part.num_slots)), "the next forward's first blocks are queued"
+        assert part.ring.occupants == list(range(part.num_slots)), "the next forward's first blocks are queued"
         for m in (model, reference):
             m.blocks[0].layers[0].weight.data = torch.full((D, D), 0.3)
         assert torch.equal(run(model, 1), run(reference, 1))
         assert torch.equal(run(model, 2), run(reference, 2))
-    assert not part._queued and part.ring.occupant == [-1] * part.num_slots, "leaving frozen() waits for the copies"
+    assert not part._queued and part.ring.occupants == [-1] * part.num_slots, "leaving frozen() waits for the copies"
     assert handle.stats()["prefetch_misses"] == 0
     handle.disable()
     assert_same(model, reference)

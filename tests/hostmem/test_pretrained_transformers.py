@@ -261,7 +261,7 @@ def test_ram_goes_to_the_blocks_read_every_step_before_a_text_encoders(tmp_path)
     options = dict(enable_layerwise_offload=True, components=("dit", "text_encoder"), backend=chaos_backend())
     handle = offload_core.from_pretrained(tmp_path, **options)
     encoder_model = handle.target.text_encoder
-    units = {id(p): p.transport.host_units() for p in handle.parts if hasattr(p, "transport")}
+    units = {id(p): p.host_units() for p in handle.parts if hasattr(p, "transport")}
     encoder_blocks = sum(h.nbytes for p in handle.parts if getattr(p, "model", None) is encoder_model
                          for h in units[id(p)][1:])
     everything = sum(h.nbytes for p in handle.parts for h in p.host_units())

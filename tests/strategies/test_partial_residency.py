@@ -76,7 +76,7 @@ def test_a_kept_first_block_starts_the_loads_of_the_pass():
     assert part.kept_names[0] == part.all_names[0], "the spacing keeps the first block"
     seen = []
     child = next(m for m in first.modules() if m is not first and isinstance(m, torch.nn.Linear))
-    child.register_forward_pre_hook(lambda module, args: seen.append(list(part.ring.occupant)))
+    child.register_forward_pre_hook(lambda module, args: seen.append(part.ring.occupants))
     forward(model, inputs)
     assert seen and seen[0][0] == 0, f"slots while the kept block ran: {seen[0] if seen else None}"
     handle.disable()
@@ -127,7 +127,7 @@ def test_kept_blocks_queue_the_streamed_blocks_after_them_as_far_as_the_ring_all
 
 
 def _note(seen: dict, part, ahead: int, module, args) -> None:
-    seen.setdefault(ahead, list(part.ring.occupant))
+    seen.setdefault(ahead, part.ring.occupants)
 
 
 def _distributed_worker(rank: int, port: int) -> None:

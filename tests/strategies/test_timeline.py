@@ -15,7 +15,7 @@ import offload_core
 from offload_core import Capability
 from offload_core.overlap import timeline_overlap
 from offload_core.strategies.model_level import ModelLevelOffload
-from offload_core.strategies.common import Transaction
+from offload_core.transaction import Transaction
 from offload_core.timeline import Timeline
 from offload_core_fake import FakeBackend
 
