@@ -604,7 +604,7 @@ class LayerwiseOffload(Part):
         self.load(i)
 
     def versions(self, i: int) -> tuple[int, ...]:
-        return tuple(p._version for p in self.plans[i].binding.params)
+        return self.plans[i].binding.versions()
 
     def end_backward(self) -> None:
         """The backward is over: check its end as a pass's (the sharded transport's headers), wait

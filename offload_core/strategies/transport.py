@@ -119,14 +119,20 @@ class CopyTransport:
         return transfers, placement.copies(transfers), unit.nbytes, unit.image
 
     def issue(self, plan, stream) -> None:
-        """Queue on ``stream`` what fills ``plan``'s slot: one stream context for all of it."""
+        """Queue on ``stream`` what fills ``plan``'s slot: one stream context for all of it. A
+        block of one dtype from a host buffer is one copy, which selects its stream once itself:
+        a batch around it would select nothing less and cost a context per block."""
         backend, placement = self._backend, self._placement
+        transfers = plan.transfers
+        if placement.stager is None and len(transfers) == 1:
+            backend.copy_async(*transfers[0], stream)
+            return
         with backend.batch(stream):
             if placement.stager is None:  # every source is a host buffer: plain copies
-                for dst, src in plan.transfers:
+                for dst, src in transfers:
                     backend.copy_async(dst, src, stream)
             else:
-                placement.issue(plan.transfers, stream)
+                placement.issue(transfers, stream)
 
     def write_back(self, i: int):
         """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""

@@ -27,6 +27,9 @@ WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 BIND_HOOKS: list[Callable[[list[torch.nn.Parameter], list[torch.Tensor] | None], None]] = []
 
 _data_ptr = torch.Tensor.data_ptr
+_is_set_to = torch.Tensor.is_set_to
+#: a tensor's version counter, mapped over a unit's parameters in C (no Python loop per tensor)
+_version_of = operator.attrgetter("_version")
 
 
 class Home:
@@ -98,20 +101,24 @@ class Binding(Home):
         # a buffer's device view gets a version counter of its own (``.data``), so that copies into
         # the rest of the device buffer do not look like the forward changing the buffer
         self.buffers_device = [by_home[id(h)].data for h in self.buffers_home]
-        self._versions = [p._version for p in self.params]
+        self._versions = self.versions()
         self._buffer_versions: list[int] = []
         self.composites_device = [c.rebuild([device[k] for k in c.leaves]) for c in unit.composites]
+
+    def versions(self) -> tuple[int, ...]:
+        """The parameters' version counters (each in-place write through a parameter moves its own)."""
+        return tuple(map(_version_of, self.params))
 
     def touched(self) -> bool:
         """True if a parameter was changed in place (through the parameter itself) since the unit
         last went to the device."""
-        return [p._version for p in self.params] != self._versions
+        return self.versions() != self._versions
 
     def to_device(self) -> None:
         """Show the device views; remember version counters to see in-place changes later."""
         for p, view in zip(self.params, self.params_device):
             p.data = view
-        self._versions = [p._version for p in self.params]
+        self._versions = self.versions()
         for hook in BIND_HOOKS:
             hook(self.params, self.params_device)
         for owners, tensor in zip(self.composites, self.composites_device):
@@ -132,7 +139,7 @@ class Binding(Home):
         for hook in BIND_HOOKS:
             hook(params, None)
         changed: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if [p._version for p in params] != self._versions:  # rare: a forward edited a weight in place
+        if self.versions() != self._versions:  # rare: a forward edited a weight in place
             changed = [
                 (home, device)
                 for p, home, device, version in zip(params, self.params_home, self.params_device, self._versions)
@@ -146,9 +153,11 @@ class Binding(Home):
             if changed:
                 write_back(changed)
         finally:  # home again even if copying home failed: the home views are still the truth
-            for k, (p, view) in enumerate(zip(params, self.params_home)):
-                if k not in kept:
-                    p.data = view
+            homes = zip(params, self.params_home)
+            if kept:  # rare: those keep the data they were given
+                homes = (pair for k, pair in enumerate(homes) if k not in kept)
+            for p, view in homes:
+                p.data = view
             for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
                 if k not in replaced:
                     owner.module._buffers[owner.name] = view
@@ -163,8 +172,10 @@ class Binding(Home):
         same shape and dtype it is copied home (into ``changed``); anything else is left in the
         parameter, and the returned indices make the unit re-pack around it."""
         kept: set[int] = set()
+        if all(map(_is_set_to, self.params, self.params_device)):  # the rule, checked in C: nothing to do
+            return kept
         for k, (p, device) in enumerate(zip(self.params, self.params_device)):
-            if p.is_set_to(device):  # one call for memory, offset, shape and strides: the hot path
+            if p.is_set_to(device):  # one call for memory, offset, shape and strides
                 continue
             if p.shape == device.shape and p.dtype == device.dtype:
                 changed[:] = [pair for pair in changed if pair[1] is not device]

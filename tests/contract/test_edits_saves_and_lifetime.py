@@ -91,6 +91,33 @@ def test_a_forward_that_assigns_weight_data_is_kept(strategy):
     assert_same(model, reference)
 
 
+class DataRetyping(nn.Module):
+    """A layer whose forward gives its weight data of another dtype (an upcast on first use): no
+    home view can take it, so the parameter keeps that data and its block is packed again."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        w = self.inner.weight
+        if w.dtype != torch.float64:
+            w.data = w.data.to(torch.float64)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_that_gives_weight_data_of_another_dtype_is_kept(strategy):
+    model, reference = build(), build()
+    for x in (model, reference):
+        x.blocks[1].layers[0] = DataRetyping(x.blocks[1].layers[0])
+    handle = _enable(model, strategy)
+    _same_forwards(model, reference, steps=(0, 1, 2))
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
 class DataEditing(nn.Module):
     """A layer whose forward edits its weight in place through ``.data`` (no version counter moves)."""
 
