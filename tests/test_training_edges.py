@@ -181,9 +181,10 @@ def test_a_pipeline_dit_pre_hook_editing_its_first_block_is_exact():
     assert torch.equal(ours.run(seed=2), theirs.run(seed=2))
 
 
-def test_a_module_keeping_a_view_of_its_weight_is_named_in_a_warning(caplog):
+@pytest.mark.parametrize("strategy", ["layerwise", "model"])
+def test_a_module_keeping_a_view_of_its_weight_is_named_in_a_warning(strategy, caplog):
     model, _, x = pair("keeps")
-    handle = enable(model, "layerwise")
+    handle = enable(model, strategy)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
         for _ in range(2):
             model(x)

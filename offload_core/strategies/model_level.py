@@ -37,6 +37,7 @@ from .autograd import SavedParameters, refuse_function_transforms
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
 from .calls import calls_running
 from .part import Part, write_back
+from .ring import kept_views
 
 logger = logging.getLogger(__name__)
 
@@ -389,9 +390,22 @@ class ModelLevelOffload(Part):
             active = group.state == "active" and c.binding is not None
             if active and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use
+            if active:
+                self._name_kept_views(c)
             c.device = None
             c.binding = None
         group.state = "host"
+
+    def _name_kept_views(self, c: Component) -> None:
+        """A module attribute still viewing the device copy its component leaves (``self._wt =
+        self.l1.weight.t()`` in a forward) keeps that copy alive and reads it from then on: named
+        in a warning, once (later copies are new memory it does not view)."""
+        for where in kept_views(c.module, c.device):
+            logger.warning(
+                "%s: %s keeps a view of the device copy of offloaded weights across calls: it reads the weights of "
+                "the call that made it, never later changes to them (also after disable()). Make it again in each "
+                "forward, or keep a .clone()", c.name, where,
+            )
 
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
