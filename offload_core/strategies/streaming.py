@@ -178,8 +178,10 @@ class Streaming:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
         between two forwards; only inside ``handle.frozen()``, where weights do not change through
         ``.data`` (their versions are noted, so that a write through a parameter is seen)."""
+        first = range(min(self.num_slots, len(self.units)))
+        self.transport.preloading(first)
         self._queue(0, self.num_slots)
-        self._preloaded = [(j, self.versions(j)) for j in range(min(self.num_slots, len(self.units)))]
+        self._preloaded = [(j, self.versions(j)) for j in first]
 
     def _queue(self, first: int, count: int) -> None:
         """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet;
@@ -203,7 +205,9 @@ class Streaming:
         with self.lock:
             self._frozen -= 1
             if not self._frozen and self.enabled and self._passes == 0:
-                self.quiesce()
+                # sharded, the preloaded blocks stay: their gathers were paired with the other
+                # ranks' next loads (and the homes are shards no one else writes)
+                self.quiesce(forget=not self.transport.sharded)
 
     def _repair(self, passes: int) -> None:
         """The state of ``passes`` model calls in progress (those still on the stack): what an

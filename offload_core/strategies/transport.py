@@ -118,6 +118,10 @@ class CopyTransport:
             else:
                 part.placement.issue(plan.transfers, stream)
 
+    def preloading(self, blocks) -> None:
+        """The next loads of ``blocks`` are queued early, inside ``frozen()``: only the sharded
+        transport tells the other ranks."""
+
     def write_back(self, i: int):
         """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""
         part = self.part
