@@ -323,15 +323,22 @@ class Streaming:
     def _hook_gradients(self, i: int) -> None:
         """Gradients of block ``i``'s trainable weights accumulate beside their home, the truth
         an optimizer updates (see docs/layerwise.md, "Training and gradients")."""
-        binding = self.plans[i].binding
+        plan = self.plans[i]
+        binding = plan.binding
         for param, home in zip(binding.params, binding.params_home):
             if param.requires_grad and id(param) not in self._grad_hooks:
-                hook = functools.partial(_to_home, home.device) if self.units[i].host else functools.partial(
+                hook = functools.partial(_to_home, plan.ready, home.device) if self.units[i].host else functools.partial(
                     _raise, self.transport.untrainable(i))
                 self._grad_hooks[id(param)] = param.register_hook(hook)
 
 
-def _to_home(device: torch.device, grad: torch.Tensor) -> torch.Tensor:
+def _to_home(ready, device: torch.device, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient, on its parameter's home device. The host first waits for the block's
+    latest load (``ready``): once the gradient is in, a hook may step the parameter's home (an
+    optimizer in backward) while a copy for the backward still reads it. (Moving the gradient
+    home from the device would wait for it too, through the compute that waited for the load; a
+    gradient already on the home device would not.)"""
+    ready.synchronize()
     return grad if grad.device == device else grad.to(device)
 
 
