@@ -62,6 +62,7 @@ class Group:
     ready: Event | None = None
     state: str = "host"  # "host" | "loading" | "active"
     ticket: object = None  # the stager's ticket of a pending load (homes outside pinned memory)
+    recorded: bool = True  # False while a load is queued: ``ready`` is recorded after its copies
 
     @property
     def nbytes(self) -> int:
@@ -274,6 +275,8 @@ class ModelLevelOffload(Part):
             if i != index and group.state != "host":
                 self._swap_out(group)
         group = self.groups[index]
+        if group.state != "host" and any(c.binding is None for c in group.components):
+            self._swap_out(group)  # one an interrupt tore (its components home, its state not yet)
         if group.state == "host":
             self._reconcile(group)
             group = self.groups[index]  # re-packing makes new groups
@@ -322,6 +325,7 @@ class ModelLevelOffload(Part):
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
         the stager thread when some component is staged)."""
         stream = self.copy_stream
+        group.recorded = False  # until ready is recorded after the copies: an interrupt may stop it short
         with self.backend.batch(stream):  # one stream context for the whole group
             freed.wait(stream)
             try:
@@ -332,6 +336,7 @@ class ModelLevelOffload(Part):
                     self.timeline.copy(stream, group.name, group.nbytes, issue)
             finally:  # also after a failure half-way: swapping the group out waits for what was queued
                 group.ready.record(stream)
+                group.recorded = True
 
     def _issued(self, group: Group) -> None:
         """Block until the stager has queued ``group``'s load, so its ready event is recorded."""
@@ -384,7 +389,8 @@ class ModelLevelOffload(Part):
         self._issued(group)
         still_loading = group.state == "loading" and self.timeline is not None  # worth a trace instant
         with self.timeline.host_wait(f"unload {group.name} (still loading)") if still_loading else UNTRACED:
-            group.ready.synchronize()
+            # a load interrupted before its ready event was recorded: the whole copy stream
+            (group.ready if group.recorded else self.copy_stream).synchronize()
         for c in group.components:
             # a component already home (a swap-out interrupted half-way, done again) has no binding
             active = group.state == "active" and c.binding is not None
