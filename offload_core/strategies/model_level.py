@@ -37,7 +37,7 @@ from .autograd import SavedParameters, refuse_function_transforms
 from .common import Transaction, allocate_device, default_placement, pack_units, unpack_units
 from .calls import calls_running
 from .part import Part, write_back
-from .ring import kept_views
+from .ring import kept_views, viewed
 
 logger = logging.getLogger(__name__)
 
@@ -396,10 +396,10 @@ class ModelLevelOffload(Part):
             active = group.state == "active" and c.binding is not None
             if active and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use
-            if active:
+            c.binding = None
+            if active and viewed(c.device):
                 self._name_kept_views(c)
             c.device = None
-            c.binding = None
         group.state = "host"
 
     def _name_kept_views(self, c: Component) -> None:
