@@ -223,7 +223,10 @@ class ModelLevelOffload(Part):
             self._repair(calls_running(self.modules()) - 1)
         self._depth += 1
         self._before_use(index)
-        self._saving.append(SavedParameters().__enter__() if torch.is_grad_enabled() else None)
+        saving = SavedParameters() if torch.is_grad_enabled() else None
+        self._saving.append(saving)  # before its hooks are pushed: an interrupt then is undone by _exit
+        if saving is not None:
+            saving.__enter__()
 
     def _exit(self, failed: bool) -> None:
         self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
