@@ -125,6 +125,7 @@ class PipelineClass:
         self.pipe.__class__ = self.subclass
         if self._guard is None:
             self._guard = CopyGuard(self.pipe, self.handle.plain_copy)
+            self._guard.install()
 
     def uninstall(self) -> None:
         self.pipe.__class__ = self.original

@@ -34,9 +34,9 @@ BLOCK_PRIORITY = ("dit", "text_encoder")
 DISTRIBUTED_DEPTH = 1
 #: device bytes of distributed offload's load headers (strategies/gather.py, which sizes its own
 #: buffers with these), per streamed block (plus one): the header a rank sends, one int64 row of
-#: four per status it can send (ok, aborted, disabling), and the headers it gathers, two rows of
-#: four per rank
-GATHER_SENT_BYTES = 3 * 4 * 8
+#: four per status it can send (ok, aborted, disabling, preloaded), and the headers it gathers,
+#: two rows of four per rank
+GATHER_SENT_BYTES = 4 * 4 * 8
 GATHER_GATHERED_BYTES = 2 * 4 * 8
 
 

@@ -371,9 +371,11 @@ class SavedParameters:
     shares the parameter's version counter, so that a weight changed in place before backward is
     refused as without offload; other saved tensors go to the hooks that were active around it."""
 
+    def __init__(self) -> None:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_alias)
+
     def __enter__(self) -> "SavedParameters":
         self._outer = _outer_hooks(False)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_alias)
         self._hooks.__enter__()
         return self
 

@@ -109,6 +109,11 @@ class CallWrapper:
         self._call = compile_disabled(self._run, recursive=False)
         self._entry = self._checked_call  # one bound method, so that remove() recognises it
         self._pinned_forward = "forward" not in module.__dict__
+
+    def install(self) -> None:
+        """Wrap the module. Apart from the constructor, so that the wrapper is registered for its
+        ``remove()`` before it changes the module: an interrupt in between is undone too."""
+        module = self.module
         if self._pinned_forward:
             module.forward = module.forward
         module._compiled_call_impl = self._entry

@@ -27,6 +27,11 @@ ranks are kept honest rather than trusted:
   header, and only then gives the weights back; if the ranks are out of step it raises and
   changes nothing. Its loads and its end header say DISABLING: a rank's disable that meets
   another rank's forward (same blocks, same count of gathers) fails on both ranks, naming both.
+* Inside ``handle.frozen()`` a pass's end loads the next pass's first blocks early. Their gathers
+  say PRELOADED: they are the first loads of whatever this rank does next (a forward, or
+  ``disable``, which uses them as a forward would instead of gathering them again), so a rank
+  runs the same gathers with or without ``frozen()``; what that next operation is, its other
+  loads and its end header say.
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ logger = logging.getLogger(__name__)
 HEADER = 4
 MAGIC = 0x0FF10AD
 #: a forward's loads are OK (ABORTED: the rank failed); disable's rebuilding loads say DISABLING,
-#: so that a rank's disable never pairs with another rank's forward
-OK, ABORTED, DISABLING = 0, 1, 2
-STATUSES = (OK, ABORTED, DISABLING)
+#: so that a rank's disable never pairs with another rank's forward; loads queued early inside
+#: ``frozen()`` say PRELOADED (the operation they start is not known yet)
+OK, ABORTED, DISABLING, PRELOADED = 0, 1, 2, 3
+STATUSES = (OK, ABORTED, DISABLING, PRELOADED)
 END = -1
 
 
@@ -75,6 +81,7 @@ class ShardedGather(RankCopy):
         self.fingerprints: list[tuple[int, ...]] = []
         self.serial = -1
         self._aborted: set[int] = set()  # blocks whose next load carries an aborted header
+        self._preloading: set[int] = set()  # blocks whose next load carries a preloaded header
         self._pending: list[tuple[int, int]] = []  # (header row, block) of loads not yet checked
         self._loaded_in_pass = -1  # the furthest block loaded in this pass (a failed rank drains on)
         self._disabling = False  # restore's loads carry DISABLING headers
@@ -209,7 +216,14 @@ class ShardedGather(RankCopy):
         if i in self._aborted:
             self._aborted.discard(i)
             return ABORTED
+        if i in self._preloading:
+            self._preloading.discard(i)
+            return PRELOADED
         return OK
+
+    def preloading(self, blocks) -> None:
+        """The next loads of ``blocks`` are queued early, inside ``frozen()``."""
+        self._preloading.update(blocks)
 
     def write_back(self, i: int):
         return functools.partial(self._write_back_shard, i)
@@ -296,9 +310,12 @@ class ShardedGather(RankCopy):
                     )
 
     def _check_operations(self, headers: list) -> None:
-        """A gather of one rank's disable paired with another rank's forward: an error on both."""
+        """A gather of one rank's disable paired with another rank's forward: an error on both.
+        A row with a preloaded load says nothing (that rank's next operation says what it is)."""
         doing = {True: "handle.disable()", False: "a forward"}
         for row in headers:
+            if any(header[3] == PRELOADED for header in row):
+                continue
             for rank, header in enumerate(row):
                 if header[0] == MAGIC and header[1] == self.serial and (header[3] == DISABLING) != self._disabling:
                     raise DistributedOffloadError(
@@ -367,6 +384,7 @@ class ShardedGather(RankCopy):
             ) from exc
         finally:
             self._disabling = False
+            self._loaded_in_pass = -1  # the next forward's loads start a pass
         for unit, buffers in zip(self.at.units, self._rebuilt):
             unit.host = buffers  # unpacked from here; owners still show their placeholders
         self.shards, self._rebuilt = [], []

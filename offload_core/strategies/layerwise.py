@@ -286,14 +286,18 @@ class LayerwiseOffload(Part):
     def _restore(self) -> None:
         """Before ``disable`` unpacks: every unit gets its full host values, by the loads the
         transport asks for (a rank's shards: every block gathered once more and read back)."""
+        # blocks loaded early inside frozen() were gathered with the other ranks' next loads: they
+        # are this disable's first loads, as they would be a forward's, not loaded again
+        preloaded, self._preloaded = {i for i, _ in self._preloaded}, []
         with self.transport.restoring() as blocks:
             if not blocks:  # every unit has its full host values already
                 return
             reader = self.backend.new_stream()
             try:
-                self.quiesce()
+                self.quiesce(forget=not preloaded)
                 for i in blocks:
-                    self.load(i)
+                    if i not in preloaded or not self.ring.holds(i):
+                        self.load(i)
                     self.wait_ready(i, reader)
                     self.transport.read_back(i, reader)
             finally:
@@ -479,8 +483,10 @@ class LayerwiseOffload(Part):
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
         between two forwards; only inside ``handle.frozen()``, where weights do not change through
         ``.data`` (their versions are noted, so that a write through a parameter is seen)."""
+        first = range(min(self.num_slots, len(self.units)))
+        self.transport.preloading(first)
         self._queue(0, self.num_slots)
-        self._preloaded = [(j, self.versions(j)) for j in range(min(self.num_slots, len(self.units)))]
+        self._preloaded = [(j, self.versions(j)) for j in first]
 
     def _queue(self, first: int, count: int) -> None:
         """Load blocks ``first`` .. ``first + count - 1`` (those that exist) not in their slots yet;
@@ -504,7 +510,9 @@ class LayerwiseOffload(Part):
         with self.lock:
             self._frozen -= 1
             if not self._frozen and self.enabled and self._passes == 0:
-                self.quiesce()
+                # sharded, the preloaded blocks stay: their gathers were paired with the other
+                # ranks' next loads (and the homes are shards no one else writes)
+                self.quiesce(forget=not self.transport.sharded)
 
     def _repair(self, passes: int) -> None:
         """The state of ``passes`` model calls in progress (those still on the stack): what an
@@ -620,15 +628,22 @@ class LayerwiseOffload(Part):
     def _hook_gradients(self, i: int) -> None:
         """Gradients of block ``i``'s trainable weights accumulate beside their home, the truth
         an optimizer updates (see docs/layerwise.md, "Training and gradients")."""
-        binding = self.plans[i].binding
+        plan = self.plans[i]
+        binding = plan.binding
         for param, home in zip(binding.params, binding.params_home):
             if param.requires_grad and id(param) not in self._grad_hooks:
-                hook = functools.partial(_to_home, home.device) if self.units[i].host else functools.partial(
+                hook = functools.partial(_to_home, plan.ready, home.device) if self.units[i].host else functools.partial(
                     _raise, self.transport.untrainable(i))
                 self._grad_hooks[id(param)] = param.register_hook(hook)
 
 
-def _to_home(device: torch.device, grad: torch.Tensor) -> torch.Tensor:
+def _to_home(ready, device: torch.device, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient, on its parameter's home device. The host first waits for the block's
+    latest load (``ready``): once the gradient is in, a hook may step the parameter's home (an
+    optimizer in backward) while a copy for the backward still reads it. (Moving the gradient
+    home from the device would wait for it too, through the compute that waited for the load; a
+    gradient already on the home device would not.)"""
+    ready.synchronize()
     return grad if grad.device == device else grad.to(device)
 
 

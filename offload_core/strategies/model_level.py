@@ -38,6 +38,7 @@ from .autograd import SavedParameters, refuse_function_transforms
 from .common import allocate_device, default_placement, pack_units, unpack_units
 from .calls import calls_running, compile_disabled
 from .part import Part, write_back
+from .ring import kept_views, viewed
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Group:
     ready: Event | None = None
     state: str = "host"  # "host" | "loading" | "active"
     ticket: object = None  # the stager's ticket of a pending load (homes outside pinned memory)
+    recorded: bool = True  # False while a load is queued: ``ready`` is recorded after its copies
 
     @property
     def nbytes(self) -> int:
@@ -222,7 +224,10 @@ class ModelLevelOffload(Part):
             self._repair(calls_running(self.modules()) - 1)
         self._depth += 1
         self._before_use(index)
-        self._saving.append(SavedParameters().__enter__() if torch.is_grad_enabled() else None)
+        saving = SavedParameters() if torch.is_grad_enabled() else None
+        self._saving.append(saving)  # before its hooks are pushed: an interrupt then is undone by _exit
+        if saving is not None:
+            saving.__enter__()
 
     def _exit(self, failed: bool) -> None:
         self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
@@ -274,6 +279,8 @@ class ModelLevelOffload(Part):
             if i != index and group.state != "host":
                 self._swap_out(group)
         group = self.groups[index]
+        if group.state != "host" and any(c.binding is None for c in group.components):
+            self._swap_out(group)  # one an interrupt tore (its components home, its state not yet)
         if group.state == "host":
             self._reconcile(group)
             group = self.groups[index]  # re-packing makes new groups
@@ -322,6 +329,7 @@ class ModelLevelOffload(Part):
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
         the stager thread when some component is staged)."""
         stream = self.copy_stream
+        group.recorded = False  # until ready is recorded after the copies: an interrupt may stop it short
         with self.backend.batch(stream):  # one stream context for the whole group
             freed.wait(stream)
             try:
@@ -332,6 +340,7 @@ class ModelLevelOffload(Part):
                     self.timeline.copy(stream, group.name, group.nbytes, issue)
             finally:  # also after a failure half-way: swapping the group out waits for what was queued
                 group.ready.record(stream)
+                group.recorded = True
 
     def _issued(self, group: Group) -> None:
         """Block until the stager has queued ``group``'s load, so its ready event is recorded."""
@@ -384,15 +393,29 @@ class ModelLevelOffload(Part):
         self._issued(group)
         still_loading = group.state == "loading" and self.timeline is not None  # worth a trace instant
         with self.timeline.host_wait(f"unload {group.name} (still loading)") if still_loading else UNTRACED:
-            group.ready.synchronize()
+            # a load interrupted before its ready event was recorded: the whole copy stream
+            (group.ready if group.recorded else self.copy_stream).synchronize()
         for c in group.components:
             # a component already home (a swap-out interrupted half-way, done again) has no binding
             active = group.state == "active" and c.binding is not None
             if active and c.binding.to_home(functools.partial(self._write_back, c.name)):
                 self.dirty = True  # a buffer replaced by one of another shape: re-pack before next use
-            c.device = None
             c.binding = None
+            if active and viewed(c.device):
+                self._name_kept_views(c)
+            c.device = None
         group.state = "host"
+
+    def _name_kept_views(self, c: Component) -> None:
+        """A module attribute still viewing the device copy its component leaves (``self._wt =
+        self.l1.weight.t()`` in a forward) keeps that copy alive and reads it from then on: named
+        in a warning, once (later copies are new memory it does not view)."""
+        for where in kept_views(c.module, c.device):
+            logger.warning(
+                "%s: %s keeps a view of the device copy of offloaded weights across calls: it reads the weights of "
+                "the call that made it, never later changes to them (also after disable()). Make it again in each "
+                "forward, or keep a .clone()", c.name, where,
+            )
 
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)

@@ -77,9 +77,12 @@ class Part:
     def _wrap(self, module: nn.Module, before, after, device: torch.device | None = None) -> None:
         """Wrap ``module``'s calls (see :class:`CallWrapper`), under the handle's lock; copies of the
         module go through the handle."""
-        self._hooks.append(CallWrapper(module, before, after, device, self.lock))
+        wrappers = [CallWrapper(module, before, after, device, self.lock)]
         if self.handle is not None:
-            self._hooks.append(CopyGuard(module, self.handle.plain_copy))
+            wrappers.append(CopyGuard(module, self.handle.plain_copy))
+        for wrapper in wrappers:
+            self._hooks.append(wrapper)  # before it changes the module: an interrupt then is undone too
+            wrapper.install()
 
     def _remove_hooks(self) -> None:
         while self._hooks:
@@ -226,6 +229,11 @@ class CopyGuard:
 
     def __init__(self, obj: Any, copier: Callable[[Any, dict], Any]) -> None:
         self.obj = obj
+        self.copier = copier
+
+    def install(self) -> None:
+        """Guard the object (apart from the constructor, as :meth:`CallWrapper.install`)."""
+        obj, copier = self.obj, self.copier
 
         def deepcopy(memo: dict) -> Any:
             return copier(obj, memo)

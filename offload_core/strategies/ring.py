@@ -167,6 +167,21 @@ def _uses(slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, list[int], list[
     return storages, addresses, list(map(_use_count, addresses))
 
 
+def _alone() -> int:
+    """The use count of a storage viewed by one tensor alone, counted as ``viewed`` counts."""
+    alone = torch.empty(1)
+    return _use_count(alone.untyped_storage()._cdata)
+
+
+_ALONE = _alone()
+
+
+def viewed(buffers: dict[torch.dtype, torch.Tensor]) -> bool:
+    """Whether a tensor besides ``buffers`` themselves views their memory: one integer comparison
+    per dtype, before looking for who (``kept_views``)."""
+    return any(_use_count(b.untyped_storage()._cdata) > _ALONE for b in buffers.values() if b.numel())
+
+
 def kept_views(model: torch.nn.Module, slot: dict[torch.dtype, torch.Tensor]) -> list[str]:
     """Where ``model`` keeps a tensor viewing ``slot``'s memory in a plain attribute (``self._wt =
     self.l1.weight.t()`` in a forward): "attribute _wt of module blocks.0", for the warning that

@@ -134,6 +134,10 @@ class CopyTransport:
             else:
                 placement.issue(transfers, stream)
 
+    def preloading(self, blocks) -> None:
+        """The next loads of ``blocks`` are queued early, inside ``frozen()``: only the sharded
+        transport tells the other ranks."""
+
     def write_back(self, i: int):
         """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""
         if not self.at.units[i].host:

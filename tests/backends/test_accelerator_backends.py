@@ -783,6 +783,7 @@ def test_compiler_disable_gets_a_reason_only_where_it_takes_one(monkeypatch, tak
     module = torch.nn.Linear(2, 2)
     ran: list[str] = []
     wrapper = CallWrapper(module, before=lambda: ran.append("before"), after=lambda failed: ran.append("after"))
+    wrapper.install()
     module(torch.ones(1, 2))
     assert ran == ["before", "after"]
     assert len(seen) == 3 and [s["recursive"] for s in seen] == [True, True, False]

@@ -220,3 +220,41 @@ def _disable_meets_forward(rank: int, port: int) -> None:
 
 def test_a_ranks_disable_never_pairs_with_another_ranks_forward():
     spawn_bounded(_disable_meets_forward)
+
+
+def _frozen_preloads(rank: int, port: int) -> None:
+    """Issue 29 item 6 under ``handle.frozen()``: a pass's end there loads the next pass's first
+    blocks early; those loads are the first of the rank's next operation, forward or disable. A
+    disable paired with a forward still fails on both ranks (no hang: the same gathers on both),
+    and ``frozen()`` on one rank only is exact, through forwards and disable."""
+    import contextlib
+
+    backend = _setup(rank, port)
+    import offload_core
+    from helpers import assert_same_state, snapshot
+
+    model = _model()
+    before = snapshot(model)
+    expected = [_run(model, step) for step in range(4)]
+    handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
+    with handle.frozen():
+        assert torch.equal(_run(model, 0), expected[0])
+        with pytest.raises(offload_core.DistributedOffloadError) as caught:
+            handle.disable() if rank == 0 else _run(model, 1)
+        mine, theirs = ("handle.disable()", "a forward") if rank == 0 else ("a forward", "handle.disable()")
+        assert f"this rank (rank {rank}) ran {mine} while rank {1 - rank} ran {theirs}" in str(caught.value)
+        assert handle.enabled, f"rank {rank}: nothing changed"
+        assert torch.equal(_run(model, 2), expected[2]), f"rank {rank}: the forward after the mismatch"
+    only_rank_0 = handle.frozen() if rank == 0 else contextlib.nullcontext()
+    with only_rank_0:
+        assert torch.equal(_run(model, 3), expected[3]), f"rank {rank}: frozen on rank 0 only"
+    assert torch.equal(_run(model, 1), expected[1]), f"rank {rank}: after frozen() on rank 0 only"
+    with handle.frozen() if rank == 0 else contextlib.nullcontext():
+        assert torch.equal(_run(model, 2), expected[2])
+        handle.disable()
+    assert not handle.enabled
+    assert_same_state(before, snapshot(model))
+
+
+def test_frozen_preloads_keep_disable_and_forward_apart_on_every_rank():
+    spawn_bounded(_frozen_preloads)

@@ -129,8 +129,8 @@ def test_a_process_group_makes_the_layerwise_stage_distributed():
     distributed = make_plan([dit], 400_000, world_size=2, prefetch_depth=3, resident_blocks=0)
     assert distributed.strategy == "distributed" and distributed.prefetch_depth == 1
     # 2 slots, a staging buffer of one shard (half a block) per slot, the load headers of 10 blocks
-    # (and the pass's end) on 2 ranks: 3 rows of 4 int64 sent, 2 rows of 4 gathered from each rank
-    assert distributed.component("transformer").slot_bytes == 2 * 50_000 + 2 * 25_000 + 11 * (96 + 64 * 2)
+    # (and the pass's end) on 2 ranks: 4 rows of 4 int64 sent, 2 rows of 4 gathered from each rank
+    assert distributed.component("transformer").slot_bytes == 2 * 50_000 + 2 * 25_000 + 11 * (128 + 64 * 2)
     assert make_plan([dit], 400_000, prefetch_depth=3, resident_blocks=0).component("transformer").slot_bytes == \
         4 * 50_000
     assert plan(MODEL_LEVEL - 1, prefetch_depth=3).component("transformer").slot_bytes == 4 * 50
