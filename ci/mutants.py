@@ -55,6 +55,7 @@ STAGED_DISABLE = "tests/hostmem/test_hostmem.py::test_disable_unpacks_only_once_
 TRAINING = "tests/training/test_autograd.py::test_weight_gradients_and_optimizer_steps_update_the_host_truth"
 NEW_SLOT = "tests/training/test_autograd.py::test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse"
 LET_GO = "tests/training/test_autograd.py::test_a_view_a_finished_transfer_lets_go_of_at_synchronize_is_not_a_kept_slot"
+OPTIMIZER_IN_BACKWARD = "tests/training/test_training_edges.py::test_an_optimizer_stepping_each_weight_in_backward_is_exact_and_race_free"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,8 @@ MUTANTS = [
            "disable)", L, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,)),
     Mutant("layerwise: a slot is judged kept only once finished transfers let go of it (a collective's work)", RING,
            "copy_stream.synchronize()", (LET_GO,)),
+    Mutant("layerwise: a gradient reaches its weight only after the block's latest load (an optimizer in "
+           "backward steps the home a copy may still read)", L, "ready.synchronize()", (OPTIMIZER_IN_BACKWARD,)),
     Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.ring.wait_free(plan.slot, stream)",
            (STRATEGIES,)),
     Mutant("ring: waiting for a slot's free event", RING, "self._freed[slot].wait(stream)", (STRATEGIES,)),
@@ -151,7 +154,7 @@ MUTANTS = [
     Mutant("model-level: the free event is recorded after all compute issued", M,
            "event.record(self.backend.current_stream())", (STRATEGIES,)),
     Mutant("model-level: swapping a group out waits for its copies before the host may write its home", M,
-           "group.ready.synchronize()", (PIPELINES, MODEL_LEVEL, LORA)),
+           "(group.ready if group.recorded else self.copy_stream).synchronize()", (PIPELINES, MODEL_LEVEL, LORA)),
     Mutant("model-level: a group is marked active once bound", M, 'group.state = "active"', (PIPELINES, MODEL_LEVEL)),
     Mutant("model-level: a swapped-out group is marked on the host", M, 'group.state = "host"', (PIPELINES, MODEL_LEVEL)),
     # -- resident modules and pipelines ------------------------------------------------------
