@@ -25,8 +25,8 @@ from torch import nn
 from ..errors import OffloadedModelError
 
 _REFUSAL = (
-    "has no home in RAM to write into (its home is on disk, or spread over the ranks' shards): a write "
-    "into its tensors outside its forward (mul_(), copy_(), zero_(), nn.init, out=) has nowhere to go"
+    "has no home in RAM (its home on disk, or a shard on each rank): a write into its tensors outside "
+    "its forward (mul_(), copy_(), zero_(), nn.init, out=) has nowhere to go"
 )
 _FIX = "Call handle.disable() first (on every rank, when distributed), or give it RAM"
 #: in-place by name but changing no element
@@ -112,6 +112,13 @@ def shows_placeholder(param: nn.Parameter, view: torch.Tensor) -> None:
     placeholder; a parameter of another class (a quantized one) keeps its own."""
     if type(param) in (nn.Parameter, PlaceholderParameter):
         param.__class__ = PlaceholderParameter if type(view) is PlaceholderTensor else nn.Parameter
+
+
+def parameter(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """A new parameter showing ``view`` (``nn.Parameter(view)``), of the class that says whether
+    ``view`` is a placeholder."""
+    cls = PlaceholderParameter if type(view) is PlaceholderTensor else nn.Parameter
+    return torch.Tensor._make_subclass(cls, view, requires_grad)
 
 
 def check_placeholders(views: Iterable[torch.Tensor], what: str) -> None:
