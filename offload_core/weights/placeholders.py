@@ -84,6 +84,12 @@ class PlaceholderTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _torch_function(func, args, kwargs)
 
+    def __deepcopy__(self, memo):  # copies and saves are ordinary tensors
+        return memo.setdefault(id(self), _plain(self).clone())
+
+    def __reduce_ex__(self, protocol):
+        return _plain(self).__reduce_ex__(protocol)
+
 
 class PlaceholderParameter(nn.Parameter):
     """The class of a parameter while it shows a placeholder (``isinstance(p, nn.Parameter)``
@@ -94,17 +100,16 @@ class PlaceholderParameter(nn.Parameter):
         return _torch_function(func, args, kwargs)
 
     def __deepcopy__(self, memo):
-        with torch._C.DisableTorchFunctionSubclass():
-            copy = nn.Parameter(self.data.clone(), self.requires_grad)
-        memo[id(self)] = copy
-        return copy
-
-    def __reduce_ex__(self, protocol):
-        with torch._C.DisableTorchFunctionSubclass():
-            return nn.Parameter(self.data, self.requires_grad).__reduce_ex__(protocol)
+        return memo.setdefault(id(self), nn.Parameter(_plain(self).clone(), self.requires_grad))
 
 
 _KINDS = (PlaceholderTensor, PlaceholderParameter)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """An ordinary tensor viewing the placeholder ``t``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach().as_subclass(torch.Tensor)
 
 
 def shows_placeholder(param: nn.Parameter, view: torch.Tensor) -> None:

@@ -318,6 +318,23 @@ def test_a_write_into_a_disk_placeholder_is_refused(tmp_path, write, tensor):
     assert_same(model, reference)
 
 
+def test_a_copy_or_a_save_of_a_disk_placeholder_is_an_ordinary_tensor(tmp_path):
+    """``copy.deepcopy`` and ``torch.save`` of a placeholder give a plain Parameter or tensor (NaN),
+    loadable with ``weights_only=True``: the refusing class stays with the model. A copy is
+    writable (a saved one keeps the placeholder's strides, as torch saves any view)."""
+    model, _, handle, _ = _on_disk(tmp_path)
+    layer = model.blocks[1].layers[0]
+    for tensor, kind in ((layer.weight, nn.Parameter), (layer.scale, torch.Tensor)):
+        saved = io.BytesIO()
+        torch.save(tensor, saved)
+        saved.seek(0)
+        copied = copy.deepcopy(tensor)
+        for plain in (copied, torch.load(saved, weights_only=True)):
+            assert type(plain) is kind and plain.shape == tensor.shape and plain.isnan().all()
+        copied.data.mul_(2)
+    handle.disable()
+
+
 def test_a_write_around_the_refusal_is_undone_where_the_block_is_next_used(tmp_path):
     """A write that does not go through the placeholder (its ``detach()``) lands in the element
     every placeholder of the block shares: the next forward puts the poison back and raises."""
