@@ -25,7 +25,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import OffloadedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -311,36 +310,3 @@ def read_index(files: Iterable[str | os.PathLike]) -> dict[str, FileSlice]:
     for path in files:
         slices.update(SafetensorsFile(path).tensors)
     return slices
-
-
-def _poison(dtype: torch.dtype) -> float | int | bool:
-    """What every element of a placeholder holds (see ``strategies.layerwise.placeholders``)."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return float("nan")
-    return True if dtype == torch.bool else torch.iinfo(dtype).max
-
-
-def _poisoned(t: torch.Tensor) -> bool:
-    value = t.reshape(-1)[:1]
-    return bool(value.isnan().all()) if t.dtype.is_floating_point or t.dtype.is_complex else bool(
-        (value == _poison(t.dtype)).all()
-    )
-
-
-def check_placeholders(views: Iterable[torch.Tensor], what: str) -> None:
-    """Placeholders refuse writes: torch lets a fill (``zero_()``, ``fill_()``, ``nn.init.constant_``)
-    through memory every element shares, though it has nowhere to go (the home is on disk) and
-    shows in every placeholder of the block. Checked where the block is used: the poison is put
-    back and :class:`OffloadedModelError` names ``handle.disable()``, the model usable as before."""
-    bases = {id(v._base): v._base for v in views if v._base is not None and v._base.dim() == 0}
-    written = [b for b in bases.values() if not _poisoned(b)]
-    if not written:
-        return
-    with torch.no_grad():
-        for base in written:
-            base.fill_(_poison(base.dtype))
-
-    raise OffloadedModelError(
-        f"{what} has its home on disk: a write into its tensors outside its forward (zero_(), fill_(), nn.init) "
-        "has no host copy to go to and was undone. Call handle.disable() first, or give it RAM"
-    )

@@ -48,8 +48,9 @@ from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
 from ..labels import label
 from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
+from ..weights.placeholders import placeholders
 from .common import allocate_device, pack_units
-from .transport import RankCopy, placeholders
+from .transport import RankCopy
 
 logger = logging.getLogger(__name__)
 

@@ -67,11 +67,11 @@ from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hoo
 
 from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
-from ..hostmem.disk import check_placeholders
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
+from ..weights.placeholders import check_placeholders
 from .autograd import SavedSlots, refuse_function_transforms
 from .calls import calls_running
 from .common import allocate_device, copy_unit, default_placement, unpack_units

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import DistributedOffloadError, OffloadedModelError
 from ..hostmem.placement import ONCE, STREAM, HostUnit
+from ..weights.placeholders import placeholders
 from .common import pack_units
 from .part import write_back
 
@@ -233,24 +234,6 @@ class RankCopy(CopyTransport):
 
     def agreed(self, serial: int) -> None:
         """Every rank enabled alike; ``serial`` numbers this part the same on every rank."""
-
-
-def placeholders(unit) -> list[torch.Tensor]:
-    """What a block with no home in RAM (on disk, or a rank's shard) shows outside its forward:
-    host tensors of the right shape and dtype, every element NaN (integers: their maximum,
-    booleans: True) through one element of memory (all strides 0). Computing with them gives NaN
-    on a CPU and a device-mismatch error on an accelerator, never another block's weights; writing
-    into them raises (their elements overlap)."""
-    poison = {}
-    for dtype in unit.numel:
-        if dtype.is_floating_point or dtype.is_complex:
-            value = float("nan")
-        elif dtype == torch.bool:
-            value = True
-        else:
-            value = torch.iinfo(dtype).max
-        poison[dtype] = torch.full((), value, dtype=dtype)
-    return [poison[e.dtype].expand(e.size) for e in unit.entries]
 
 
 def _show_home(unit, module, prefix: str, keep_vars: bool) -> None:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from .owners import Owner
+from .placeholders import PlaceholderParameter, PlaceholderTensor
 from .unit import WeightUnit
 
 #: copies each (home view, device tensor) pair home and returns once they have landed
@@ -36,7 +37,8 @@ class Home:
     """A unit's owners and the home views they show outside the device, with a check cheap
     enough to run before every use (one pointer comparison per parameter)."""
 
-    __slots__ = ("params", "params_home", "buffers", "buffers_home", "_home_ptrs", "composites", "composites_home")
+    __slots__ = ("params", "params_home", "buffers", "buffers_home", "_home_ptrs", "composites", "composites_home",
+                 "hidden")
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor]) -> None:
         self.params: list[torch.nn.Parameter] = []
@@ -54,6 +56,9 @@ class Home:
                     self.params.append(owner.param)
                     self.params_home.append(h)
         self._home_ptrs = [v.data_ptr() for v in self.params_home]
+        # parameters whose home is a placeholder (weights/placeholders.py): their class says so at home
+        self.hidden = [k for k, (p, h) in enumerate(zip(self.params, self.params_home))
+                       if type(h) is PlaceholderTensor and type(p) in (torch.nn.Parameter, PlaceholderParameter)]
         # quantized weights (wrapper subclasses), rebuilt once around their parts' views
         self.composites = [c.owners for c in unit.composites]
         self.composites_home = [c.rebuild([home[k] for k in c.leaves]) for c in unit.composites]
@@ -118,6 +123,8 @@ class Binding(Home):
         """Show the device views; remember version counters to see in-place changes later."""
         for p, view in zip(self.params, self.params_device):
             p.data = view
+        for k in self.hidden:
+            self.params[k].__class__ = torch.nn.Parameter
         self._versions = self.versions()
         for hook in BIND_HOOKS:
             hook(self.params, self.params_device)
@@ -158,6 +165,9 @@ class Binding(Home):
                 homes = (pair for k, pair in enumerate(homes) if k not in kept)
             for p, view in homes:
                 p.data = view
+            for k in self.hidden:
+                if k not in kept:
+                    params[k].__class__ = PlaceholderParameter
             for k, (owner, view) in enumerate(zip(self.buffers, self.buffers_home)):
                 if k not in replaced:
                     owner.module._buffers[owner.name] = view

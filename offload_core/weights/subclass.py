@@ -26,13 +26,17 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import Unstreamable
+from .placeholders import PlaceholderParameter, PlaceholderTensor, shows_placeholder
 
 
 logger = logging.getLogger(__name__)
 
 
+_PLAIN = (torch.Tensor, nn.Parameter, PlaceholderTensor, PlaceholderParameter)
+
+
 def is_plain(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, nn.Parameter)
+    return type(t) in _PLAIN
 
 
 def has_storage(t: torch.Tensor) -> bool:
@@ -123,6 +127,7 @@ def assign_param(param: torch.Tensor, tensor: torch.Tensor) -> None:
     """
     if not is_traceable_wrapper_subclass(param):
         param.data = tensor
+        shows_placeholder(param, tensor)
         return
     if type(tensor) is type(param) and tensor.device == param.device:
         for name in inner_names(tensor):

@@ -22,11 +22,11 @@ import logging
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
-from torch import nn
 
 from ..errors import Unstreamable, UnsupportedTensorError
 from .layout import ALIGN_BYTES, Composite, Entry, Kept, Region, extent, nbytes_of, region_tensor, storage_key
 from .owners import SOURCE_ATTRIBUTE, Owner, check_supported
+from .placeholders import parameter
 from .subclass import flatten, has_storage, plain_alias
 
 logger = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ def _bind_entry(entry: Entry, view: torch.Tensor) -> list[tuple[Owner, torch.Ten
         for owner in entry.owners:
             owner.rebind(view)
         return []
-    replacement = nn.Parameter(view, requires_grad=current.requires_grad) if entry.owners[0].is_param else view
+    replacement = parameter(view, current.requires_grad) if entry.owners[0].is_param else view
     replaced = []
     for owner in entry.owners:
         replaced.append((owner, owner.param if owner.is_param else owner.get()))

@@ -110,8 +110,9 @@ def _sharded_contract(rank: int, port: int) -> None:
         assert torch.equal(_run(model, step), _run(reference, step)), f"rank {rank} step {step}"
     outside = model.blocks[1].layers[0].weight
     assert outside.isnan().all(), "a sharded block's weights outside its forward are placeholders, never another block's"
-    with pytest.raises(RuntimeError):  # writing into a placeholder fails; it is never silently dropped
-        outside.data.add_(1)
+    for write in (lambda: outside.data.add_(1), lambda: outside.mul_(2)):  # never silently dropped
+        with pytest.raises(offload_core.OffloadedModelError, match=r"a shard on each rank.*handle\.disable\(\)"):
+            write()
     with pytest.raises(offload_core.OffloadedModelError, match=r"collective handle\.disable\(\)"):
         model.half()
     for refused in (model.state_dict, lambda: model.blocks[0].load_state_dict(reference.blocks[0].state_dict()),

@@ -301,17 +301,75 @@ def _plain_stack() -> nn.Module:
     return Stack(8, [Block([Layer(8, torch.float32, i == 1, g)]) for i in range(3)], g).eval()
 
 
-@pytest.mark.parametrize("write", ["zero_", "fill_", "init_constant"])
-def test_a_write_into_a_disk_placeholder_is_refused_and_undone(tmp_path, write):
+#: writes into a disk block's tensors outside its forward, by where they go through
+_WRITES = {
+    "mul_": lambda t: t.mul_(2),
+    "data.mul_": lambda t: t.data.mul_(2),
+    "add_": lambda t: t.add_(1),
+    "iadd": lambda t: t.__iadd__(1),
+    "copy_": lambda t: t.copy_(torch.ones_like(t)),
+    "zero_": lambda t: t.zero_(),
+    "data.fill_": lambda t: t.data.fill_(2.0),
+    "setitem": lambda t: t.__setitem__(0, 1.0),
+    "init_constant": lambda t: nn.init.constant_(t, 0.5),
+    "init_normal": lambda t: nn.init.normal_(t, generator=torch.Generator().manual_seed(0)),
+    "out=": lambda t: torch.add(torch.ones_like(t), 1, out=t),
+}
+
+
+def _on_disk(tmp_path):
     model, reference = _plain_stack(), _plain_stack()
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
                                          host_memory=0, offload_folder=tmp_path)
-    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    return model, reference, handle, torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("tensor", ["weight", "scale"])
+@pytest.mark.parametrize("write", _WRITES)
+def test_a_write_into_a_disk_placeholder_is_refused(tmp_path, write, tensor):
+    model, reference, handle, x = _on_disk(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        layer = model.blocks[1].layers[0]
+        assert isinstance(layer.weight, nn.Parameter)
+        with pytest.raises(OffloadedModelError, match=r"home on disk.*nowhere to go.*handle.disable\(\)"):
+            _WRITES[write](getattr(layer, tensor))
+        assert layer.weight.isnan().all() and layer.scale.isnan().all()
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    handle.disable()
+    assert type(layer.weight) is nn.Parameter and type(layer.scale) is torch.Tensor
+    assert_same(model, reference)
+    with torch.no_grad():  # an ordinary model again: writes go through
+        _WRITES[write](layer.weight), _WRITES[write](reference.blocks[1].layers[0].weight)
+    assert_same(model, reference)
+
+
+def test_a_copy_or_a_save_of_a_disk_placeholder_is_an_ordinary_tensor(tmp_path):
+    """``copy.deepcopy`` and ``torch.save`` of a placeholder give a plain Parameter or tensor (NaN),
+    loadable with ``weights_only=True``: the refusing class stays with the model. A copy is
+    writable (a saved one keeps the placeholder's strides, as torch saves any view)."""
+    model, _, handle, _ = _on_disk(tmp_path)
+    layer = model.blocks[1].layers[0]
+    for tensor, kind in ((layer.weight, nn.Parameter), (layer.scale, torch.Tensor)):
+        saved = io.BytesIO()
+        torch.save(tensor, saved)
+        saved.seek(0)
+        copied = copy.deepcopy(tensor)
+        for plain in (copied, torch.load(saved, weights_only=True)):
+            assert type(plain) is kind and plain.shape == tensor.shape and plain.isnan().all()
+        copied.data.mul_(2)
+    handle.disable()
+
+
+def test_a_write_around_the_refusal_is_undone_where_the_block_is_next_used(tmp_path):
+    """A write that does not go through the placeholder (its ``detach()``) lands in the element
+    every placeholder of the block shares: the next forward puts the poison back and raises."""
+    model, reference, handle, x = _on_disk(tmp_path)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
         weight = model.blocks[1].layers[0].weight
-        {"zero_": lambda: weight.zero_(), "fill_": lambda: weight.data.fill_(2.0),
-         "init_constant": lambda: nn.init.constant_(weight, 0.5)}[write]()
+        weight.detach().zero_()
         with pytest.raises(OffloadedModelError, match=r"home on disk.*was undone.*handle.disable\(\)"):
             model(x)
         assert weight.isnan().all() and model.blocks[1].layers[0].scale.isnan().all()

@@ -13,6 +13,9 @@ from safetensors import safe_open
 
 import offload_core
 from offload_core.hostmem import disk, staging
+from offload_core.weights.owners import collect_tensors
+from offload_core.weights.placeholders import check_placeholders, placeholders
+from offload_core.weights.unit import WeightUnit
 
 from helpers import chaos_backend, forward
 
@@ -178,3 +181,28 @@ def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_
             for _, _, piece in segments:
                 if isinstance(piece, disk.FileSlice):
                     assert covered.issuperset(range(piece.offset, piece.offset + piece.nbytes))
+
+
+def test_placeholders_hold_the_poison_of_their_dtype_and_refuse_every_in_place_operator():
+    """Each dtype's poison (NaN, the integer maximum, True) in every placeholder; the in-place
+    operators torch does not name after an in-place method (``|=``, ``<<=``, ``[i] =``) are refused
+    as ``mul_`` is, and a write around the refusal is undone by ``check_placeholders``."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.ones(4))
+    module.register_buffer("count", torch.zeros(4, dtype=torch.int64))
+    module.register_buffer("mask", torch.zeros(4, dtype=torch.bool))
+    unit = WeightUnit("m", collect_tensors([module]))
+    views = placeholders(unit)
+    unit.bind(views)
+    assert isinstance(module.weight, torch.nn.Parameter) and module.weight.isnan().all()
+    assert (module.count == torch.iinfo(torch.int64).max).all() and module.mask.all()
+    for write in ("__ior__", "__iand__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"):
+        with pytest.raises(offload_core.OffloadedModelError, match="nowhere to go"):
+            getattr(module.count, write)(*((0, 1) if write == "__setitem__" else (1,)))
+    with pytest.raises(offload_core.OffloadedModelError, match="nowhere to go"):
+        module.mask.logical_not_()
+    module.count.detach().zero_()
+    with pytest.raises(offload_core.OffloadedModelError, match="block m has no home in RAM.*the write was undone"):
+        check_placeholders(views, "block m")
+    assert (module.count == torch.iinfo(torch.int64).max).all()
+    check_placeholders(views, "block m")  # the poison back: nothing to undo
