@@ -189,13 +189,13 @@ class LayerwiseOffload(Part):
         backend = self.backend
         default_placement(self, txn)
         self.copy_stream = self.transport.new_stream(backend)
+        txn.on_rollback(self._release)  # before the first allocation: one that fails frees the others at once
         self.ring = SlotRing(backend, self.slot_shape, self.num_slots, functools.partial(_slot_label, weakref.ref(self)))
         self.transport.serve(Served(
             backend, self.placement, self.copy_stream, self.ring, self.model, self.blocks, self.block_names,
             self.resident, self.units, self.describe(), self.name, self.landed))
         self.transport.allocate()
         resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self.name}")
-        txn.on_rollback(self._release)
         self._queued = True  # from here copies may be in flight: a rollback waits for them before releasing
         txn.on_rollback(self.quiesce)
         self.transport.pack(txn)
