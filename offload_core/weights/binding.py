@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from .owners import Owner
-from .placeholders import PlaceholderParameter, PlaceholderTensor
+from .placeholders import PlaceholderParameter, PlaceholderTensor, swaps_class
 from .unit import WeightUnit
 
 #: copies each (home view, device tensor) pair home and returns once they have landed
@@ -58,7 +58,7 @@ class Home:
         self._home_ptrs = [v.data_ptr() for v in self.params_home]
         # parameters whose home is a placeholder (weights/placeholders.py): their class says so at home
         self.hidden = [k for k, (p, h) in enumerate(zip(self.params, self.params_home))
-                       if type(h) is PlaceholderTensor and type(p) in (torch.nn.Parameter, PlaceholderParameter)]
+                       if type(h) is PlaceholderTensor and swaps_class(p)]
         # quantized weights (wrapper subclasses), rebuilt once around their parts' views
         self.composites = [c.owners for c in unit.composites]
         self.composites_home = [c.rebuild([home[k] for k in c.leaves]) for c in unit.composites]

@@ -112,10 +112,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         return t.detach().as_subclass(torch.Tensor)
 
 
+def swaps_class(param: nn.Parameter) -> bool:
+    """Whether ``param``'s class says if it shows a placeholder: a parameter of another class
+    (a quantized one) keeps its own."""
+    return type(param) in (nn.Parameter, PlaceholderParameter)
+
+
 def shows_placeholder(param: nn.Parameter, view: torch.Tensor) -> None:
     """Give ``param`` (just pointed at ``view``) the class that says whether it shows a
-    placeholder; a parameter of another class (a quantized one) keeps its own."""
-    if type(param) in (nn.Parameter, PlaceholderParameter):
+    placeholder (see ``swaps_class``)."""
+    if swaps_class(param):
         param.__class__ = PlaceholderParameter if type(view) is PlaceholderTensor else nn.Parameter
 
 
