@@ -13,7 +13,7 @@ from torch import nn
 
 from . import changes
 from .device.backend import DeviceBackend
-from .hostmem.budget import Trimmer
+from .hostmem.machine import Trimmer
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from .device.backend import DeviceBackend
 from .enable import enable
 from .errors import OffloadConfigError
 from .handle import OffloadHandle
-from .hostmem.budget import auto_host_budget
+from .hostmem.machine import auto_host_budget
 from .pipelines import inventory
 from .hostmem.disk import FileSlice, read_index
 from .weights.checkpoint import attach_slices

@@ -220,7 +220,7 @@ def _scenario(name: str, folder: str, config: dict[str, Any], model_bytes: int) 
     from diffusers import WanTransformer3DModel  # noqa: F401
 
     import offload_core
-    from offload_core.hostmem.budget import return_free_memory
+    from offload_core.hostmem.machine import return_free_memory
 
     backend = offload_core.get_backend("fake", chaos=False, sanitize=False)  # measured, not checked
     allocate = backend.empty_device

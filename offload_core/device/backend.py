@@ -114,7 +114,7 @@ class DeviceBackend(abc.ABC):
     pinned_chunk_bytes: ClassVar[int] = 4 * 2**30
     #: False where pinned memory is not charged to the process's memory cgroup (driver DMA memory
     #: on Ascend): the "auto" host budget then takes this backend's pinned bytes from the cgroup's
-    #: headroom itself (see :mod:`offload_core.hostmem.budget`)
+    #: headroom itself (see :mod:`offload_core.hostmem.machine`)
     pinned_in_cgroup: ClassVar[bool] = True
     #: stream contexts this backend has entered so far (see :meth:`batch`), where it counts them
     #: (the accelerator base and the fake do); None where it does not

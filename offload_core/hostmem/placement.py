@@ -40,7 +40,7 @@ from ..device.backend import Capability
 
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
-from .budget import auto_pinned_budget, physical_memory, size_text as _size
+from .machine import auto_pinned_budget, physical_memory, size_text as _size
 from .disk import SpillFolder, checkpoint_image
 from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_chunk_bytes
 

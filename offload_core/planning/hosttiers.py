@@ -46,7 +46,7 @@ def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], 
         filled = [dataclasses.replace(p, host={"pinned": sum(b for _, b in _units(p, by_name[p.name], world_size))})
                   for p in parts]
         return filled, NO_BUDGET_NOTE
-    from ..hostmem.budget import AUTO_PINNED_SHARE, physical_memory
+    from ..hostmem.machine import AUTO_PINNED_SHARE, physical_memory
     from ..hostmem.placement import BOUNCE_BUFFERS, HostUnit, Tier, _assign, aligned, ring_chunk_bytes
 
     owned = [(p.name, HostUnit(object(), role, nbytes, (nbytes,)))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..config import OffloadConfig
-from ..hostmem.budget import Trimmer
+from ..hostmem.machine import Trimmer
 from ..hostmem.placement import Tier, plan_placement
 from ..labels import Label, label
 from ..transaction import Transaction

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import offload_core
-from offload_core.hostmem import budget
+from offload_core.hostmem import machine
 
 GIB = 2**30
 HOST_RAM, HOST_AVAILABLE = 64 * GIB, 60 * GIB
@@ -65,12 +65,12 @@ class Pinned:
 def test_cgroup_v2_limit_less_usage_without_reclaimable_cache(tmp_path, caplog):
     folder = "/sys/fs/cgroup/user.slice/app.scope"
     root = system(tmp_path, "0::/user.slice/app.scope", V2_MOUNT, v2_level(folder, 24 * GIB, 10 * GIB, 4 * GIB))
-    memory = budget.host_memory(root)
+    memory = machine.host_memory(root)
     assert memory.ram == 24 * GIB and memory.available == 18 * GIB  # 24 - (10 - 4)
-    assert budget.physical_memory(root) == 24 * GIB and budget.available_memory(root) == 18 * GIB
-    with caplog.at_level(logging.INFO, logger="offload_core.hostmem.budget"):
-        assert budget.auto_pinned_budget(Pinned(), root) == 12 * GIB
-        assert budget.auto_host_budget(None, root) == int(0.9 * 18 * GIB)
+    assert machine.physical_memory(root) == 24 * GIB and machine.available_memory(root) == 18 * GIB
+    with caplog.at_level(logging.INFO, logger="offload_core.hostmem.machine"):
+        assert machine.auto_pinned_budget(Pinned(), root) == 12 * GIB
+        assert machine.auto_host_budget(None, root) == int(0.9 * 18 * GIB)
     text = caplog.text
     assert f"auto pinned budget 12.0 GiB: 50% of the cgroup limit 24.0 GiB ({root}{folder})" in text
     assert f"auto host budget 16.2 GiB: 90% of the cgroup limit 24.0 GiB less its usage 6.0 GiB ({root}{folder})" in text
@@ -81,10 +81,10 @@ def test_a_parents_lower_limit_applies_and_max_is_no_limit(tmp_path):
              **v2_level("/sys/fs/cgroup/kubepods/pod1", 8 * GIB, 5 * GIB, GIB),
              **v2_level("/sys/fs/cgroup/kubepods", 32 * GIB, 20 * GIB, 0)}
     root = system(tmp_path, "0::/kubepods/pod1/ctr", V2_MOUNT, files)
-    memory = budget.host_memory(root)
+    memory = machine.host_memory(root)
     assert memory.ram == 8 * GIB and memory.ram_limit.path == f"{root}/sys/fs/cgroup/kubepods/pod1"
     assert memory.available == 4 * GIB  # the pod's 8 - (5 - 1); the top level's 32 - 20 is more
-    assert [level.limit for level in budget.cgroup_levels(root)] == [8 * GIB, 32 * GIB]
+    assert [level.limit for level in machine.cgroup_levels(root)] == [8 * GIB, 32 * GIB]
 
 
 def test_cgroup_v1_nested_with_the_unlimited_value(tmp_path):
@@ -93,9 +93,9 @@ def test_cgroup_v1_nested_with_the_unlimited_value(tmp_path):
              **v1_level("/sys/fs/cgroup/memory", UNLIMITED_V1, 40 * GIB, 0)}
     root = system(tmp_path, "9:name=systemd:/docker/abc\n4:memory:/docker/abc\n0::/docker/abc",
                   V1_MOUNTS.format(root="/"), files)
-    assert budget.physical_memory(root) == 16 * GIB
-    assert budget.available_memory(root) == 11 * GIB  # 16 - (6 - 1): total_inactive_file, not inactive_file
-    assert budget.auto_pinned_budget(Pinned(held=GIB), root) == 7 * GIB  # half of 16, less what is pinned
+    assert machine.physical_memory(root) == 16 * GIB
+    assert machine.available_memory(root) == 11 * GIB  # 16 - (6 - 1): total_inactive_file, not inactive_file
+    assert machine.auto_pinned_budget(Pinned(held=GIB), root) == 7 * GIB  # half of 16, less what is pinned
 
 
 def test_inside_a_cgroup_namespace_the_mount_is_the_process_cgroup(tmp_path):
@@ -104,27 +104,27 @@ def test_inside_a_cgroup_namespace_the_mount_is_the_process_cgroup(tmp_path):
     # a child of the process's cgroup that shares the path's first name: not the process's
     files.update(v1_level("/sys/fs/cgroup/memory/process_api", GIB, 0, 0))
     root = system(tmp_path, "4:memory:/process_api/f1a7e0d0", V1_MOUNTS.format(root="/"), files)
-    assert budget.physical_memory(root) == 12 * GIB and budget.available_memory(root) == 10 * GIB
+    assert machine.physical_memory(root) == 12 * GIB and machine.available_memory(root) == 10 * GIB
     # a container runtime that mounts its own cgroup as the root of the mount: the same folder
     other = system(tmp_path / "other", "4:memory:/docker/abc", V1_MOUNTS.format(root="/docker/abc"), files)
-    assert budget.physical_memory(other) == 12 * GIB
+    assert machine.physical_memory(other) == 12 * GIB
 
 
 def test_no_cgroup_limit_leaves_the_hosts_figures(tmp_path, monkeypatch, caplog):
     root = system(tmp_path, "0::/user.slice", V2_MOUNT, v2_level("/sys/fs/cgroup/user.slice", "max", GIB, 0))
-    monkeypatch.setenv(budget.SYSTEM_ROOT_ENV, str(root))  # the environment variable, no root=
-    assert budget.cgroup_levels() == []
-    assert budget.physical_memory() == HOST_RAM and budget.available_memory() == HOST_AVAILABLE
-    with caplog.at_level(logging.INFO, logger="offload_core.hostmem.budget"):
-        budget.auto_pinned_budget(Pinned())
+    monkeypatch.setenv(machine.SYSTEM_ROOT_ENV, str(root))  # the environment variable, no root=
+    assert machine.cgroup_levels() == []
+    assert machine.physical_memory() == HOST_RAM and machine.available_memory() == HOST_AVAILABLE
+    with caplog.at_level(logging.INFO, logger="offload_core.hostmem.machine"):
+        machine.auto_pinned_budget(Pinned())
     assert "auto pinned budget 32.0 GiB: 50% of physical RAM 64.0 GiB" in caplog.text
 
 
 def test_pinned_memory_the_cgroup_does_not_see_comes_off_its_headroom(tmp_path):
     root = system(tmp_path, "0::/app", V2_MOUNT, v2_level("/sys/fs/cgroup/app", 24 * GIB, 4 * GIB, 0))
-    assert budget.available_memory(root, Pinned(held=6 * GIB)) == 20 * GIB  # charged to the cgroup already
-    assert budget.available_memory(root, Pinned(held=6 * GIB, in_cgroup=False)) == 14 * GIB
-    assert budget.auto_host_budget(Pinned(held=6 * GIB, in_cgroup=False), root) == int(0.9 * 14 * GIB)
+    assert machine.available_memory(root, Pinned(held=6 * GIB)) == 20 * GIB  # charged to the cgroup already
+    assert machine.available_memory(root, Pinned(held=6 * GIB, in_cgroup=False)) == 14 * GIB
+    assert machine.auto_host_budget(Pinned(held=6 * GIB, in_cgroup=False), root) == int(0.9 * 14 * GIB)
 
 
 def test_the_npu_backend_declares_its_pinned_memory_invisible_to_the_cgroup():
@@ -159,9 +159,9 @@ def test_the_auto_pinned_budget_of_an_enable_shrinks_to_the_cgroup_limit(tmp_pat
         expected = model(x)
     limit = 2 * 2**20  # auto pinned: half of it, 1 MiB, on a 64 GiB host
     root = system(tmp_path, "0::/app", V2_MOUNT, v2_level("/sys/fs/cgroup/app", limit, 0, 0))
-    monkeypatch.setenv(budget.SYSTEM_ROOT_ENV, str(root))
+    monkeypatch.setenv(machine.SYSTEM_ROOT_ENV, str(root))
     backend = offload_core.get_backend("fake", chaos=False)
-    with caplog.at_level(logging.INFO, logger="offload_core.hostmem.budget"):
+    with caplog.at_level(logging.INFO, logger="offload_core.hostmem.machine"):
         handle = offload_core.enable_offload(model, backend=backend, enable_layerwise_offload=True)
     assert f"auto pinned budget 1.0 MiB: 50% of the cgroup limit 2.0 MiB ({root}/sys/fs/cgroup/app)" in caplog.text
     with torch.no_grad():

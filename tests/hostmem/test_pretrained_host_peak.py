@@ -54,7 +54,7 @@ def measure(folder: str, out: str) -> dict:
     import offload_core
     import offload_core.pretrained_transformers  # noqa: F401
     from offload_core.bench.hostmem import Peak, rss
-    from offload_core.hostmem.budget import return_free_memory
+    from offload_core.hostmem.machine import return_free_memory
     from offload_core.tiny import TinyPipeline, build_pipeline
 
     call = build_pipeline("wan2.2-t2v").call_kwargs
