@@ -339,9 +339,31 @@ class LayerwiseOffload(Part):
         """Before a pass: every block must still show its host views (see ``Part.reconcile`` and
         the transport's ``replaced``)."""
         for i in blocks:
-            if self.plans[i].image is not None:
-                check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
+            self._check_placeholders(i)
         self.reconcile(self._replaced(blocks))
+
+    def _check_placeholders(self, i: int) -> None:
+        if self.plans[i].image is not None:
+            check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
+
+    def _retake(self, i: int) -> None:
+        """Block ``i`` is about to bind, inside a pass whose start checked every block: code run
+        since (the model's pre-hooks and forward, another block's hooks) may have given one of its
+        tensors new data after its load was queued. Taken in as at the start (``Part.reconcile``)
+        and the block loaded again; a structural change is refused for this call. One address per
+        tensor, of tensors the bind touches next: cheaper than checking every block again at the
+        first, and it also sees what changed between two blocks."""
+        self._check_placeholders(i)
+        plan = self.plans[i]
+        if plan.binding.at_home():
+            return
+        if not list(self.transport.replaced([i], self.plans, self.homes, False)):
+            return
+        self.quiesce(forget=False)  # copies queued earlier read the host as it was
+        with self.no_repack(f"code run in this call before block {self.block_names[i]}"):
+            self.reconcile([(plan.unit, self.home_views(i))])
+        self.load(i)
+        self.wait_ready(i)
 
     def _replaced(self, blocks):
         """(unit, home views) of each of ``blocks`` the transport finds replaced (``Part.reconcile``),
@@ -433,8 +455,10 @@ class LayerwiseOffload(Part):
 
     def _start_pass(self) -> None:
         self._starting = False
-        with self.no_repack("a forward pre-hook of the model"):  # this call's blocks are bound already
-            self._reconcile(range(len(self.units)))
+        # a module a pre-hook added is refused for this call; each block's tensors are checked as
+        # it binds (_retake)
+        with self.no_repack("a forward pre-hook of the model"):
+            self._reconcile(())
         preloaded, self._preloaded = self._preloaded, []
         for j, versions in preloaded:  # loaded as the last pass ended: a weight written since is reloaded
             if self.ring.holds(j) and self.versions(j) != versions:
@@ -551,6 +575,8 @@ class LayerwiseOffload(Part):
         if in_pass:
             self._queue(i + 1, self.depth)
         self.wait_ready(i)
+        if in_pass:
+            self._retake(i)
         self._bound = i
         self.plans[i].binding.to_device()
         if torch.is_grad_enabled():

@@ -19,7 +19,7 @@ import offload_core
 from offload_core.errors import OffloadedModelError
 from offload_core.tiny import build_pipeline
 
-from contract_models import STRATEGIES, assert_offloaded, assert_same, build, run
+from contract_models import D, STRATEGIES, assert_offloaded, assert_same, build, run
 from helpers import chaos_backend
 from offload_core_fake import UnseenWriteError
 from stacks import Block, Layer, Stack
@@ -62,6 +62,45 @@ def test_a_model_pre_hook_that_edits_a_block_weight_is_seen(strategy, edit):
         x.register_forward_pre_hook(lambda module, args: edit(module))
     _same_forwards(model, reference)
     assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_block_hook_that_gives_the_next_block_new_data_is_seen(strategy):
+    """Between two blocks of one pass: block 1's load is queued as block 0 starts, before block
+    0's forward hook gives block 1's weight new data, so each block is checked again as it binds.
+    (An in-place write there races with that load: row 11's limit, which the sanitizer reports.)"""
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    for x in (model, reference):
+        x.blocks[0].register_forward_hook(lambda module, args, output, x=x: _assign_data(x))
+    _same_forwards(model, reference)
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+
+
+def test_a_block_hook_giving_the_next_block_data_of_another_shape_is_refused_then_repacked():
+    """A structural change in the middle of a pass cannot be packed around (the pass's blocks are
+    bound): refused with the fix, and the next call packs the block again."""
+    model, reference = build(), build()
+    handle = _enable(model, "layerwise")
+    grown = torch.ones(D, 2 * D)
+
+    def widen(x) -> None:
+        x.blocks[1].layers[0].weight.data = grown.to(x.blocks[1].layers[0].weight.dtype)
+
+    hook = model.blocks[0].register_forward_hook(lambda module, args, output: widen(model))
+    with pytest.raises(OffloadedModelError, match="before block blocks.1"):
+        run(model, 0)
+    hook.remove()
+    widen(reference)
+    with pytest.raises(RuntimeError):  # the wider weight no longer fits the layer: plain torch's error
+        run(reference, 0)
+    for x in (model, reference):
+        x.blocks[1].layers[0].weight.data = torch.zeros(D, D, dtype=x.blocks[1].layers[0].weight.dtype)
+    _same_forwards(model, reference)
     handle.disable()
     assert_same(model, reference)
 
