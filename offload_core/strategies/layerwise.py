@@ -67,6 +67,7 @@ from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hoo
 
 from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
+from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
@@ -594,10 +595,7 @@ class LayerwiseOffload(Part):
             plan.ready.wait(reader)
             return
         stream = self.backend.current_stream()
-        if self.timeline is None:  # once per block: no context to enter
-            plan.ready.wait(stream)
-            return
-        with self.timeline.compute_after(stream, self._span_name(i)):
+        with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
             plan.ready.wait(stream)
 
     def _count_miss(self, i: int) -> None:
