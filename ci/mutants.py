@@ -55,6 +55,8 @@ STAGED_DISABLE = "tests/hostmem/test_hostmem.py::test_disable_unpacks_only_once_
 TRAINING = "tests/training/test_autograd.py::test_weight_gradients_and_optimizer_steps_update_the_host_truth"
 NEW_SLOT = "tests/training/test_autograd.py::test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse"
 LET_GO = "tests/training/test_autograd.py::test_a_view_a_finished_transfer_lets_go_of_at_synchronize_is_not_a_kept_slot"
+NEW_DATA_MID_PASS = ("tests/contract/test_edits_saves_and_lifetime.py::"
+                     "test_a_block_hook_that_gives_the_next_block_new_data_is_seen")
 OPTIMIZER_IN_BACKWARD = "tests/training/test_training_edges.py::test_an_optimizer_stepping_each_weight_in_backward_is_exact_and_race_free"
 
 
@@ -102,12 +104,14 @@ MUTANTS = [
            "self.ring.mark_free(plan.slot, self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("ring: marking a slot free records its event", RING, "self._freed[slot].record(stream)",
            (STRATEGIES, LIFECYCLE)),
+    Mutant("layerwise: a block given new data after its load was queued is loaded again", L, "self.load(i)",
+           (NEW_DATA_MID_PASS,), occurrence=1, occurrences=5),
     Mutant("layerwise: a block called out of order is loaded", L, "self.load(i)", (LIFECYCLE,),
-           occurrence=2, occurrences=4),
+           occurrence=3, occurrences=5),
     Mutant("layerwise backward: a slot is refilled only after the backward that read it", L,
            "self.ring.mark_free(self.ring.slot_of(i), self.backend.current_stream())", (TRAINING,)),
     Mutant("layerwise backward: a block whose weights backward needs is loaded", L, "self.load(i)", (TRAINING,),
-           occurrence=3, occurrences=4),
+           occurrence=4, occurrences=5),
     Mutant("layerwise backward: its end marks every slot free for the next forward's copies", RING,
            "freed.record(stream)", (TRAINING,)),
     Mutant("layerwise: a new slot (the old one kept by its holder) is filled after earlier compute", RING,
