@@ -348,12 +348,12 @@ class LayerwiseOffload(Part):
             check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
 
     def _retake(self, i: int) -> None:
-        """Block ``i`` is about to bind, inside a pass whose start checked every block: code run
-        since (the model's pre-hooks and forward, another block's hooks) may have given one of its
-        tensors new data after its load was queued. Taken in as at the start (``Part.reconcile``)
-        and the block loaded again; a structural change is refused for this call. One address per
-        tensor, of tensors the bind touches next: cheaper than checking every block again at the
-        first, and it also sees what changed between two blocks."""
+        """Block ``i`` is about to bind, inside a pass whose beginning checked every block: code
+        run since (the model's pre-hooks and forward, another block's hooks) may have given one of
+        its tensors new data after its load was queued. Taken in as at the beginning
+        (``Part.reconcile``) and the block loaded again; a structural change is refused for this
+        call. Checked here rather than once more where the first block is reached, so that a change
+        made between two blocks is seen too (docs/design.md, row 11)."""
         self._check_placeholders(i)
         plan = self.plans[i]
         if plan.binding.at_home():
