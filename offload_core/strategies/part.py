@@ -18,6 +18,7 @@ from torch import nn
 from .. import changes
 from ..errors import OffloadedModelError, RepackError
 from ..transaction import Transaction
+from ..weights.layout import same_layout
 from .calls import CallWrapper
 from .common import Counters
 
@@ -129,7 +130,7 @@ class Part:
     def reconcile(self, replaced: Iterable[tuple[Any, list[torch.Tensor]]]) -> None:
         """Before the part's modules run: ``replaced`` yields (unit, views it should show) for each
         unit whose owners no longer all show their views. A parameter given new data or a buffer
-        replaced, of the same shape and dtype, has the value copied home (:func:`adopt_foreign`);
+        replaced, of the same shape, strides and dtype, has the value copied home (:func:`adopt_foreign`);
         anything else, or a module or tensor added since the last use (``dirty``), re-packs."""
         structural = self.dirty
         for unit, views in replaced:
@@ -197,16 +198,17 @@ def write_back(backend, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def adopt_foreign(backend, unit, views: list[torch.Tensor]) -> bool:
     """Owners of ``unit`` that no longer show their view in ``views``: a parameter given new data
-    or a buffer replaced, of the same shape and dtype, has the value copied into the view and shows
-    the view again. Returns True if an owner holds anything else (a new Parameter object, another
-    shape or dtype): the unit must be packed again, from what the model holds."""
+    or a buffer replaced, of the same shape, strides and dtype, has the value copied into the view
+    and shows the view again. Returns True if an owner holds anything else (a new Parameter object,
+    another shape, strides or dtype): the unit must be packed again, from what the model holds, so
+    that it computes with the layout the model now has."""
     structural = False
     adopted = []
     for index, owner in unit.foreign(views):
         current, view = owner.get(), views[index]
         if owner.param is not None and current is not owner.param:
             structural = True
-        elif current is not None and current.shape == view.shape and current.dtype == view.dtype:
+        elif current is not None and same_layout(current, view):
             adopted.append((view, current.data if owner.param is not None else current, owner))
         else:
             structural = True

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .layout import same_layout
 from .owners import Owner
 from .placeholders import PlaceholderParameter, PlaceholderTensor, swaps_class
 from .unit import WeightUnit
@@ -27,7 +28,6 @@ WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 #: ``.data``), which is lost when the unit goes home. Empty outside such tests.
 BIND_HOOKS: list[Callable[[list[torch.nn.Parameter], list[torch.Tensor] | None], None]] = []
 
-_data_ptr = torch.Tensor.data_ptr
 _is_set_to = torch.Tensor.is_set_to
 #: a tensor's version counter, mapped over a unit's parameters in C (no Python loop per tensor)
 _version_of = operator.attrgetter("_version")
@@ -35,10 +35,9 @@ _version_of = operator.attrgetter("_version")
 
 class Home:
     """A unit's owners and the home views they show outside the device, with a check cheap
-    enough to run before every use (one pointer comparison per parameter)."""
+    enough to run before every use (one call in C per tensor)."""
 
-    __slots__ = ("params", "params_home", "buffers", "buffers_home", "_home_ptrs", "composites", "composites_home",
-                 "hidden")
+    __slots__ = ("params", "params_home", "buffers", "buffers_home", "composites", "composites_home", "hidden")
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor]) -> None:
         self.params: list[torch.nn.Parameter] = []
@@ -55,7 +54,6 @@ class Home:
                     seen.add(id(owner.param))
                     self.params.append(owner.param)
                     self.params_home.append(h)
-        self._home_ptrs = [v.data_ptr() for v in self.params_home]
         # parameters whose home is a placeholder (weights/placeholders.py): their class says so at home
         self.hidden = [k for k, (p, h) in enumerate(zip(self.params, self.params_home))
                        if type(h) is PlaceholderTensor and swaps_class(p)]
@@ -66,31 +64,34 @@ class Home:
     def at_home(self) -> bool:
         """True while every owner still shows its home view (the user has not given a parameter
         new data nor replaced a buffer)."""
-        return _shows(self.params, self._home_ptrs, self.buffers, self.buffers_home)
+        return _shows(self.params, self.params_home, self.buffers, self.buffers_home)
 
 
 class Homes:
     """``Home.at_home`` of many units at once (every streamed block, before each forward): one
     call per tensor, in C, over all of them, instead of a Python loop per unit."""
 
-    __slots__ = ("_params", "_ptrs", "_buffers", "_buffers_home")
+    __slots__ = ("_params", "_params_home", "_buffers", "_buffers_home")
 
     def __init__(self, homes: Sequence[Home]) -> None:
         self._params = [p for h in homes for p in h.params]
-        self._ptrs = [ptr for h in homes for ptr in h._home_ptrs]
+        self._params_home = [v for h in homes for v in h.params_home]
         self._buffers = [o for h in homes for o in h.buffers]
         self._buffers_home = [v for h in homes for v in h.buffers_home]
 
     def at_home(self) -> bool:
-        return _shows(self._params, self._ptrs, self._buffers, self._buffers_home)
+        return _shows(self._params, self._params_home, self._buffers, self._buffers_home)
 
 
-def _shows(params: list, ptrs: list[int], buffers: list[Owner], views: list[torch.Tensor]) -> bool:
-    """Whether each of ``params`` still shows the memory at its pointer in ``ptrs`` and each buffer
-    owner still holds its view in ``views``."""
-    if any(map(operator.ne, map(_data_ptr, params), ptrs)):  # no list of every address: most are cold
-        return False
-    return all(map(operator.is_, map(Owner.get, buffers), views))
+def _shows(params: list, homes: list[torch.Tensor], buffers: list[Owner], views: list[torch.Tensor]) -> bool:
+    """Whether each of ``params`` still shows its view in ``homes`` and each buffer owner still
+    holds its view in ``views``. A parameter must show the view exactly: its memory, offset, shape
+    and strides (``p.data = p.data.t()`` keeps the memory and changes what the model computes)."""
+    return all(map(_is_set_to, params, homes)) and all(map(operator.is_, map(Owner.get, buffers), views))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class Binding(Home):
@@ -179,24 +180,27 @@ class Binding(Home):
     def _data_changes(self, changed: list[tuple[torch.Tensor, torch.Tensor]]) -> set[int]:
         """Parameters given new data during the use (``p.data = t`` in a hook or a forward), which
         no version counter shows: like a replaced Parameter, the new data is the truth. Of the
-        same shape and dtype it is copied home (into ``changed``); anything else is left in the
-        parameter, and the returned indices make the unit re-pack around it."""
+        same shape, strides and dtype it is copied home (into ``changed``); anything else is left
+        in the parameter (a copy of it, if it views the device copy), and the returned indices make
+        the unit re-pack around it. The caller marks the device copy free only after this."""
         kept: set[int] = set()
         if all(map(_is_set_to, self.params, self.params_device)):  # the rule, checked in C: nothing to do
             return kept
         for k, (p, device) in enumerate(zip(self.params, self.params_device)):
             if p.is_set_to(device):  # one call for memory, offset, shape and strides
                 continue
-            if p.shape == device.shape and p.dtype == device.dtype:
+            if same_layout(p, device):
                 changed[:] = [pair for pair in changed if pair[1] is not device]
                 changed.append((self.params_home[k], p.data))
-            else:
-                kept.add(k)
+                continue
+            if _same_storage(p, device):  # a view of the device copy, which the next load overwrites
+                p.data = p.data.clone()  # (strides kept: a dense view is cloned as it lies)
+            kept.add(k)
         return kept
 
     def _buffer_changes(self, replaced: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(home, device view) of each buffer the forward changed in place or replaced by a tensor
-        of the same shape and dtype (copied into the device view first); the index of each
+        of the device view's shape, strides and dtype (copied into it first); the index of each
         replaced by anything else goes to ``replaced``. A buffer of a module in training mode counts
         as changed whatever its version: kernels update running statistics (BatchNorm's
         ``running_mean`` and ``running_var``) without moving the version counter."""
@@ -208,7 +212,7 @@ class Binding(Home):
             if current is device:
                 if device._version != version or owner.module.training:
                     changed.append((home, device))
-            elif current is not None and current.shape == home.shape and current.dtype == home.dtype:
+            elif current is not None and same_layout(current, device):  # (a home may be a placeholder)
                 device.copy_(current)  # on the compute stream, like the forward that made it
                 changed.append((home, device))
             else:

@@ -63,6 +63,11 @@ def extent(t: torch.Tensor) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a``'s values copied into ``b`` are computed with as ``a`` would be: the same
+    shape, strides and dtype (a kernel may sum in another order over other strides)."""
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
 
 @dataclasses.dataclass
 class Region:

@@ -44,11 +44,12 @@ class Owner:
 
     def bound_to(self, view: torch.Tensor) -> bool:
         """True while this owner still shows ``view`` (the tensor it was last bound to), i.e. the
-        user has neither replaced the Parameter or buffer nor assigned the parameter new data."""
+        user has neither replaced the Parameter or buffer nor assigned the parameter new data (a
+        view of the same memory in another shape or strides included)."""
         current = self.get()
         if self.param is None:
             return current is view
-        return current is self.param and current.data_ptr() == view.data_ptr() and current.shape == view.shape
+        return current is self.param and current.is_set_to(view)
 
     def replace(self, tensor: torch.Tensor) -> None:
         """Install ``tensor`` itself (a new parameter object, which the unit manages from now on):

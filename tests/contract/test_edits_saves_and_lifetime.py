@@ -157,6 +157,67 @@ def test_a_forward_that_gives_weight_data_of_another_dtype_is_kept(strategy):
     assert_same(model, reference)
 
 
+def _transpose_data(x):
+    """The weight's own memory in another layout: its address does not change, what it computes does."""
+    w = x.blocks[1].layers[0].weight
+    w.data = w.data.t()
+
+
+def _assert_same_layouts(model, reference) -> None:
+    ours = dict(model.named_parameters())
+    for name, value in reference.named_parameters():
+        assert (ours[name].shape, ours[name].stride()) == (value.shape, value.stride()), name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_weight_given_its_own_memory_in_another_layout_between_calls_is_seen(strategy):
+    """``p.data = p.data.t()`` keeps the parameter's address: a check of addresses alone let the
+    next forward compute with the old layout. The block is packed again, in the new layout."""
+    model, reference = build(), build()
+    handle = _enable(model, strategy)
+    _same_forwards(model, reference, steps=(0,))
+    for x in (model, reference):
+        _transpose_data(x)
+    _same_forwards(model, reference, steps=(1, 2))
+    _assert_same_layouts(model, reference)
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+    _assert_same_layouts(model, reference)
+
+
+class DataTransposing(nn.Module):
+    """A layer whose forward shows its weight's memory in another layout (square: same shape)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        w = self.inner.weight
+        w.data = w.data.t()
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_that_shows_a_weight_in_another_layout_is_kept(strategy):
+    """The layout a forward leaves a weight in is the truth, as a value is: a copy into the home's
+    layout would compute otherwise next time, and the view itself reads device memory that the next
+    block's load overwrites. It is kept (a copy of its own, so that no slot has to be left to it)
+    and the block packed again."""
+    model, reference = build(), build()
+    for x in (model, reference):
+        x.blocks[1].layers[0] = DataTransposing(x.blocks[1].layers[0])
+    handle = _enable(model, strategy)
+    _same_forwards(model, reference, steps=(0, 1, 2))
+    assert handle.stats()["retired_slot_bytes"] == 0, "the kept layout still viewed device memory"
+    _assert_same_layouts(model, reference)
+    assert_same(model, reference)
+    handle.disable()
+    assert_same(model, reference)
+    _assert_same_layouts(model, reference)
+
+
 class DataEditing(nn.Module):
     """A layer whose forward edits its weight in place through ``.data`` (no version counter moves)."""
 
