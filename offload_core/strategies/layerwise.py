@@ -613,14 +613,12 @@ class LayerwiseOffload(Part):
             return  # _before_block stopped before binding
         plan, alone = self.plans[i], self._passes == 0
         try:
+            self.ring.mark_free(plan.slot, self.backend.current_stream())
             if self.timeline is not None:
                 self.timeline.end_compute(self.backend.current_stream())
             self._bound = -1
-            try:
-                if plan.binding.to_home(plan.write_back):
-                    self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
-            finally:  # after the return home, which may still read the slot (a kept view's copy)
-                self.ring.mark_free(plan.slot, self.backend.current_stream())
+            if plan.binding.to_home(plan.write_back):
+                self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
             if alone:
                 self.quiesce()
         finally:

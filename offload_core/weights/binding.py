@@ -182,7 +182,7 @@ class Binding(Home):
         no version counter shows: like a replaced Parameter, the new data is the truth. Of the
         same shape, strides and dtype it is copied home (into ``changed``); anything else is left
         in the parameter (a copy of it, if it views the device copy), and the returned indices make
-        the unit re-pack around it. The caller marks the device copy free only after this."""
+        the unit re-pack around it."""
         kept: set[int] = set()
         if all(map(_is_set_to, self.params, self.params_device)):  # the rule, checked in C: nothing to do
             return kept
