@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .layout import same_layout
+from .layout import same_layout, storage_key
 from .owners import Owner
 from .placeholders import PlaceholderParameter, PlaceholderTensor, swaps_class
 from .unit import WeightUnit
@@ -88,10 +88,6 @@ def _shows(params: list, homes: list[torch.Tensor], buffers: list[Owner], views:
     holds its view in ``views``. A parameter must show the view exactly: its memory, offset, shape
     and strides (``p.data = p.data.t()`` keeps the memory and changes what the model computes)."""
     return all(map(_is_set_to, params, homes)) and all(map(operator.is_, map(Owner.get, buffers), views))
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class Binding(Home):
@@ -193,7 +189,7 @@ class Binding(Home):
                 changed[:] = [pair for pair in changed if pair[1] is not device]
                 changed.append((self.params_home[k], p.data))
                 continue
-            if _same_storage(p, device):  # a view of the device copy, which the next load overwrites
+            if storage_key(p) == storage_key(device):  # a view of the device copy, which the next load overwrites
                 p.data = p.data.clone()  # (strides kept: a dense view is cloned as it lies)
             kept.add(k)
         return kept

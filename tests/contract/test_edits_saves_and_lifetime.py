@@ -169,6 +169,15 @@ def _assert_same_layouts(model, reference) -> None:
         assert (ours[name].shape, ours[name].stride()) == (value.shape, value.stride()), name
 
 
+def _assert_same_before_and_after_disable(model, reference, handle) -> None:
+    """Values and layouts equal the reference's while offloaded and once ``disable()`` restored them."""
+    for disable in (False, True):
+        if disable:
+            handle.disable()
+        _assert_same_layouts(model, reference)
+        assert_same(model, reference)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_weight_given_its_own_memory_in_another_layout_between_calls_is_seen(strategy):
     """``p.data = p.data.t()`` keeps the parameter's address: a check of addresses alone let the
@@ -179,11 +188,7 @@ def test_a_weight_given_its_own_memory_in_another_layout_between_calls_is_seen(s
     for x in (model, reference):
         _transpose_data(x)
     _same_forwards(model, reference, steps=(1, 2))
-    _assert_same_layouts(model, reference)
-    assert_same(model, reference)
-    handle.disable()
-    assert_same(model, reference)
-    _assert_same_layouts(model, reference)
+    _assert_same_before_and_after_disable(model, reference, handle)
 
 
 class DataTransposing(nn.Module):
@@ -211,11 +216,7 @@ def test_a_forward_that_shows_a_weight_in_another_layout_is_kept(strategy):
     handle = _enable(model, strategy)
     _same_forwards(model, reference, steps=(0, 1, 2))
     assert handle.stats()["retired_slot_bytes"] == 0, "the kept layout still viewed device memory"
-    _assert_same_layouts(model, reference)
-    assert_same(model, reference)
-    handle.disable()
-    assert_same(model, reference)
-    _assert_same_layouts(model, reference)
+    _assert_same_before_and_after_disable(model, reference, handle)
 
 
 class DataEditing(nn.Module):
