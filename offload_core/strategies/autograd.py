@@ -39,6 +39,7 @@ from torch._C import _autograd
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import OffloadedModelError
+from ..weights.layout import storage_key
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
@@ -106,6 +107,14 @@ def _keep(t: torch.Tensor) -> _Kept:
     return _Kept(t, t._version)
 
 
+def _keep_alias(t: torch.Tensor) -> _Kept:
+    """A parameter that goes home to other data before backward reads it (autograd saves the
+    parameter itself and reads what it shows then): a detached alias of what it shows now, which
+    shares its version counter, so that a weight changed in place before backward is refused as
+    without offload."""
+    return _Kept(t.detach(), t._version)
+
+
 def _check_version(t: torch.Tensor, version: int) -> None:
     """Autograd's own check of a saved tensor, which torch skips for tensors a hook took."""
     if t._version != version:
@@ -146,10 +155,11 @@ class SavedSlots:
     ``strategy`` (held weakly: a graph kept after ``disable`` must not keep the model's device
     memory alive) gives: ``enabled``, ``epoch`` (counts enables), ``slots`` (per slot, a flat
     buffer per dtype), ``num_slots``, ``depth``, ``lock``, ``units``, ``block_names``,
-    ``describe()``, ``load_for_backward(i, miss)``, which loads block ``i`` into its slot after the
-    compute issued so far, ``wait_ready(i)``, which makes compute wait for it, ``occupant(slot)``,
-    ``versions(i)`` (the version counters of block ``i``'s parameters) and ``end_backward()``
-    (wait for the copies, forget the slots)."""
+    ``describe()``, ``substituted(t)`` (whether ``t`` is a parameter the running block binds to a
+    device copy of data given it, which goes home before backward), ``load_for_backward(i, miss)``,
+    which loads block ``i`` into its slot after the compute issued so far, ``wait_ready(i)``, which
+    makes compute wait for it, ``occupant(slot)``, ``versions(i)`` (the version counters of block
+    ``i``'s parameters) and ``end_backward()`` (wait for the copies, forget the slots)."""
 
     def __init__(self, strategy) -> None:
         self._strategy = weakref.ref(strategy)
@@ -207,7 +217,9 @@ class SavedSlots:
             if where is not None:  # a slot view reinterpreted as another dtype: keep a copy of it
                 return _keep(t.clone())
             outer = self._outer
-            return _keep(t) if outer is None else _Outer(outer[0](t), outer[1])
+            if outer is not None:
+                return _Outer(outer[0](t), outer[1])
+            return _keep_alias(t) if self._strategy().substituted(t) else _keep(t)
         slot, dtype = where
         strategy = self._strategy()
         block = strategy.occupant(slot)
@@ -231,7 +243,7 @@ class SavedSlots:
         binding = strategy.plans[block].binding
         base = strategy.ring.slots[block % strategy.num_slots][dtype]
         for param, view in zip(binding.params, binding.params_device):
-            if view.dtype == dtype and view.numel():
+            if view.dtype == dtype and view.numel() and storage_key(view) == storage_key(base):  # (not a substitute)
                 start = view.storage_offset() - base.storage_offset()
                 extent = sum((n - 1) * abs(st) for n, st in zip(view.shape, view.stride())) + 1
                 if start <= offset < start + extent:
@@ -384,7 +396,7 @@ class SavedParameters:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter):
-            return _Kept(t.detach(), t._version)  # the alias shares the parameter's version counter
+            return _keep_alias(t)
         outer = self._outer
         return _keep(t) if outer is None else _Outer(outer[0](t), outer[1])
 

@@ -67,6 +67,17 @@ def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict
     return buffers
 
 
+def device_copy(backend, tensor: torch.Tensor, name: Label) -> torch.Tensor:
+    """A copy of ``tensor`` in new device memory, named ``name`` in error reports, issued on the
+    compute stream: same shape and dtype, and the same strides for a dense layout (others are
+    made contiguous, as ``torch.empty_like`` makes them)."""
+    stride = torch.empty_like(tensor, device="meta").stride()
+    copy = backend.empty_device(tensor.numel(), tensor.dtype).as_strided(tensor.shape, stride)
+    label(copy, name)
+    backend.copy_async(copy, tensor, backend.current_stream())
+    return copy
+
+
 def default_placement(part, txn: Transaction) -> None:
     """A part enabled on its own, not through ``enable_offload``, gets the default placement
     (every home pinned within the default budget)."""

@@ -336,7 +336,7 @@ class ShardedGather(RankCopy):
         return self._label(block)
 
     # -- changes, training, copies --------------------------------------------------------------
-    def replaced(self, blocks, plans, homes, dirty: bool):
+    def replaced(self, blocks, plans, homes, dirty: bool, before_pass: bool):
         """A rank holds only shards: any change to a block's tensors is refused."""
         at = self.at
         changed = [f"{at.block_names[i]}:{owner.name}" for i in blocks

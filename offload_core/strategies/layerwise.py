@@ -14,14 +14,16 @@ issues, and which blocks it needs loaded.
 
 The protocol, pass by pass:
 
-A model forward is one *pass*. It starts by checking that every block still shows its own host
-buffer (a parameter given new data of the same shape is copied into it; anything else is a
-structural change and the model is re-packed); when its first block is reached (after the
-model's own pre-hooks, which may have edited weights) it checks again and queues blocks
-``0 .. prefetch_depth`` into their slots. Before block ``i`` runs, its wrapper makes sure ``i``
-is the occupant of its slot (else loads it synchronously and counts a miss), queues the next
-``prefetch_depth`` blocks, makes the compute stream wait for ``i``'s ready event and binds ``i``
-to its slot; after it, the slot is marked free with an event on the compute stream, changes the
+A model forward is one *pass*. It starts by re-packing the model if its structure changed (a
+module, Parameter or buffer added: the registration hooks say so) and checking the blocks'
+buffers (the transport's ``unchanged``: across ranks, every tensor, see transport.py); when its
+first block is reached (after the model's own pre-hooks, which may have edited weights) it
+queues blocks ``0 .. prefetch_depth`` into their slots. Before block ``i`` runs, its wrapper
+makes sure ``i`` is the occupant of its slot (else loads it synchronously and counts a miss),
+queues the next ``prefetch_depth`` blocks, checks that ``i``'s tensors still show its host
+buffer (a parameter given new data of the same layout is copied into it and ``i`` loaded again;
+one given data of another layout runs this call on a device copy of it, and the next call
+re-packs), makes the compute stream wait for ``i``'s ready event and binds ``i`` to its slot; after it, the slot is marked free with an event on the compute stream, changes the
 forward made to the block's tensors are copied home, and ``i`` is bound to its host buffer again.
 A copy into a slot always waits for the slot's free event. When the pass ends the host waits for
 the last queued copy, so host memory is never written while a copy still reads it, and nothing
@@ -74,8 +76,8 @@ from ..weights.binding import Binding, Homes
 from ..weights.placeholders import check_placeholders
 from .autograd import SavedSlots, refuse_function_transforms
 from .calls import calls_running
-from .common import allocate_device, copy_unit, default_placement, unpack_units
-from .part import Part, adopt_foreign, blocks_now, write_back
+from .common import allocate_device, copy_unit, default_placement, device_copy, unpack_units
+from .part import Part, adopt_foreign, blocks_now, changed_during_call, write_back
 from .ring import BlockPlan, SlotRing, kept_views, slot_numel
 from .transport import CopyTransport, Served
 
@@ -336,40 +338,71 @@ class LayerwiseOffload(Part):
         return self.transport.repack_refusal()
 
     # -- keeping the model and its packing in step ------------------------------------------
-    def _reconcile(self, blocks) -> None:
-        """Before a pass: every block must still show its host views (see ``Part.reconcile`` and
-        the transport's ``replaced``)."""
+    def _reconcile(self, blocks, before_pass: bool = False) -> None:
+        """Before a pass (``before_pass``: every block) or a block called alone: each of ``blocks``
+        must still show its host views (see ``Part.reconcile`` and the transport's ``replaced``)."""
         for i in blocks:
             self._check_placeholders(i)
-        self.reconcile(self._replaced(blocks))
+        self.reconcile(self._replaced(blocks, before_pass))
 
     def _check_placeholders(self, i: int) -> None:
         if self.plans[i].image is not None:
             check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
 
     def _retake(self, i: int) -> None:
-        """Block ``i`` is about to bind, inside a pass whose beginning checked every block: code
-        run since (the model's pre-hooks and forward, another block's hooks) may have given one of
-        its tensors new data after its load was queued. Taken in as at the beginning
-        (``Part.reconcile``) and the block loaded again; a structural change is refused for this
-        call. Checked here rather than once more where the first block is reached, so that a change
-        made between two blocks is seen too (docs/design.md, row 11)."""
+        """Block ``i`` is about to bind, inside a pass: code run since its load was queued (the
+        model's pre-hooks and forward, another block's hooks) or, on one process, since the last
+        call (the pass began with the buffers alone, see ``CopyTransport.unchanged``) may have
+        given one of its tensors new data. Taken in as at the beginning (``Part.reconcile``) and
+        the block loaded again. A parameter given data of another layout cannot be packed around
+        now (the pass's blocks are bound): this call runs it on a device copy of that data
+        (``_substitute``), and the next re-packs. Any other structural change is refused for this
+        call (docs/design.md, row 11)."""
         self._check_placeholders(i)
         plan = self.plans[i]
         if plan.binding.at_home():
             return
-        if not list(self.transport.replaced([i], self.plans, self.homes, False)):
+        if not list(self.transport.replaced([i], self.plans, self.homes, False, False)):
             return
         self.quiesce(forget=False)  # copies queued earlier read the host as it was
-        with self.no_repack(f"code run in this call before block {self.block_names[i]}"):
-            self.reconcile([(plan.unit, self.home_views(i))])
+        relaid = plan.binding.relaid() if self.repack_refusal() is None else []
+        if relaid:
+            self.dirty = True  # first: an interrupt in the substitution still re-packs before the next call
+            self._substitute(plan, relaid)
+        # as Part.reconcile, less its ``dirty`` (set by the substitution above, in this or an earlier block)
+        if adopt_foreign(self.backend, plan.unit, self._home_now(plan)):
+            raise changed_during_call(self, f"code run in this call before block {self.block_names[i]}")
         self.load(i)
         self.wait_ready(i)
 
-    def _replaced(self, blocks):
+    def _substitute(self, plan: BlockPlan, relaid: list[int]) -> None:
+        """Parameters ``relaid`` of ``plan``'s block show data of another layout than their home:
+        until the next call re-packs the block, it binds a device copy of that data, and goes
+        home to the data itself (changes a forward makes copied into it)."""
+        binding = plan.binding
+        ids = {id(binding.params[k]) for k in relaid}
+        names = ", ".join(name for name, p in self.blocks[plan.index].named_parameters() if id(p) in ids)
+        logger.info(
+            "%s: %s of block %s were given data of another shape, strides or dtype; this call computes with a device "
+            "copy of it, the next packs the block again", self.describe(), names, self.block_names[plan.index],
+        )
+        plan.binding = binding.substituted({
+            k: device_copy(self.backend, binding.params[k].data, f"new data of {names} ({self.name})") for k in relaid
+        })
+
+    def _home_now(self, plan: BlockPlan) -> list:
+        """What each of the block's tensors shows at home now: its home view, or the data of a
+        parameter its binding substitutes (``_substitute``)."""
+        binding, views = plan.binding, self.home_views(plan.index)
+        if binding.base is None:
+            return views
+        shown = {id(home): now for home, now in zip(binding.base.params_home, binding.params_home)}
+        return [shown.get(id(view), view) for view in views]
+
+    def _replaced(self, blocks, before_pass: bool = False):
         """(unit, home views) of each of ``blocks`` the transport finds replaced (``Part.reconcile``),
         once the copies queued earlier (which read the host as it was) are done."""
-        for i in self.transport.replaced(blocks, self.plans, self.homes, self.dirty):
+        for i in self.transport.replaced(blocks, self.plans, self.homes, self.dirty, before_pass):
             self.quiesce()
             yield self.units[i], self.home_views(i)
 
@@ -446,7 +479,7 @@ class LayerwiseOffload(Part):
         if self.saved.recorded:  # the slots kept for a backward are not trusted by a forward
             self.saved.recorded = False
             self.quiesce()
-        self._reconcile(range(len(self.units)))
+        self._reconcile(range(len(self.units)), before_pass=True)
         if self._preloaded and (self.model._forward_pre_hooks or _global_pre_hooks):
             # its pre-hooks may write the preloaded blocks' host weights: not while a copy reads them
             self.quiesce(forget=False)
@@ -628,6 +661,12 @@ class LayerwiseOffload(Part):
     # -- autograd (see autograd.py) ------------------------------------------------------------
     def occupant(self, slot: int) -> int:
         return self.ring.occupant(slot)
+
+    def substituted(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a parameter the running block binds to a device copy of data given it
+        (``_substitute``): it goes home to that data when the block ends, before a backward reads it."""
+        binding = self.plans[self._bound].binding if self._bound >= 0 else None
+        return binding is not None and binding.base is not None and any(p is t for p in binding.params)
 
     def load_for_backward(self, i: int, miss: bool) -> None:
         """Load block ``i`` for its backward, once the backward issued so far (which read the

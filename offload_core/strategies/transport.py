@@ -156,11 +156,13 @@ class CopyTransport:
         )
 
     # -- keeping the model in step ----------------------------------------------------------------
-    def replaced(self, blocks, plans, homes, dirty: bool):
+    def replaced(self, blocks, plans, homes, dirty: bool, before_pass: bool):
         """Each of ``blocks`` whose owners no longer all show their home views, for
         ``Part.reconcile`` (the part waits for the copies queued earlier, which read the host as it
-        was, before it takes each). A block with no home in RAM cannot take a change."""
-        if len(blocks) == len(plans) and homes.at_home():  # the rule, before each pass: one check
+        was, before it takes each). A block with no home in RAM cannot take a change.
+        ``before_pass``: ``blocks`` are every block, checked before a pass, first all at once
+        (``unchanged``)."""
+        if before_pass and self.unchanged(homes):  # the rule: one check
             return
         for i in blocks:
             plan = plans[i]
@@ -168,6 +170,13 @@ class CopyTransport:
                 if not plan.unit.host:
                     raise self.no_ram_home(i)
                 yield i
+
+    def unchanged(self, homes) -> bool:
+        """Before a pass: True if nothing the pass must take in first changed. On one process the
+        buffers alone: each block's parameters are checked as it binds (the part's ``_retake``),
+        which takes in what changed since, and runs a parameter given data of another layout on a
+        device copy of it for that call, re-packing before the next."""
+        return homes.buffers_at_home()
 
     def repack_refusal(self) -> Exception | None:
         return None
@@ -216,6 +225,11 @@ class RankCopy(CopyTransport):
         if stream is None:
             stream = _COLLECTIVE_STREAMS[backend] = backend.new_stream()
         return stream
+
+    def unchanged(self, homes) -> bool:
+        """Every tensor, before any collective of the pass: a structural change must be refused
+        on every rank before it starts (``repack_refusal``), not found as a block binds."""
+        return homes.at_home()
 
     def repack_refusal(self) -> Exception | None:
         """Across ranks a part cannot be packed again alone: the others would not follow."""

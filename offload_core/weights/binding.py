@@ -9,6 +9,7 @@ the owners return there, so nothing the model did is lost and nothing stale is r
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Callable, Sequence
 
@@ -82,6 +83,11 @@ class Homes:
     def at_home(self) -> bool:
         return _shows(self._params, self._params_home, self._buffers, self._buffers_home)
 
+    def buffers_at_home(self) -> bool:
+        """The buffer half of ``at_home``: each owner still holds its home view (one identity test
+        per buffer; a parameter's check, which reads its layout, costs more)."""
+        return all(map(operator.is_, map(Owner.get, self._buffers), self._buffers_home))
+
 
 def _shows(params: list, homes: list[torch.Tensor], buffers: list[Owner], views: list[torch.Tensor]) -> bool:
     """Whether each of ``params`` still shows its view in ``homes`` and each buffer owner still
@@ -94,7 +100,7 @@ class Binding(Home):
     """One unit's owners, their home views and one set of device views, precomputed so that the
     switch costs one assignment per tensor."""
 
-    __slots__ = ("params_device", "buffers_device", "_versions", "_buffer_versions", "composites_device")
+    __slots__ = ("params_device", "buffers_device", "_versions", "_buffer_versions", "composites_device", "base")
 
     def __init__(self, unit: WeightUnit, home: list[torch.Tensor], device: list[torch.Tensor]) -> None:
         super().__init__(unit, home)
@@ -106,6 +112,27 @@ class Binding(Home):
         self._versions = self.versions()
         self._buffer_versions: list[int] = []
         self.composites_device = [c.rebuild([device[k] for k in c.leaves]) for c in unit.composites]
+        self.base: Binding | None = None  # the binding this one substitutes for (see ``substituted``)
+
+    def relaid(self) -> list[int]:
+        """Indices of the parameters given data of another shape, strides or dtype than their home
+        view (``p.data = w.t()``, ``p.data = w.half()``): a structural change, which the unit's
+        slot layout cannot hold."""
+        return [k for k, (p, home) in enumerate(zip(self.params, self.params_home))
+                if not p.is_set_to(home) and not same_layout(p, home)]
+
+    def substituted(self, device: dict[int, torch.Tensor]) -> Binding:
+        """This binding, with parameter ``k`` (each key of ``device``) showing the data it holds
+        now at home and ``device[k]`` (a device copy of that data) on the device: for a unit
+        that cannot be packed again before it runs. Keeps this binding alive, and with it the
+        slot views it holds: the ring counts their uses (ring.py)."""
+        other = copy.copy(self)
+        other.params_home, other.params_device = list(self.params_home), list(self.params_device)
+        for k, tensor in device.items():
+            other.params_home[k] = self.params[k].data
+            other.params_device[k] = tensor
+        other.base = self
+        return other
 
     def versions(self) -> tuple[int, ...]:
         """The parameters' version counters (each in-place write through a parameter moves its own)."""

@@ -183,6 +183,10 @@ def _replicated_contract(rank: int, port: int) -> None:
             m.blocks[2].layers[0].weight.data.mul_(2)
     assert torch.equal(_run(model, 1), _run(reference, 1))
     assert_same(copy.deepcopy(model), reference)
+    for m in (model, reference):  # a structural change: refused on every rank before the pass's collectives
+        m.blocks[1].layers[0].weight.data = m.blocks[1].layers[0].weight.data.t()
+    with pytest.raises(offload_core.DistributedOffloadError, match=r"collective handle\.disable\(\)"):
+        _run(model, 2)
     handle.disable()
     assert_same(model, reference)
 

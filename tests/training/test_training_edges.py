@@ -149,6 +149,40 @@ def test_an_optimizer_stepping_each_weight_in_backward_is_exact_and_race_free(st
     assert torch.equal(model(x), reference(x))
 
 
+def _transpose(m) -> None:
+    """Block 1's weight given its own memory in another layout (square: the same shape)."""
+    w = m.blocks[1].l1.weight
+    w.data = w.data.t()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_weight_given_another_layout_between_steps_trains_exactly(strategy):
+    """Layerwise finds the new layout as the block binds (a pass starts with the buffers' check
+    alone) and runs that call on a device copy of it: the gradients, and the refusal of a weight
+    changed in place before backward, are those of the model without offload."""
+    model, reference, x = pair()
+    handle = enable(model, strategy)
+    for m in (model, reference):
+        m(x).square().sum().backward()
+        _transpose(m)
+        m(x).square().sum().backward()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+        assert a.stride() == b.stride(), name
+    for m in (reference, model):
+        _transpose(m)
+        loss = m(x).square().sum()
+        with torch.no_grad():
+            m.blocks[1].l1.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified"):
+            loss.backward()
+    handle.disable()
+    for m in (model, reference):
+        m.zero_grad()
+        m(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_train_mode_batchnorm_running_statistics_come_home(strategy):
     model, reference, x = pair("bn")
