@@ -23,8 +23,9 @@ makes sure ``i`` is the occupant of its slot (else loads it synchronously and co
 queues the next ``prefetch_depth`` blocks, checks that ``i``'s tensors still show its host
 buffer (a parameter given new data of the same layout is copied into it and ``i`` loaded again;
 one given data of another layout runs this call on a device copy of it, and the next call
-re-packs), makes the compute stream wait for ``i``'s ready event and binds ``i`` to its slot; after it, the slot is marked free with an event on the compute stream, changes the
-forward made to the block's tensors are copied home, and ``i`` is bound to its host buffer again.
+re-packs), makes the compute stream wait for ``i``'s ready event and binds ``i`` to its slot;
+after it, the slot is marked free with an event on the compute stream, changes the forward made
+to the block's tensors are copied home, and ``i`` is bound to its host buffer again.
 A copy into a slot always waits for the slot's free event. When the pass ends the host waits for
 the last queued copy, so host memory is never written while a copy still reads it, and nothing
 stays in a slot across passes: a block is loaded afresh in every pass, from the host as it is

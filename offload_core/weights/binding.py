@@ -124,14 +124,14 @@ class Binding(Home):
     def substituted(self, device: dict[int, torch.Tensor]) -> Binding:
         """This binding, with parameter ``k`` (each key of ``device``) showing the data it holds
         now at home and ``device[k]`` (a device copy of that data) on the device: for a unit
-        that cannot be packed again before it runs. Keeps this binding alive, and with it the
-        slot views it holds: the ring counts their uses (ring.py)."""
+        that cannot be packed again before it runs. ``base`` is the unit's packed binding, kept
+        alive with the slot views it holds: the ring counts their uses (ring.py)."""
         other = copy.copy(self)
         other.params_home, other.params_device = list(self.params_home), list(self.params_device)
         for k, tensor in device.items():
             other.params_home[k] = self.params[k].data
             other.params_device[k] = tensor
-        other.base = self
+        other.base = self if self.base is None else self.base
         return other
 
     def versions(self) -> tuple[int, ...]:
