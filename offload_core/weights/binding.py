@@ -204,8 +204,9 @@ class Binding(Home):
         """Parameters given new data during the use (``p.data = t`` in a hook or a forward), which
         no version counter shows: like a replaced Parameter, the new data is the truth. Of the
         same shape, strides and dtype it is copied home (into ``changed``); anything else is left
-        in the parameter (a copy of it, if it views the device copy), and the returned indices make
-        the unit re-pack around it."""
+        in the parameter, as a host copy if it is on the device (where it would stay after
+        ``disable()``) or views the device copy (which the next load overwrites), and the returned
+        indices make the unit re-pack around it."""
         kept: set[int] = set()
         if all(map(_is_set_to, self.params, self.params_device)):  # the rule, checked in C: nothing to do
             return kept
@@ -216,8 +217,10 @@ class Binding(Home):
                 changed[:] = [pair for pair in changed if pair[1] is not device]
                 changed.append((self.params_home[k], p.data))
                 continue
-            if storage_key(p) == storage_key(device):  # a view of the device copy, which the next load overwrites
-                p.data = p.data.clone()  # (strides kept: a dense view is cloned as it lies)
+            home = self.params_home[k]
+            if p.device != home.device or storage_key(p) == storage_key(device):
+                # a copy the host waits for (before the slot is loaded again); a dense layout's strides kept
+                p.data = p.data.to(home.device, copy=True)
             kept.add(k)
         return kept
 
@@ -239,5 +242,7 @@ class Binding(Home):
                 device.copy_(current)  # on the compute stream, like the forward that made it
                 changed.append((home, device))
             else:
+                if current is not None and (current.device != home.device or storage_key(current) == storage_key(device)):
+                    owner.module._buffers[owner.name] = current.to(home.device, copy=True)  # as a kept parameter's
                 replaced.append(k)
         return changed

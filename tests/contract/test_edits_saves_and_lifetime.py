@@ -237,6 +237,35 @@ def test_a_forward_that_shows_a_weight_in_another_layout_is_kept(strategy):
     _assert_same_before_and_after_disable(model, reference, handle)
 
 
+class DiagonalKeeping(nn.Module):
+    """A layer whose forward replaces a buffer by a view of its weight in another layout (the
+    diagonal: stride ``d + 1``, where the buffer's is 1), read by the next forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("diagonal", torch.zeros(D, dtype=inner.weight.dtype))
+
+    def forward(self, x):
+        y = self.inner(x) + self.diagonal.to(x.dtype)
+        self.diagonal = self.inner.weight.detach().diagonal()
+        return y
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_that_keeps_a_view_of_a_weight_as_a_buffer_is_kept(strategy):
+    """The view is the buffer's truth, and it reads device memory that the next block's load
+    overwrites: it is kept as a host copy of its own (no slot is left to it) and the block packed
+    again."""
+    model, reference = build(), build()
+    for x in (model, reference):
+        x.blocks[1].layers[0] = DiagonalKeeping(x.blocks[1].layers[0])
+    handle = _enable(model, strategy)
+    _same_forwards(model, reference, steps=(0, 1, 2))
+    assert handle.stats()["retired_slot_bytes"] == 0, "the kept buffer still viewed device memory"
+    _assert_same_before_and_after_disable(model, reference, handle)
+
+
 class DataEditing(nn.Module):
     """A layer whose forward edits its weight in place through ``.data`` (no version counter moves)."""
 
