@@ -50,6 +50,12 @@ _outer_hooks: Callable[[], Any] = _autograd_top or (lambda _: None)
 _graph_task: Callable[[], Any] = getattr(torch._C, "_current_graph_task_id", lambda: None)
 
 
+def backward_running() -> bool:
+    """Whether this thread runs inside an autograd backward, where a checkpoint's recompute calls
+    blocks again (False on torch builds without the accessor)."""
+    return _graph_task() not in (None, -1)
+
+
 _functorch = getattr(torch._C, "_functorch", None)
 _interpreters: Callable[[], Any] = getattr(_functorch, "get_interpreter_stack", lambda: None)
 #: torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian): they trace

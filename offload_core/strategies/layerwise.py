@@ -75,7 +75,7 @@ from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
 from ..weights.placeholders import check_placeholders
-from .autograd import SavedSlots, refuse_function_transforms
+from .autograd import SavedSlots, backward_running, refuse_function_transforms
 from .calls import calls_running
 from .common import allocate_device, copy_unit, default_placement, device_copy, unpack_units
 from .part import Part, adopt_foreign, blocks_now, changed_during_call, write_back
@@ -351,7 +351,8 @@ class LayerwiseOffload(Part):
             check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
 
     def _retake(self, i: int) -> None:
-        """Block ``i`` is about to bind, inside a pass: code run since its load was queued (the
+        """Block ``i`` is about to bind, inside a pass (or run again inside a backward, where a
+        re-pack must wait for the next call as well): code run since its load was queued (the
         model's pre-hooks and forward, another block's hooks) or, on one process, since the last
         call (the pass began with the buffers alone, see ``CopyTransport.unchanged``) may have
         given one of its tensors new data. Taken in as at the beginning (``Part.reconcile``) and
@@ -601,7 +602,10 @@ class LayerwiseOffload(Part):
         if self._starting:
             self._start_pass()
         in_pass = self._passes > 0
-        if not in_pass:
+        # a block run again inside a backward (a checkpoint's recompute) is checked as in a pass: a
+        # re-pack there would lay out anew the slots whose references the backward still reads
+        checked_at_bind = in_pass or backward_running()
+        if not checked_at_bind:
             self._reconcile([i])
         if not self.ring.holds(i):
             logger.debug("block %s called out of order: loading it synchronously", self.block_names[i])
@@ -610,7 +614,7 @@ class LayerwiseOffload(Part):
         if in_pass:
             self._queue(i + 1, self.depth)
         self.wait_ready(i)
-        if in_pass:
+        if checked_at_bind:
             self._retake(i)
         self._bound = i
         self.plans[i].binding.to_device()
