@@ -156,13 +156,8 @@ def _transpose(m) -> None:
     w.data = w.data.t()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_weight_given_another_layout_between_steps_trains_exactly(strategy):
-    """Layerwise finds the new layout as the block binds (a pass starts with the buffers' check
-    alone) and runs that call on a device copy of it: the gradients, and the refusal of a weight
-    changed in place before backward, are those of the model without offload."""
-    model, reference, x = pair()
-    handle = enable(model, strategy)
+def _train_across_a_new_layout(model, reference, x) -> None:
+    """A step, block 1's weight given another layout, a step: the same gradients and layouts."""
     for m in (model, reference):
         m(x).square().sum().backward()
         _transpose(m)
@@ -170,6 +165,16 @@ def test_a_weight_given_another_layout_between_steps_trains_exactly(strategy):
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a.grad, b.grad), name
         assert a.stride() == b.stride(), name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_weight_given_another_layout_between_steps_trains_exactly(strategy):
+    """Layerwise finds the new layout as the block binds (a pass starts with the buffers' check
+    alone) and runs that call on a device copy of it: the gradients, and the refusal of a weight
+    changed in place before backward, are those of the model without offload."""
+    model, reference, x = pair()
+    handle = enable(model, strategy)
+    _train_across_a_new_layout(model, reference, x)
     for m in (reference, model):
         _transpose(m)
         loss = m(x).square().sum()
@@ -202,12 +207,7 @@ def test_a_weight_given_another_layout_trains_exactly_under_checkpointing(strate
     model, x = Checkpointed(), torch.randn(4, D, generator=torch.Generator().manual_seed(1))
     reference = copy.deepcopy(model)
     handle = enable(model, strategy)
-    for m in (model, reference):
-        m(x).square().sum().backward()
-        _transpose(m)
-        m(x).square().sum().backward()
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    _train_across_a_new_layout(model, reference, x)
     handle.disable()
 
 
