@@ -656,7 +656,7 @@ class LayerwiseOffload(Part):
                 self.timeline.end_compute(self.backend.current_stream())
             self._bound = -1
             if plan.binding.to_home(plan.write_back):
-                self.dirty = True  # a buffer was replaced by a tensor of another shape: re-pack next pass
+                self.dirty = True  # a tensor of another layout was kept (Binding.to_home): re-pack next pass
             if alone:
                 self.quiesce()
         finally:

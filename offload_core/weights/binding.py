@@ -84,16 +84,31 @@ class Homes:
         return _shows(self._params, self._params_home, self._buffers, self._buffers_home)
 
     def buffers_at_home(self) -> bool:
-        """The buffer half of ``at_home``: each owner still holds its home view (one identity test
-        per buffer; a parameter's check, which reads its layout, costs more)."""
-        return all(map(operator.is_, map(Owner.get, self._buffers), self._buffers_home))
+        """The buffer half of ``at_home`` (one identity test per buffer; a parameter's check, which
+        reads its layout, costs more)."""
+        return _hold(self._buffers, self._buffers_home)
 
 
 def _shows(params: list, homes: list[torch.Tensor], buffers: list[Owner], views: list[torch.Tensor]) -> bool:
     """Whether each of ``params`` still shows its view in ``homes`` and each buffer owner still
     holds its view in ``views``. A parameter must show the view exactly: its memory, offset, shape
     and strides (``p.data = p.data.t()`` keeps the memory and changes what the model computes)."""
-    return all(map(_is_set_to, params, homes)) and all(map(operator.is_, map(Owner.get, buffers), views))
+    return all(map(_is_set_to, params, homes)) and _hold(buffers, views)
+
+
+def _hold(buffers: list[Owner], views: list[torch.Tensor]) -> bool:
+    """Whether each buffer owner still holds its view in ``views`` (the tensor itself)."""
+    return all(map(operator.is_, map(Owner.get, buffers), views))
+
+
+def _kept(tensor: torch.Tensor, home: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
+    """``tensor``, which a use left in place of a unit's tensor in another layout than ``device``
+    (the device view) and which is kept as the truth: a host copy (on ``home``'s device, strides of
+    a dense layout kept, a copy the host waits for) when it is on the device, where it would stay
+    after ``disable()``, or views the device copy, which the slot's next load overwrites."""
+    if tensor.device != home.device or storage_key(tensor) == storage_key(device):
+        return tensor.to(home.device, copy=True)
+    return tensor
 
 
 class Binding(Home):
@@ -204,9 +219,7 @@ class Binding(Home):
         """Parameters given new data during the use (``p.data = t`` in a hook or a forward), which
         no version counter shows: like a replaced Parameter, the new data is the truth. Of the
         same shape, strides and dtype it is copied home (into ``changed``); anything else is left
-        in the parameter, as a host copy if it is on the device (where it would stay after
-        ``disable()``) or views the device copy (which the next load overwrites), and the returned
-        indices make the unit re-pack around it."""
+        in the parameter (``_kept``), and the returned indices make the unit re-pack around it."""
         kept: set[int] = set()
         if all(map(_is_set_to, self.params, self.params_device)):  # the rule, checked in C: nothing to do
             return kept
@@ -217,10 +230,7 @@ class Binding(Home):
                 changed[:] = [pair for pair in changed if pair[1] is not device]
                 changed.append((self.params_home[k], p.data))
                 continue
-            home = self.params_home[k]
-            if p.device != home.device or storage_key(p) == storage_key(device):
-                # a copy the host waits for (before the slot is loaded again); a dense layout's strides kept
-                p.data = p.data.to(home.device, copy=True)
+            p.data = _kept(p.data, self.params_home[k], device)
             kept.add(k)
         return kept
 
@@ -242,7 +252,7 @@ class Binding(Home):
                 device.copy_(current)  # on the compute stream, like the forward that made it
                 changed.append((home, device))
             else:
-                if current is not None and (current.device != home.device or storage_key(current) == storage_key(device)):
-                    owner.module._buffers[owner.name] = current.to(home.device, copy=True)  # as a kept parameter's
+                if current is not None:
+                    owner.module._buffers[owner.name] = _kept(current, home, device)
                 replaced.append(k)
         return changed
