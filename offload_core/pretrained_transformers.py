@@ -58,9 +58,11 @@ class _Uncovered(Exception):
 
 def load_from_checkpoint(cls: type, folder: str, dtype: torch.dtype | None) -> nn.Module:
     """``cls.from_pretrained(folder, dtype=dtype)`` (as diffusers calls it for a pipeline's
-    component), its checkpoint tensors attached as file slices where the rules cover it."""
+    component), its checkpoint tensors attached as file slices where the rules cover it. Without
+    hub kernels: transformers 5.25 swaps layers for them by default when ``kernels`` is installed,
+    which fails on tensors that are file slices (the meta device) and would change the modules."""
     with _slices_instead_of_reads(cls):
-        return cls.from_pretrained(folder, dtype=dtype)
+        return cls.from_pretrained(folder, dtype=dtype, use_kernels=False)
 
 
 @contextlib.contextmanager
