@@ -36,6 +36,7 @@ class OffloadHandle:
         self.backend = backend
         self.lock = threading.RLock()
         self._baseline = baseline  # device bytes other users of the backend held before enable
+        self._peak = 0  # the backend's peak before its counter was last restarted (restart_peak)
         self.parts: list = []
         self.switch: Any = None  # the parts' phase switch (strategies/phases.py), when some park
         self.placement: Any = None  # where the weights' host homes are (hostmem.placement)
@@ -59,10 +60,14 @@ class OffloadHandle:
         """What was decided (``print(handle.plan)``): per component resident, streamed, staged or
         swapped, its resident blocks, the device and host bytes (pinned, pageable, disk) it is
         expected to take and the bytes copied per forward, with the activation bytes each
-        streamed component's first call measured. The planner's plan under a device budget;
+        streamed or swapped component's first call measured, and the device peaks they make; once a
+        pipeline call ran, the phases that call had (``observed_phases``). The planner's plan under a device budget;
         without one, the plan of what the strategy flag set up (``budget`` None)."""
-        measured = {p.label: p.activation_bytes for p in self.parts if getattr(p, "activation_bytes", None) is not None}
-        return self._plan.measured(measured)
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        plan = self._plan.measured(measured)
+        if self.switch is not None and self.switch.observed is not None:
+            plan = plan.observed(*self.switch.observed)
+        return plan
 
     @property
     def device_weight_bytes(self) -> int:
@@ -86,13 +91,19 @@ class OffloadHandle:
         for part in self.parts:
             for key, value in part.counters.as_dict().items():
                 totals[key] = totals.get(key, 0) + value
-        totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
+        totals["device_peak_bytes"] = max(max(self._peak, self.backend.max_memory_allocated()) - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
         for placement in (self.placement, *self._placements):
             for key, value in placement.stats().items():
                 totals[key] = totals.get(key, 0) + value
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    def restart_peak(self) -> None:
+        """The backend's peak counter starts again from what is allocated now, so that a part can
+        measure what one call takes (its first: activations); the peak before is kept here."""
+        self._peak = max(self._peak, self.backend.max_memory_allocated())
+        self.backend.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Timeline]:

@@ -34,7 +34,7 @@ from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .phases import Phase
 from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, ComponentPlan, Plan, size
-from .predict import Rates, phase_plans
+from .predict import Rates, group_peak, phase_peak, phase_plans
 from .timing import choose_resident, simulate
 
 #: the strategies a plan can be asked to size, coarsest first
@@ -103,14 +103,10 @@ class _State:
 
 
 def _phase_peak(states: Sequence[_State], phase: Phase, depth: int) -> int:
-    """The device at its fullest in ``phase``: what every component holds then (the running ones,
-    those that do not park, the resident ones), plus the most any one running component adds
-    (its activations, and its weights when it is staged): components run one at a time."""
-    running = set(phase.components)
-    held = sum(s.held(depth) for s in states if s.component.name in running or not s.parks)
-    transient = max((s.component.activation + (s.component.total_bytes if s.mode == STAGED else 0)
-                     for s in states if s.component.name in running), default=0)
-    return held + transient
+    """The device at its fullest in ``phase`` (:func:`.predict.phase_peak`)."""
+    return phase_peak(((s.component.name, s.held(depth),
+                        s.component.activation + (s.component.total_bytes if s.mode == STAGED else 0), s.parks)
+                       for s in states), phase)
 
 
 def _layerwise_peak(states: Sequence[_State], phases: Sequence[Phase], depth: int) -> int:
@@ -358,8 +354,8 @@ def make_plan(
             raise OffloadConfigError(f"device_memory={size(budget)} is below the {size(model_need, up=True)} "
                                      "model-level offload needs (its largest group and that group's activations)")
         parts = [_component_plan(c, SWAPPED, prefetch_depth) for c in components]
-        peaks = [_model_phase_peak(components, groups, p) for p in phased]
-        peak, min_budget = model_need, model_need
+        peaks = [_model_phase_peak(components, groups, p, budget) for p in phased]
+        peak, min_budget = max(peaks), model_need
     elif chosen == "resident":
         parts = [_component_plan(c, RESIDENT, prefetch_depth, held=c.total_bytes) for c in components]
         states = [_State(c, RESIDENT) for c in components]
@@ -387,16 +383,12 @@ def make_plan(
                    min_budget=min_budget, prefetch_depth=prefetch_depth, world_size=world_size,
                    host_memory=host_memory, pinned_memory=pinned_memory, bandwidth_source=bandwidth_source,
                    phases=phased if phases else (), phases_source=phases_source, peaks=peaks, steps=steps,
-                   rates=rates)
+                   rates=rates, groups=tuple(tuple(g) for g in groups))
 
 
-def _model_phase_peak(components: Sequence[Component], groups: Sequence[Sequence[str]], phase: Phase) -> int:
-    """Model-level in ``phase``: the group of each running component in turn, with its activations
-    (the next group is prefetched beside it only where the budget leaves room)."""
-    by_name = {c.name: c for c in components}
-    running = set(phase.components)
-    return max((sum(by_name[n].total_bytes for n in g) + max(by_name[n].activation for n in g)
-                for g in groups if running & set(g)), default=0)
+def _model_phase_peak(components: Sequence[Component], groups: Sequence[Sequence[str]], phase: Phase,
+                      budget: int | None = None) -> int:
+    return group_peak({c.name: (c.total_bytes, c.activation) for c in components}, groups, phase, budget)
 
 
 def describe(
@@ -442,7 +434,8 @@ def describe(
                    device_total=device_total, device_peak=peak, min_budget=None, prefetch_depth=prefetch_depth,
                    world_size=world_size, host_memory=host_memory, pinned_memory=pinned_memory,
                    bandwidth_source="given", phases=phased if phases else (), phases_source=phases_source,
-                   peaks=peaks, steps=steps, rates=Rates.of(components))
+                   peaks=peaks, steps=steps, rates=Rates.of(components),
+                   groups=tuple(tuple(g) for g in groups) if groups else ())
 
 
 def _finish(components: Sequence[Component], parts: list[ComponentPlan], notes: list[str], *, strategy: str,
