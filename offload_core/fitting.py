@@ -76,12 +76,14 @@ def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
 
     def replan(measured: dict[str, int]) -> Plan:
-        """The plan of the same budget and strategy with the activations a first call measured
-        (an activation given by ``activation_memory=`` is kept)."""
+        """The plan of the same budget and layout with the activations a first call measured (an
+        activation given by ``activation_memory=`` is kept): only the kept blocks of the
+        components that park are sized again."""
         again = [c if c.activation_from == "given" and c.activation_bytes is not None or c.name not in measured
                  else c.with_measurements(activation_bytes=measured[c.name], activation_from="measured")
                  for c in components]
-        again = make_plan(again, plan.budget, strategy=plan.strategy, **{**options, "device_free": None})
+        again = make_plan(again, plan.budget, strategy=plan.strategy, relayout=plan.components,
+                          **{**options, "device_free": None})
         return dataclasses.replace(again, chosen_by=plan.chosen_by, min_budget=plan.min_budget,
                                    asked_budget=plan.asked_budget, notes=plan.notes)
 
