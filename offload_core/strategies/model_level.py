@@ -302,6 +302,8 @@ class ModelLevelOffload(Part):
         group = self.groups[index]
         if group.state != "host" and any(c.binding is None for c in group.components):
             self._swap_out(group)  # one an interrupt tore (its components home, its state not yet)
+        if group.state == "loading" and not all(c.home.at_home() for c in group.components):
+            self._swap_out(group)  # prefetched before a tensor was given new data: its copy is stale
         if group.state == "host":
             self._reconcile(group)
             group = self.groups[index]  # re-packing makes new groups
