@@ -388,10 +388,7 @@ def group_offloading(strategy: str, backend, verdict: str) -> None:
 def accelerate_offload(strategy: str, backend, verdict: str) -> None:
     from accelerate import cpu_offload
 
-    def offload(m: nn.Module) -> None:
-        cpu_offload(m, execution_device=torch.device("cpu"))
-
-    _check_refused(strategy, backend, verdict, offload, "accelerate", attach_after=offload)
+    _check_refused(strategy, backend, verdict, lambda m: cpu_offload(m, execution_device=torch.device("cpu")), "accelerate")
 
 
 # -- training ---------------------------------------------------------------------------------

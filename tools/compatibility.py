@@ -89,8 +89,7 @@ ROWS: tuple[Row, ...] = (
         "two offloaders would move the same weights: refused at enable, and on an offloaded model the method and "
         "the function raise before any weight moves"),
     Row("accelerate_offload", HOOKS, "accelerate `cpu_offload(model)`",
-        REFUSED, REFUSED, REFUSED,
-        "refused at enable, as every accelerate hook, and on an offloaded model before any weight moves"),
+        REFUSED, REFUSED, REFUSED, "refused at enable, as every accelerate hook"),
     Row("input_gradients", TRAINING, "`loss.backward()` through a frozen model (guidance, inversion)",
         YES, YES, YES, "saved weights are reloaded in backward, in reverse order, prefetched"),
     Row("lora_training", TRAINING, "LoRA training: `add_adapter(...)`, `loss.backward()`, `AdamW.step()`",

@@ -360,22 +360,25 @@ class ModelLevelOffload(Part):
         a pipeline call); read outside a backward, the weights are a copy and the group goes home
         at once."""
         with self.lock:
-            if not self.enabled or copy.epoch != self.epoch:
-                raise RuntimeError(
-                    f"this backward reads weights of {copy.name}, but its model-level offload was disabled or re-packed "
-                    "(a structural change) since the forward that saved them: run backward before handle.disable() "
-                    "or before changing the model's structure"
-                )
-            index, component = next(
-                (i, c) for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name
-            )
+            self._check_layout(copy)
+            index = next(i for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name)
             swapped, outside_calls = self._active != index, self._depth == 0 and self._calls == 0
             self._before_use(index)
+            self._check_layout(copy)  # a structure changed since the forward re-packs on the way in
+            component = next(c for c in self.groups[index].components if c.name == copy.name)
             if not swapped or not outside_calls or at_backward_end(self._after_backward):
                 return component.device
             buffers = {dtype: b.clone() for dtype, b in component.device.items()}
             self.release_all()
             return buffers
+
+    def _check_layout(self, copy: DeviceCopy) -> None:
+        if not self.enabled or copy.epoch != self.epoch:
+            raise RuntimeError(
+                f"this backward reads weights of {copy.name}, but its model-level offload was disabled or re-packed "
+                "(a structural change) since the forward that saved them: run backward before handle.disable() "
+                "or before changing the model's structure"
+            )
 
     def _after_backward(self) -> None:
         """A backward that made groups active to read saved weights ended: they go home, unless a

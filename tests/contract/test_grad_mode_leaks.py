@@ -142,6 +142,25 @@ def test_model_level_releases_the_device_copy_a_live_graph_saved_at_the_next_loa
         loss.backward()
 
 
+def test_model_level_backward_after_a_repack_raises_naming_it_and_the_model_runs_on():
+    """A backward whose device copy was released (the model was called again) after a structural
+    change re-packed the model cannot read the weights as its forward laid them out: it raises,
+    as layerwise offload does, and the model then runs as the same model without offload."""
+    model, x = build(), inputs()
+    reference = copy.deepcopy(model)
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), enable_cpu_offload=True)
+    loss = model(x).square().mean()
+    model(x)  # the component's next load releases the copy the first graph saved
+    for m in (model, reference):
+        m.blocks[0].register_buffer("extra", torch.zeros(1))  # a structural change: re-packed at the next use
+    with pytest.raises(RuntimeError, match="re-packed"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters()), "a gradient computed from the new layout"
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    handle.disable()
+
+
 def _rank(rank: int, port: int) -> None:
     import sys
 
