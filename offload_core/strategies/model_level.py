@@ -289,9 +289,23 @@ class ModelLevelOffload(Part):
     def _release(self) -> None:
         self.release_all()
 
+    # -- phases (phases.py) -----------------------------------------------------------------------
+    def yields(self) -> list[str]:
+        """Staged components (loaded around their use, no prefetch) leave the device when
+        another phase begins, not only when the call ends."""
+        return [] if self.prefetch else [c.name for g in self.groups for c in g.components]
+
+    def give_way(self, component: str) -> None:
+        active = self._active
+        if active is not None and self._depth == 0 and any(c.name == component for c in self.groups[active].components):
+            self.release_all()
+
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
+        if self.switch is not None:
+            for c in self.groups[index].components:
+                self.switch.entering(c.name)
         self._stop_measuring()
         if self.timeline is not None:  # the active group's compute has all been issued
             self.timeline.end_compute(self.backend.current_stream())

@@ -53,6 +53,7 @@ class Served:
     what: str  # the model, for messages
     name: str  # the part, for buffer labels
     landed: Callable[[], None]  # the part's: every load queued so far has landed
+    kept: list = dataclasses.field(default_factory=list)  # one WeightUnit per kept block (held whole, never streamed)
 
 
 class CopyTransport:
@@ -241,7 +242,7 @@ class RankCopy(CopyTransport):
     def layout(self) -> tuple:
         """What every rank must have packed alike (see distributed.Agreement)."""
         at = self.at
-        units = [at.resident, *at.units]
+        units = [at.resident, *at.kept, *at.units]
         sizes = tuple(tuple(sorted((str(d), n) for d, n in u.numel.items())) for u in units)
         return (self.strategy, self.sharded, self.ranks.world, tuple(at.block_names), sizes,
                 tuple(self.fingerprints))
