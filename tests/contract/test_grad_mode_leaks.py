@@ -161,6 +161,21 @@ def test_model_level_backward_after_a_repack_raises_naming_it_and_the_model_runs
     handle.disable()
 
 
+def test_a_released_saved_weight_read_outside_backward_is_a_copy_and_leaves_nothing_on_the_device():
+    """``grad_fn._saved_mat2`` read after the component's next load released the copy it views:
+    the weight as the forward used it, as a copy, and the component back home at once."""
+    model, x = build(), inputs()
+    backend = chaos_backend()
+    handle = offload_core.enable_offload(model, backend=backend, enable_cpu_offload=True)
+    y = model(x)
+    model(x)
+    saved = y.grad_fn._saved_mat2  # the head's weight.t(), an mm without bias
+    assert torch.equal(saved, model.head.weight.t())
+    assert backend.memory_allocated() == 0, "reading a saved weight left the component on the device"
+    del y
+    handle.disable()
+
+
 def _rank(rank: int, port: int) -> None:
     import sys
 
