@@ -73,7 +73,8 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         agreed.parts = parts
         # without a budget, the plan of what the strategy flag set up
         plan = fitted.plan if fitted is not None else describe_parts(target, config, backend, parts)
-        handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan)
+        handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan,
+                               replan=fitted.replan if fitted is not None else None)
         placement = plan_placement(parts, config, backend)
         placement.attach(parts, txn)
         for part in parts:
@@ -148,8 +149,10 @@ def _pipeline_parts(target: Inventory, config: OffloadConfig, backend: DeviceBac
     those without blocks and keeps the rest resident."""
     modules = target.components()
     if config.strategy == "model":
-        limit = fitted.plan.budget if fitted is not None else None
-        return [ModelLevelOffload(target.swap_groups(), backend, device_limit=limit)]
+        if fitted is None:
+            return [ModelLevelOffload(target.swap_groups(), backend)]
+        reserved = {c.name: c.activation_bytes for c in fitted.plan.components}
+        return [ModelLevelOffload(target.swap_groups(), backend, device_limit=fitted.plan.budget, reserved=reserved)]
     modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
     layout = layerwise_layout(target, config, modes)
     parts: list = []

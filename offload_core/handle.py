@@ -13,7 +13,7 @@ from torch import nn
 
 from . import changes
 from .device.backend import DeviceBackend
-from .hostmem.machine import Trimmer
+from .hostmem.machine import Trimmer, size_text as _size
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -28,14 +28,18 @@ class OffloadHandle:
     its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
     same offloaded model waits for the first call to finish."""
 
-    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None) -> None:
+    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None,
+                 replan: Any = None) -> None:
         self.target = target
         self.config = config
         self._plan = plan
+        # measured activations -> the plan made with them, once: after the first pipeline call
+        self._replan = replan
         self.strategy = plan.strategy if plan is not None else config.strategy
         self.backend = backend
         self.lock = threading.RLock()
         self._baseline = baseline  # device bytes other users of the backend held before enable
+        self._peak = 0  # the backend's peak before its counter was last restarted (restart_peak)
         self.parts: list = []
         self.switch: Any = None  # the parts' phase switch (strategies/phases.py), when some park
         self.placement: Any = None  # where the weights' host homes are (hostmem.placement)
@@ -59,10 +63,14 @@ class OffloadHandle:
         """What was decided (``print(handle.plan)``): per component resident, streamed, staged or
         swapped, its resident blocks, the device and host bytes (pinned, pageable, disk) it is
         expected to take and the bytes copied per forward, with the activation bytes each
-        streamed component's first call measured. The planner's plan under a device budget;
+        streamed or swapped component's first call measured, and the device peaks they make; once a
+        pipeline call ran, the phases that call had (``observed_phases``). The planner's plan under a device budget;
         without one, the plan of what the strategy flag set up (``budget`` None)."""
-        measured = {p.label: p.activation_bytes for p in self.parts if getattr(p, "activation_bytes", None) is not None}
-        return self._plan.measured(measured)
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        plan = self._plan.measured(measured)
+        if self.switch is not None and self.switch.observed is not None:
+            plan = plan.observed(*self.switch.observed)
+        return plan
 
     @property
     def device_weight_bytes(self) -> int:
@@ -86,13 +94,44 @@ class OffloadHandle:
         for part in self.parts:
             for key, value in part.counters.as_dict().items():
                 totals[key] = totals.get(key, 0) + value
-        totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
+        totals["device_peak_bytes"] = max(max(self._peak, self.backend.max_memory_allocated()) - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
         for placement in (self.placement, *self._placements):
             for key, value in placement.stats().items():
                 totals[key] = totals.get(key, 0) + value
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    def call_ended(self) -> None:
+        """A pipeline call ended. After the first, the budget is planned again with the activations
+        it measured, and the streamed components whose kept blocks change take the new layout as
+        they next begin (one log line says what changed and why)."""
+        if self._replan is None:
+            return
+        replan, self._replan = self._replan, None
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        if not measured:
+            return
+        new = replan(measured)
+        changes = []
+        for part in self.parts:
+            label = getattr(part, "label", None)
+            if not getattr(part, "parks", False) or label not in {c.name for c in new.components}:
+                continue
+            before, after = self._plan.component(label), new.component(label)
+            if after.mode == before.mode and after.resident_blocks != before.resident_blocks:
+                part.relayout(after.resident_blocks)
+                changes.append(f"{label} keeps {len(after.resident_blocks)} of {after.n_blocks} blocks (was "
+                               f"{len(before.resident_blocks)}): activations measured {_size(measured.get(label, 0))}, "
+                               f"{_size(before.activation_bytes)} planned")
+        self._plan = new
+        logger.info("re-planned after the first call: %s", "; ".join(changes) if changes else "no layout changes")
+
+    def restart_peak(self) -> None:
+        """The backend's peak counter starts again from what is allocated now, so that a part can
+        measure what one call takes (its first: activations); the peak before is kept here."""
+        self._peak = max(self._peak, self.backend.max_memory_allocated())
+        self.backend.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Timeline]:

@@ -100,6 +100,9 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))  # what the ring takes in a pinned slab
     # registration pins a buffer of any size chunk by chunk; an allocator, no more than a chunk at once
     chunk = None if Capability.HOST_REGISTER in backend.capabilities else backend.pinned_chunk_bytes
+    # what is read once per switch may go to disk only where it can be read back from there
+    units = [h if h.role != SWITCH or h.unit.from_checkpoint or config.offload_folder is not None
+             else dataclasses.replace(h, role=ONCE) for h in units]
     tiers = _assign(units, pin, host, pinned or 0, reserve=0, chunk=chunk)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
         tiers = _assign(units, pin, host, pinned or 0, reserve=ring, chunk=chunk)
@@ -385,10 +388,11 @@ class Placement:
         self._copied.synchronize()
         self.blocking_copy_bytes += src.nbytes
 
-    def staging_block(self, blocks, i: int) -> None:
-        """The stager starts staging block ``i`` of ``blocks`` (run order): read ahead after it."""
+    def staging_block(self, images, i: int) -> None:
+        """The stager starts staging block ``i`` of ``images`` (the blocks' disk images in run
+        order): read ahead after it."""
         if self.read_ahead is not None:
-            self.read_ahead.staging(blocks, i)
+            self.read_ahead.staging(images, i)
 
     def run(self, task: Callable[[], None]) -> Ticket | None:
         """Run ``task`` (a load: waits, copies, a ready event) now, or hand it to the stager."""

@@ -34,8 +34,9 @@ def _units(part: ComponentPlan, component: Component, world_size: int) -> list[t
         return [(SWAP, component.total_bytes, None)]
     if part.mode == RESIDENT:  # one unit, copied to the device once
         return [(ONCE, component.total_bytes, None)]
-    units = [(ONCE, component.resident_bytes, None)] + [(SWITCH, component.block_bytes[i], i)
-                                                        for i in part.resident_blocks]
+    # a part that parks reads its resident weights back once per switch too
+    units = [(SWITCH if part.parks else ONCE, component.resident_bytes, None)]
+    units += [(SWITCH, component.block_bytes[i], i) for i in part.resident_blocks]
     role = STREAM if component.kind == "dit" else PROMPT  # as enable marks the parts it builds
     return units + [(role, component.block_bytes[i] // world_size, i) for i in part.streamed_blocks]
 

@@ -122,6 +122,13 @@ class ComponentPlan:
         return lines
 
 
+def _phase_words(phase: Any) -> str:
+    runs = (f"{phase.forwards_per_step} forward(s) per step" + (f", {phase.share:.0%} of the steps"
+                                                                 if phase.share < 1 else "")
+            if phase.forwards_per_step else f"{phase.forwards_per_call} forward(s) per call")
+    return f"{phase.name}: {', '.join(phase.components)} ({runs})"
+
+
 @dataclasses.dataclass(frozen=True)
 class PhasePlan:
     """One phase of a call under the plan (see :mod:`.phases`). ``device_peak``: the device at its
@@ -131,7 +138,9 @@ class PhasePlan:
     Per forward of its running components: ``h2d_bytes_per_forward`` copied, of which
     ``disk_bytes_per_forward`` read from disk first. When it begins: ``switch_h2d_bytes`` loaded
     (parked components' resident weights and kept blocks, staged or swapped components whole), of
-    which ``switch_disk_bytes`` from disk. ``seconds_per_forward``: the predicted time of one forward
+    which ``switch_disk_bytes`` from disk. ``preload_h2d_bytes``: what its last forward in a pipeline
+    call copies for a next forward that does not come in that call (the first blocks, loaded early
+    inside ``handle.frozen()``), of which ``preload_disk_bytes`` read from disk. ``seconds_per_forward``: the predicted time of one forward
     of its streamed components (None: unknown); ``seconds_per_call``: of the whole phase in one call
     (``forwards_per_call_total`` forwards and the switch)."""
 
@@ -146,6 +155,8 @@ class PhasePlan:
     disk_bytes_per_forward: int
     switch_h2d_bytes: int
     switch_disk_bytes: int
+    preload_h2d_bytes: int
+    preload_disk_bytes: int
     seconds_per_forward: float | None
     seconds_per_call: float
     forwards_per_call_total: float
@@ -217,11 +228,13 @@ class Plan:
     disk_bandwidth_source: str | None = None
     host_budget: int | None = None
     host_budget_source: str | None = None
+    groups: tuple[tuple[str, ...], ...] = ()
+    observed_phases: tuple = ()
 
     def measured(self, activations: dict[str, int]) -> "Plan":
-        """This plan with the activation bytes its components' first calls measured. The plan
-        stays the one that runs; a component that needed more than the plan reserved gets a
-        note (the budget may be exceeded: give ``activation_memory=``)."""
+        """This plan with the activation bytes its components' first calls measured, and the
+        device peaks they make (per phase, and at most). A component that needed more than the plan
+        reserved gets a note (the budget may be exceeded: give ``activation_memory=``)."""
         if not activations:
             return self
         components, notes = [], list(self.notes)
@@ -234,7 +247,39 @@ class Plan:
                 notes.append(f"{c.name} took {size(used)} beyond its weights on its first call, over the "
                              f"{size(c.activation_bytes)} reserved: the budget may be exceeded; give activation_memory=")
             components.append(dataclasses.replace(c, activation_bytes=used, activation_source="measured"))
-        return dataclasses.replace(self, components=tuple(components), notes=tuple(notes))
+        plan = dataclasses.replace(self, components=tuple(components), notes=tuple(notes))
+        peaks = [plan._peak(p) for p in plan.phases] if plan.phases else [plan._peak(None)]
+        phases = tuple(dataclasses.replace(p, device_peak=peak) for p, peak in zip(plan.phases, peaks))
+        return dataclasses.replace(plan, phases=phases, device_peak=max(peaks))
+
+    def observed(self, order: list[str], steps: int) -> "Plan":
+        """This plan with the phases of a call in which its components began their forwards in
+        ``order`` over ``steps`` steps (``planning.phases.observed``), and a note where they are
+        not the phases it was made for."""
+        from .phases import observed
+
+        seen = observed(order, {c.name: c.kind for c in self.components}, steps)
+        planned = [(p.name, tuple(p.components), p.forwards_per_step) for p in self.phases]
+        notes = list(self.notes)
+        if planned and planned != [(p.name, p.components, p.forwards_per_step) for p in seen]:
+            notes.append("the first call's phases differ from the " + (self.phases_source or "planned") + " ones: "
+                         + "; ".join(_phase_words(p) for p in seen))
+        return dataclasses.replace(self, observed_phases=seen, notes=tuple(notes))
+
+    def _peak(self, phase: "PhasePlan | None") -> int:
+        """The device at its fullest in ``phase`` (None: a plan without phases, where every
+        component holds its weights all along and runs in turn), by the planner's own rules."""
+        from .phases import Phase
+        from .predict import group_peak, phase_peak
+
+        running = phase or Phase("run", tuple(c.name for c in self.components))
+        if self.strategy == "model":
+            groups = self.groups or tuple((c.name,) for c in self.components)
+            return group_peak({c.name: (c.weight_bytes, c.activation_bytes) for c in self.components}, groups,
+                              running, self.budget)
+        return phase_peak(((c.name, c.device_bytes,
+                            c.activation_bytes + (c.weight_bytes if c.mode in (STAGED, SWAPPED) else 0), c.parks)
+                           for c in self.components), running)
 
     def component(self, name: str) -> ComponentPlan:
         for c in self.components:
@@ -251,7 +296,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data.update(components=[c.to_dict() for c in self.components], notes=list(self.notes),
-                    phases=[p.to_dict() for p in self.phases])
+                    phases=[p.to_dict() for p in self.phases],
+                    observed_phases=[dict(dataclasses.asdict(p), components=list(p.components))
+                                     for p in self.observed_phases])
         return data
 
     @property

@@ -34,7 +34,7 @@ from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .phases import Phase
 from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, ComponentPlan, Plan, size
-from .predict import Rates, phase_plans
+from .predict import Rates, group_peak, phase_peak, phase_plans
 from .timing import choose_resident, simulate
 
 #: the strategies a plan can be asked to size, coarsest first
@@ -103,14 +103,10 @@ class _State:
 
 
 def _phase_peak(states: Sequence[_State], phase: Phase, depth: int) -> int:
-    """The device at its fullest in ``phase``: what every component holds then (the running ones,
-    those that do not park, the resident ones), plus the most any one running component adds
-    (its activations, and its weights when it is staged): components run one at a time."""
-    running = set(phase.components)
-    held = sum(s.held(depth) for s in states if s.component.name in running or not s.parks)
-    transient = max((s.component.activation + (s.component.total_bytes if s.mode == STAGED else 0)
-                     for s in states if s.component.name in running), default=0)
-    return held + transient
+    """The device at its fullest in ``phase`` (:func:`.predict.phase_peak`)."""
+    return phase_peak(((s.component.name, s.held(depth),
+                        s.component.activation + (s.component.total_bytes if s.mode == STAGED else 0), s.parks)
+                       for s in states), phase)
 
 
 def _layerwise_peak(states: Sequence[_State], phases: Sequence[Phase], depth: int) -> int:
@@ -224,7 +220,7 @@ def _layerwise(components: Sequence[Component], phases: Sequence[Phase], budget:
                 if _layerwise_peak(trial, phases, depth) > budget:
                     s.mode = STAGED
         seconds = _call_seconds(trial, phases, depth, rates, steps, host_memory, pinned_memory)
-        if best is None or seconds < best[0] - 1e-12:
+        if best is None or seconds < best[0] * (1 - 1e-9):  # a tie (relative: any unit) keeps the earlier
             best = (seconds, trial)
     if best is None:
         raise OffloadConfigError(
@@ -344,12 +340,18 @@ def make_plan(
     resident_need, model_need = _resident_peak(components), _model_peak(components, groups)
     chosen = strategy
     if chosen is None:
-        if resident_need <= budget:
+        # resident and model-level offload keep every weight in RAM too: not beyond a host budget
+        in_ram = _host_bytes(host_memory) is None or sum(c.total_bytes for c in components) <= _host_bytes(host_memory)
+        if resident_need <= budget and in_ram:
             chosen = "resident"
-        elif model_need <= budget:
+        elif model_need <= budget and in_ram:
             chosen = "model"
         else:
             chosen = layered
+            if model_need <= budget:
+                notes.append(f"model-level offload would fit the device, but keeps all {size(sum(c.total_bytes for c in components))} "
+                             f"of weights in RAM, over host_memory={size(_host_bytes(host_memory))}: layerwise streams "
+                             "what RAM cannot hold from disk")
         if chosen in ("resident", "model") and resident_blocks != "auto":
             notes.append(f"resident_blocks={resident_blocks} unused: the budget allows {chosen} placement")
     world = world_size if chosen == "distributed" else 1
@@ -358,8 +360,8 @@ def make_plan(
             raise OffloadConfigError(f"device_memory={size(budget)} is below the {size(model_need, up=True)} "
                                      "model-level offload needs (its largest group and that group's activations)")
         parts = [_component_plan(c, SWAPPED, prefetch_depth) for c in components]
-        peaks = [_model_phase_peak(components, groups, p) for p in phased]
-        peak, min_budget = model_need, model_need
+        peaks = [_model_phase_peak(components, groups, p, budget) for p in phased]
+        peak, min_budget = max(peaks), model_need
     elif chosen == "resident":
         parts = [_component_plan(c, RESIDENT, prefetch_depth, held=c.total_bytes) for c in components]
         states = [_State(c, RESIDENT) for c in components]
@@ -387,16 +389,12 @@ def make_plan(
                    min_budget=min_budget, prefetch_depth=prefetch_depth, world_size=world_size,
                    host_memory=host_memory, pinned_memory=pinned_memory, bandwidth_source=bandwidth_source,
                    phases=phased if phases else (), phases_source=phases_source, peaks=peaks, steps=steps,
-                   rates=rates)
+                   rates=rates, groups=tuple(tuple(g) for g in groups))
 
 
-def _model_phase_peak(components: Sequence[Component], groups: Sequence[Sequence[str]], phase: Phase) -> int:
-    """Model-level in ``phase``: the group of each running component in turn, with its activations
-    (the next group is prefetched beside it only where the budget leaves room)."""
-    by_name = {c.name: c for c in components}
-    running = set(phase.components)
-    return max((sum(by_name[n].total_bytes for n in g) + max(by_name[n].activation for n in g)
-                for g in groups if running & set(g)), default=0)
+def _model_phase_peak(components: Sequence[Component], groups: Sequence[Sequence[str]], phase: Phase,
+                      budget: int | None = None) -> int:
+    return group_peak({c.name: (c.total_bytes, c.activation) for c in components}, groups, phase, budget)
 
 
 def describe(
@@ -442,7 +440,8 @@ def describe(
                    device_total=device_total, device_peak=peak, min_budget=None, prefetch_depth=prefetch_depth,
                    world_size=world_size, host_memory=host_memory, pinned_memory=pinned_memory,
                    bandwidth_source="given", phases=phased if phases else (), phases_source=phases_source,
-                   peaks=peaks, steps=steps, rates=Rates.of(components))
+                   peaks=peaks, steps=steps, rates=Rates.of(components),
+                   groups=tuple(tuple(g) for g in groups) if groups else ())
 
 
 def _finish(components: Sequence[Component], parts: list[ComponentPlan], notes: list[str], *, strategy: str,
@@ -473,6 +472,10 @@ def _finish(components: Sequence[Component], parts: list[ComponentPlan], notes: 
                 notes=tuple(notes), phases=phased, steps=steps if phases else None,
                 disk_bandwidth=rates.disk if phases else None, disk_bandwidth_source=rates.disk_source if phases else None,
                 host_budget=host_budget, host_budget_source=host_source, **plan)
+
+
+def _host_bytes(host_memory: object) -> int | None:
+    return _host_budget(host_memory)[0]
 
 
 def _host_budget(host_memory: object) -> tuple[int | None, str | None]:

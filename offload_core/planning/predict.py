@@ -22,6 +22,9 @@ from .timing import simulate
 #: what a drive reads per second when the plan is not told (--disk-bandwidth): about what a PCIe 4.0
 #: NVMe drive sustains for large sequential reads
 DEFAULT_DISK_BANDWIDTH = 3e9
+#: model-level offload prefetches the next group only with this share of the device (of the budget)
+#: left free beside both groups, or the active group's activations if more
+PREFETCH_RESERVE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,41 @@ class Rates:
         if self.h2d is None:
             return None
         return (nbytes - disk_bytes) / self.h2d + disk_bytes / min(self.h2d, self.disk)
+
+
+def phase_peak(holders, phase: Phase) -> int:
+    """The device at its fullest in ``phase``: what every holder keeps then (the running ones,
+    and those that do not park), plus the most any one running component adds: components run one
+    at a time. ``holders``: ``(name, held, transient, parks)`` per component, ``transient`` being
+    what it adds while it runs (its activations, and its weights when it is loaded around its use)."""
+    running = set(phase.components)
+    held = transient = 0
+    for name, holds, adds, parks in holders:
+        if name in running:
+            held += holds
+            transient = max(transient, adds)
+        elif not parks:
+            held += holds
+    return held + transient
+
+
+def group_peak(sizes, groups, phase: Phase, budget: int | None = None) -> int:
+    """Model-level in ``phase``: the group of each running component in turn, with its activations,
+    and the next group (in ``groups``' order) beside it where model-level offload would prefetch it:
+    within ``budget``, with :data:`PREFETCH_RESERVE` of it (or the group's activations) left free.
+    ``sizes``: name -> (weights, activations)."""
+    running = set(phase.components)
+    peak = 0
+    for k, group in enumerate(groups):
+        if not running & set(group):
+            continue
+        weights, activations = sum(sizes[n][0] for n in group), max(sizes[n][1] for n in group)
+        peak = max(peak, weights + activations)
+        if budget is not None and k + 1 < len(groups):
+            following = sum(sizes[n][0] for n in groups[k + 1])
+            if weights + following + max(PREFETCH_RESERVE * budget, activations) <= budget:
+                peak = max(peak, weights + following + activations)
+    return peak
 
 
 def forward_seconds(part: ComponentPlan, component: Component, depth: int, rates: Rates) -> float | None:
@@ -82,11 +120,15 @@ def phase_plans(parts: Sequence[ComponentPlan], components: Sequence[Component],
         disk = sum(by_name[p.name].block_bytes[i] for p in streamed for i in p.streamed_blocks if i in set(p.disk_blocks))
         switch = sum(_weights(p, by_name[p.name]) for p in running if p.parks) + \
             sum(p.weight_bytes for p in running if p.mode in (STAGED, SWAPPED))
-        switch_disk = sum(by_name[p.name].block_bytes[i] for p in running if p.parks
-                          for i in p.resident_blocks if i in set(p.disk_blocks))
+        switch_disk = sum(_held_on_disk(p, by_name[p.name]) for p in running if p.parks)
+        # the last forward of a phase inside a pipeline call loads the first blocks of a next
+        # forward that does not come in this call (handle.frozen(): see strategies/layerwise.py)
+        first = [(p, i) for p in streamed for i in p.streamed_blocks[:_slots(p, depth)]]
+        preload = sum(by_name[p.name].block_bytes[i] for p, i in first)
+        preload_disk = sum(by_name[p.name].block_bytes[i] for p, i in first if i in set(p.disk_blocks))
         per_forward = [forward_seconds(p, by_name[p.name], depth, rates) for p in streamed]
         forwards = phase.forwards(steps)
-        switch_s = rates.copy_seconds(switch, switch_disk)
+        switch_s = rates.copy_seconds(switch + preload, switch_disk + preload_disk)
         seconds = None
         if switch_s is not None and all(s is not None for s in per_forward):
             seconds = switch_s + forwards * sum(per_forward)
@@ -94,12 +136,25 @@ def phase_plans(parts: Sequence[ComponentPlan], components: Sequence[Component],
             name=phase.name, components=phase.components, forwards_per_step=phase.forwards_per_step,
             forwards_per_call=phase.forwards_per_call if not phase.denoising else 0, share=phase.share,
             device_peak=peak, resident_bytes=resident, h2d_bytes_per_forward=h2d, disk_bytes_per_forward=disk,
-            switch_h2d_bytes=switch, switch_disk_bytes=switch_disk,
+            switch_h2d_bytes=switch, switch_disk_bytes=switch_disk, preload_h2d_bytes=preload,
+            preload_disk_bytes=preload_disk,
             seconds_per_forward=sum(per_forward) if per_forward and all(s is not None for s in per_forward) else
             (0.0 if not per_forward and rates.h2d is not None else None),
             seconds_per_call=seconds if seconds is not None else 0.0, forwards_per_call_total=forwards,
             held=tuple(p.name for p in holding if p.name not in phase.components and p.mode == STREAMED)))
     return tuple(out)
+
+
+def _held_on_disk(part: ComponentPlan, component: Component) -> int:
+    """Bytes of a component's resident weights and kept blocks whose home is on disk: its disk
+    bytes less those of its streamed blocks there."""
+    disk = set(part.disk_blocks)
+    return part.host.get("disk", 0) - sum(component.block_bytes[i] for i in part.streamed_blocks if i in disk)
+
+
+def _slots(part: ComponentPlan, depth: int) -> int:
+    """The slots of a streamed component's ring (one per streamed block at most)."""
+    return min(depth, len(part.streamed_blocks) - 1) + 1
 
 
 def _weights(part: ComponentPlan, component: Component) -> int:

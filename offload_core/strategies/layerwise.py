@@ -76,10 +76,10 @@ from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
 from ..hostmem.placement import SWITCH, HostUnit
-from ..weights.placeholders import check_placeholders, placeholders
+from ..weights.placeholders import check_placeholders
 from .autograd import SavedSlots, backward_running, refuse_function_transforms
 from .calls import calls_running
-from .common import default_placement, device_copy, pack_units, unpack_units
+from .common import default_placement, device_copy, unpack_units
 from .held import HeldWeights
 from .part import Part, adopt_foreign, blocks_now, changed_during_call
 from .ring import BlockPlan, SlotRing, kept_views, slot_numel
@@ -129,6 +129,8 @@ class LayerwiseOffload(Part):
         self.homes: Homes | None = None  # what every streamed block shows at home, checked before each pass
         self.copy_stream = None
         self.held: HeldWeights | None = None  # the resident weights and kept blocks on the device, made by enable
+        self._images: tuple = ()  # the streamed blocks' disk images (None: in RAM), in run order
+        self._relayout: tuple[int, ...] | None = None  # the kept blocks a re-plan chose, taken as the part next begins
         self.parks = False  # it gives up the device while other components' phases run (set before enable)
         self.saved = SavedSlots(self)
         self.epoch = 0  # counts enables: autograd's references to slots are valid within one
@@ -216,7 +218,6 @@ class LayerwiseOffload(Part):
         self._queued = True  # from here copies may be in flight: a rollback waits for them before releasing
         txn.on_rollback(self.quiesce)
         self.transport.pack(txn)
-        self._pack_kept(txn)
         if not self.parks:
             txn.on_rollback(self._unbind_held)
             self._fill()
@@ -248,14 +249,6 @@ class LayerwiseOffload(Part):
             self.backend, self.placement, self.copy_stream, ring, self.model, self.blocks, self.block_names,
             self.resident, self.units, self.describe(), self.name, self.landed, self.kept_units))
 
-    def _pack_kept(self, txn: Transaction) -> None:
-        """Give each kept block its home: a home on disk shows placeholders while the part parks."""
-        pack_units(self.kept_units, self.placement, txn, f"kept blocks of {type(self.model).__name__}")
-        for unit in self.kept_units:
-            if unit.image is not None:
-                unit.host_views = placeholders(unit)
-                unit.bind(unit.host_views)
-
     def _fill(self) -> None:
         """Copy the resident weights and kept blocks into the device memory :meth:`_allocate`
         made, bind them, and plan the blocks' loads into the new slots."""
@@ -270,6 +263,7 @@ class LayerwiseOffload(Part):
         self.held.bind()
         self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
         self.homes = Homes([plan.binding for plan in self.plans])
+        self._images = tuple(plan.image for plan in self.plans)  # what the read-ahead is told about
         self.saved.index(self.ring.slots)
         # the ring's own references to each slot, counted at rest: more, later, means that
         # something outside the ring still holds the slot (see ring.py)
@@ -320,6 +314,37 @@ class LayerwiseOffload(Part):
                 self._send_held_home()
             self._drop_device()  # parked again: the next use retries
             raise
+
+    def measured_activations(self) -> dict[str, int]:
+        return {self.label: self.activation_bytes} if self.activation_bytes is not None else {}
+
+    def relayout(self, kept: Sequence[int]) -> None:
+        """Keep blocks ``kept`` (indices) from the next time the part begins (a re-plan). Only a
+        part that parks: it loads its kept blocks at each switch anyway, and their homes stay."""
+        self._relayout = tuple(kept)
+
+    def _apply_layout(self) -> None:
+        """The kept blocks a re-plan chose, taken between calls: the part parks (if a backward may
+        still come, later), its blocks are sorted into kept and streamed anew (each keeps its unit
+        and its home), the block wrappers follow, and it loads back as it begins."""
+        self.park()
+        if self.ring is not None:
+            return
+        by_name = dict(zip(self.all_names, self.block_units))
+        self.kept_names = [self.all_names[i] for i in self._relayout]
+        self._relayout = None
+        kept = set(self.kept_names)
+        streamed = [name for name in self.all_names if name not in kept]
+        self.kept = [self.model.get_submodule(name) for name in self.kept_names]
+        self.blocks, self.block_names = [self.model.get_submodule(name) for name in streamed], streamed
+        self.units, self.kept_units = [by_name[n] for n in streamed], [by_name[n] for n in self.kept_names]
+        self.depth = min(self.prefetch_depth, len(streamed) - 1)
+        self.num_slots = self.depth + 1
+        self.slot_shape = self.transport.slot_shape(slot_numel(self.units))
+        self.held = HeldWeights([self.resident, *self.kept_units], self.parks)
+        self._serve(None)
+        self._remove_hooks()  # the wrappers name blocks by their place among the streamed ones
+        self._instrument()
 
     def yields(self) -> list[str]:
         return [self.label] if self.parks else []
@@ -564,7 +589,7 @@ class LayerwiseOffload(Part):
     def _stage_load(self, plan: BlockPlan) -> None:
         """A load on the stager thread: the blocks on disk after this one are read ahead while
         it is staged (see ``hostmem.staging.ReadAhead``)."""
-        self.placement.staging_block(self.plans, plan.index)
+        self.placement.staging_block(self._images, plan.index)
         self._queue_load(plan)
 
     def _queue_load(self, plan: BlockPlan) -> None:
@@ -583,6 +608,8 @@ class LayerwiseOffload(Part):
         refuse_function_transforms(self.describe())
         if self._passes or self._bound >= 0:  # rare: a nested pass, or one an interrupt tore
             self._repair(calls_running([self.model]) - 1)
+        if self._relayout is not None and not self._passes:
+            self._apply_layout()
         self._passes += 1
         if self._passes > 1:
             return
@@ -599,7 +626,7 @@ class LayerwiseOffload(Part):
             self.quiesce(forget=False)
         self._starting = True  # loads start at the first block: after the model's own pre-hooks
         if self.activation_bytes is None:  # the first pass: what its compute takes beyond the weights
-            self._measure_from = self.backend.memory_allocated()
+            self._measure_from = self.peak_from_here()
 
     def _start_pass(self) -> None:
         self._starting = False
@@ -642,7 +669,7 @@ class LayerwiseOffload(Part):
             backward = not failed and self.saved.recorded
             self.quiesce(forget=not backward)
         if not failed and self.activation_bytes is None:
-            # an upper bound: the peak since enable counts, and it held the weights already
+            # the peak since the pass began, which held the weights already
             self.activation_bytes = max(self.backend.max_memory_allocated() - self._measure_from, 0)
         if not failed and not backward and self._frozen:
             self._load_first()

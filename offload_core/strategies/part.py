@@ -76,6 +76,20 @@ class Part:
     def _instrument(self) -> None:
         raise NotImplementedError
 
+    def peak_from_here(self) -> int:
+        """Start measuring what a call takes on the device: the backend's peak counter starts
+        again from now (the handle keeps the peak before it, for ``stats()``); returns the device
+        memory allocated now."""
+        if self.handle is not None:
+            self.handle.restart_peak()
+        else:
+            self.backend.reset_peak_memory_stats()
+        return self.backend.memory_allocated()
+
+    def measured_activations(self) -> dict[str, int]:
+        """Device bytes each of its components' first call took beyond the weights (none measured)."""
+        return {}
+
     # -- phases (phases.py) -----------------------------------------------------------------------
     def yields(self) -> list[str]:
         """The components of this part that give the device up while other phases run (none)."""

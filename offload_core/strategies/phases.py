@@ -43,7 +43,8 @@ class PhaseSwitch:
         self._current: str | None = None  # the component that began last
         self._order: list[str] | None = None  # components beginning forwards in the running call
         self._loads: dict[str, int] = {}  # per component, the times it was loaded back in this call
-        self.observed: list[str] | None = None  # the order of the first whole pipeline call
+        # (the order components began their forwards in, its steps) of the first pipeline call
+        self.observed: tuple[list[str], int] | None = None
 
     def entering(self, name: str) -> None:
         """Component ``name`` begins a forward."""
@@ -72,9 +73,10 @@ class PhaseSwitch:
     def begin_call(self) -> None:
         self._order, self._loads = [], {}
 
-    def end_call(self) -> None:
+    def end_call(self, steps: int) -> None:
+        """A pipeline call of ``steps`` denoising steps ended: the first one's order is kept."""
         if self.observed is None and self._order:
-            self.observed = list(self._order)
+            self.observed = (list(self._order), steps)
         self._order = None
 
     def close(self) -> None:

@@ -90,11 +90,8 @@ class CopyTransport:
     def pack(self, txn) -> None:
         """Give every unit its host home (the whole unit, one buffer per dtype)."""
         at = self.at
-        pack_units([at.resident, *at.units], at.placement, txn, type(at.model).__name__)
-        for unit in at.units:  # a home on disk has no host memory to show outside the forward
-            if unit.image is not None:
-                unit.host_views = placeholders(unit)
-                unit.bind(unit.host_views)
+        pack_units([at.resident, *at.kept, *at.units], at.placement, txn, type(at.model).__name__)
+        show_placeholders_on_disk([at.resident, *at.kept, *at.units])
 
     def allocate(self) -> None:
         """Device memory beyond the slots, once the ring exists."""
@@ -249,6 +246,14 @@ class RankCopy(CopyTransport):
 
     def agreed(self, serial: int) -> None:
         """Every rank enabled alike; ``serial`` numbers this part the same on every rank."""
+
+
+def show_placeholders_on_disk(units) -> None:
+    """A unit whose home is on disk has no host memory to show while it is not on the device."""
+    for unit in units:
+        if unit.image is not None:
+            unit.host_views = placeholders(unit)
+            unit.bind(unit.host_views)
 
 
 def _show_home(unit, module, prefix: str, keep_vars: bool) -> None:
