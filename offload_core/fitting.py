@@ -163,7 +163,7 @@ def plan_inputs(target: Inventory, blocks: Any = None) -> PlanInputs:
     so activations are the planner's estimate until the first call measures them."""
     if not target.pipeline:
         return PlanInputs(components_from_modules(target.components(), target.kinds, blocks), None)
-    return pipeline_plan_inputs(target.target, target.components(), blocks, cls_name=type(target.target).__name__)
+    return _pipeline_inputs(target, blocks, type(target.target).__name__)
 
 
 def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None, *,
@@ -174,7 +174,12 @@ def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks
     calls of ``steps`` steps (default: the pipeline's usual) with or without classifier-free
     ``guidance`` (None: as its usual call); none is no error here, the planner says there is
     nothing to plan."""
-    target = pipeline_inventory(pipe, modules)
+    return _pipeline_inputs(pipeline_inventory(pipe, modules), blocks, cls_name, shape, steps, guidance)
+
+
+def _pipeline_inputs(target: Inventory, blocks: Any, cls_name: str | None, shape: CallShape | None = None,
+                     steps: int | None = None, guidance: bool | None = None) -> PlanInputs:
+    modules = list(target.modules)
     phases, source, usual_steps = pipeline_phases(cls_name, [(name, target.kinds[name]) for name, _ in modules],
                                                   guidance)
     components = components_from_modules(modules, target.kinds, blocks, shape, guidance_batch(cls_name, guidance))
