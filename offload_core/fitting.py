@@ -75,13 +75,17 @@ def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit
     flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
 
-    def replan(measured: dict[str, int]) -> Plan:
+    def replan(measured: dict[str, int], block_seconds: dict[str, float], copy_bandwidth: float | None) -> Plan:
         """The plan of the same budget and layout with the activations a first call measured (an
-        activation given by ``activation_memory=`` is kept): only the kept blocks of the
-        components that park are sized again."""
+        activation given by ``activation_memory=`` is kept), its blocks' compute times and the
+        rate its copies ran at: only the kept blocks of the components that park are sized (and
+        placed among the streamed ones) again."""
         again = [c if c.activation_from == "given" and c.activation_bytes is not None or c.name not in measured
                  else c.with_measurements(activation_bytes=measured[c.name], activation_from="measured")
                  for c in components]
+        again = [c.with_measurements(block_compute_s=block_seconds[c.name],
+                                     copy_bandwidth=c.copy_bandwidth or copy_bandwidth) if c.name in block_seconds else c
+                 for c in again]
         again = make_plan(again, plan.budget, strategy=plan.strategy, relayout=plan.components,
                           **{**options, "device_free": None})
         return dataclasses.replace(again, chosen_by=plan.chosen_by, min_budget=plan.min_budget,
