@@ -351,3 +351,40 @@ def test_the_first_calls_block_times_reach_the_re_plan(caplog):
     with handle.trace():  # a trace of the user's own is left alone: no second re-plan is traced
         assert torch.equal(tiny.run(), reference)
     handle.disable()
+
+
+def strategy_budgets(pipe) -> dict[str, int]:
+    """A budget at which the planner picks each strategy it can for ``pipe``: layerwise between its
+    smallest and model-level's need, model-level at its need, everything resident at all of it."""
+    inputs = pipeline_plan_inputs(pipe, pipeline_modules(pipe), cls_name=type(pipe).__name__)
+    need = {strategy: make_plan(inputs.components, 2**40, strategy=strategy, groups=inputs.groups,
+                                phases=inputs.phases, steps=inputs.steps).min_budget
+            for strategy in ("layerwise", "model")}
+    resident = make_plan(inputs.components, 2**40, groups=inputs.groups, phases=inputs.phases,
+                         steps=inputs.steps).device_peak
+    budgets = {"resident": resident}
+    if need["model"] < resident:
+        budgets["model"] = need["model"]
+    if need["layerwise"] < min(need["model"], resident):
+        budgets["layerwise"] = (need["layerwise"] + min(need["model"], resident)) // 2
+    return budgets
+
+
+@pytest.mark.fake_only("the fake's device capacity is set to the budget, and its accounting is exact")
+@pytest.mark.parametrize("name", sorted(__import__("offload_core.tiny.zoo", fromlist=["PIPELINES"]).PIPELINES))
+def test_the_measured_device_peak_is_within_the_predicted_one_and_close_to_it(name):
+    """Every pipeline of the supported table, in every strategy the planner picks for it: the device
+    peak of a call is at most the plan's predicted peak (a bound a card can trust) and at least 0.85
+    of it (the plan is not padded), with the plan read after the call (its activations measured)."""
+    tiny = build_pipeline(name)
+    reference = pipeline_reference(tiny)
+    for strategy, budget in strategy_budgets(tiny.pipe).items():
+        handle = offload_core.enable_offload(tiny.pipe, device_memory=budget,
+                                             backend=chaos_backend(device_memory=budget))
+        try:
+            assert handle.strategy == strategy
+            assert torch.equal(tiny.run(), reference), strategy
+            peak, predicted = handle.stats()["device_peak_bytes"], handle.plan.device_peak
+            assert 0.85 * predicted <= peak <= predicted, (strategy, peak, predicted)
+        finally:
+            handle.disable()
