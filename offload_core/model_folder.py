@@ -70,7 +70,11 @@ class ModelFolder:
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{where}: weight_map must be an object of tensor names to shard file names")
-            return [self.file(name, where) for name in sorted(set(weight_map.values()))], True
+            files = sorted({self.file(name, where) for name in weight_map.values()})  # resolved: a link read once
+            absent = [path for path in files if not os.path.isfile(path)]
+            if absent:
+                raise CheckpointError(f"{where} maps tensors to {absent[0]}, which is not a file of {self.path}")
+            return files, True
         if self.has(single_name):
             return [self.file(single_name, self.path)], False
         return None
