@@ -85,21 +85,20 @@ class DataFile:
         return _DEFAULT_ADVISE_BYTES
 
 
-class SafetensorsFile(DataFile):
-    """One safetensors checkpoint file and its tensor table, checked when it is opened (see
-    :mod:`.safetensors_header`)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        header = read_header(self.path)
-        self.data_start = header.data_start
-        self.tensors: dict[str, FileSlice] = {}
-        for name, entry in header.tensors.items():
-            dtype = DTYPES.get(entry.code)
-            if dtype is None:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {entry.code}, which offload-core "
-                                      "cannot read (no torch dtype holds it one element at a time)")
-            self.tensors[name] = FileSlice(self, self.data_start + entry.begin, dtype, entry.shape)
+def checkpoint_slices(path: str | os.PathLike) -> dict[str, FileSlice]:
+    """The tensors of one safetensors checkpoint file by name, its header checked first (see
+    :mod:`.safetensors_header`). The file's descriptor lives as long as its slices (they alone
+    hold the file: no cycle keeps it open after them)."""
+    header = read_header(os.fspath(path))
+    file = DataFile(path)
+    slices = {}
+    for name, entry in header.tensors.items():
+        dtype = DTYPES.get(entry.code)
+        if dtype is None:
+            raise CheckpointError(f"{file.path}: tensor {name!r} has dtype {entry.code}, which offload-core "
+                                  "cannot read (no torch dtype holds it one element at a time)")
+        slices[name] = FileSlice(file, header.data_start + entry.begin, dtype, entry.shape)
+    return slices
 
 
 class FileSlice:
@@ -235,7 +234,7 @@ def read_index(files: Iterable[str | os.PathLike]) -> dict[str, FileSlice]:
     refused (which one a loader would use is arbitrary)."""
     slices: dict[str, FileSlice] = {}
     for path in files:
-        for name, found in SafetensorsFile(path).tensors.items():
+        for name, found in checkpoint_slices(path).items():
             if name in slices:
                 raise CheckpointError(f"tensor {name!r} is in both {slices[name].file.path} and {found.file.path}")
             slices[name] = found

@@ -41,7 +41,7 @@ from ..device.backend import Capability
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .machine import auto_pinned_budget, physical_memory, size_text as _size
-from .disk import checkpoint_image
+from .disk import FileSlice, checkpoint_image
 from .spill import SpillFolder
 from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_chunk_bytes
 
@@ -199,7 +199,7 @@ class Placement:
             planned += [chunk_bytes] * BOUNCE_BUFFERS
         self.slabs = SlabAllocator(backend, planned) if pin_memory else None
         self._spill = SpillFolder(folder) if folder is not None else None
-        self._disk_files: set = set()  # the files disk-tier units read: their descriptors close with the placement
+        self._files: set = set()  # checkpoint and spill files the units are read from: closed with the placement
         self.ring: BounceRing | None = None
         self.stager: Stager | None = None
         self.read_ahead: ReadAhead | None = None
@@ -213,6 +213,7 @@ class Placement:
     def allocator(self, unit) -> Callable[[int, torch.dtype], torch.Tensor]:
         """How to allocate ``unit``'s home (pinned or pageable)."""
         self._homed.add(id(unit))
+        self._files.update(r.reader.file for r in unit.regions if isinstance(r.reader, FileSlice))
         if self._tiers[id(unit)] is not Tier.PINNED:
             return _pageable
         return functools.partial(self._pinned_home, unit)
@@ -311,7 +312,8 @@ class Placement:
 
     def close(self) -> None:
         """Stop the stager, release the ring once its last copies have run, close the descriptors
-        of the files disk-tier units read and remove spilled files."""
+        of the checkpoint and spill files units were read from (now, not when the last tensor
+        naming them is collected) and remove spilled files."""
         if self.stager is not None:
             self.stager.close()
             self.stager = None
@@ -322,9 +324,9 @@ class Placement:
             for event in self.ring.read_done:
                 event.synchronize()
             self.ring = None
-        for file in self._disk_files:
+        for file in self._files:
             file.close()
-        self._disk_files.clear()
+        self._files.clear()
         if self._spill is not None:
             self._spill.remove()
         if self.slabs is not None:
@@ -353,7 +355,7 @@ class Placement:
         """Give ``unit`` its home on disk: the checkpoint it comes from, or files in the spill
         folder written straight from its tensors."""
         image = self._spill.write(unit) if self._spill is not None else checkpoint_image(unit)
-        self._disk_files.update(image.files())
+        self._files.update(image.files())
         unit.spill(image)
 
     # -- loads ----------------------------------------------------------------------------
