@@ -205,8 +205,8 @@ class DiskImage:
         than it honours whole (:attr:`DataFile.advise_bytes`): each returns once its reads are
         queued, and they fill the cache, not this process's resident memory."""
         for file, offset, length in self.extents():
-            step = file.advise_bytes
             try:
+                step = file.advise_bytes
                 with file.reading() as fd:
                     for begin in range(offset, offset + length, step):
                         os.posix_fadvise(fd, begin, min(step, offset + length - begin), os.POSIX_FADV_WILLNEED)
