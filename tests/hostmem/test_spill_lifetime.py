@@ -274,7 +274,7 @@ BOUNDED = textwrap.dedent("""
 
 def test_500_spilled_blocks_run_under_a_limit_of_256_descriptors_with_a_few_open_at_once(tmp_path):
     done = subprocess.run([sys.executable, "-c", BOUNDED, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     files, peak, after, limit = map(int, done.stdout.split())
     assert files == 500
