@@ -14,7 +14,15 @@ Built diffusers models follow diffusers' loading rules, so that the result equal
 ``from_pretrained``: the default dtype during construction, ``torch_dtype`` for floating
 checkpoint tensors except the class's ``_keep_in_fp32_modules``, the model's own dtype otherwise,
 initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A model the rules
-cannot cover (missing weights, mismatched shapes) is left to diffusers, which reports it.
+cannot cover (missing weights, which diffusers may find under older key names; shapes of a
+quantized checkpoint) is left to diffusers; a tensor of another shape than the config makes is
+refused, as diffusers refuses it, and so is a model diffusers left with a weight on the meta
+device.
+
+Nothing from the folder is trusted before it is checked: every safetensors header (see
+:mod:`.hostmem.safetensors_header`), every path the folder names (:mod:`.model_folder`), every
+class a config names; each refusal is a :class:`~offload_core.errors.CheckpointError` raised
+before anything is built or enabled.
 ``transformers`` models follow transformers' rules by running its own ``from_pretrained`` with
 only the reading of the checkpoint replaced (:mod:`.pretrained_transformers`).
 """
@@ -83,7 +91,9 @@ def from_pretrained(
     encoder: pass ``prompt_embeds`` to the pipeline); any other name is refused. With
     ``host_memory`` left to "auto", weights may use up to 90 % of the memory available when
     loading starts; the blocks beyond it stay on disk and are read from the checkpoint when they
-    run. See ``docs/bigger-than-ram.md``.
+    run. A checkpoint that breaks the safetensors format's rules, names a file outside the folder
+    or a class that is not a model is refused with a :class:`~offload_core.CheckpointError`. See
+    ``docs/bigger-than-ram.md``.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
     passed = replaced_components  # the options too: the signature names them, the call brings them here
