@@ -7,6 +7,7 @@ and its descriptor kept in a process-wide cache of at most :data:`OPEN_FILES` (t
 used one closed to make room), which spares reopening a file for each chunk of a block, a cost on
 network file systems. A descriptor in use by a read (the stager, the read-ahead thread, a load)
 is never closed under it: it is closed when that read ends, once its file is closed or evicted.
+A forked child starts with an empty cache of its own.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ class DescriptorCache:
         with self._lock:
             return len(self._open)
 
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's threads, and their reads, are gone; the descriptors
+        (copies of the parent's) are closed and the lock made anew (a parent thread may have held
+        it at the fork)."""
+        self._lock = threading.RLock()
+        for d in self._open.values():
+            with contextlib.suppress(OSError):
+                os.close(d.fd)
+        self._open.clear()
+
     def _make_room(self) -> None:
         for key, d in list(self._open.items()):
             if len(self._open) < self.limit:
@@ -96,3 +107,4 @@ class DescriptorCache:
 
 #: the process's cache: the bound holds across every handle and checkpoint
 DESCRIPTORS = DescriptorCache()
+os.register_at_fork(after_in_child=DESCRIPTORS._after_fork)

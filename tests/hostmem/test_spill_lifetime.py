@@ -301,3 +301,25 @@ def test_the_cache_never_closes_a_descriptor_under_a_read(tmp_path):
     with pytest.raises(OSError):
         os.fstat(held)
     assert cache.open_count() <= 2
+
+
+def test_a_forked_child_reads_through_descriptors_of_its_own(tmp_path):
+    """The child does not inherit the cache's entries (nor a lock a parent thread may hold)."""
+    class File:
+        path = str(tmp_path / "weights")
+
+    (tmp_path / "weights").write_bytes(b"abcd")
+    file = File()
+    with descriptors.DESCRIPTORS.reading(file):
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            ok = False
+            try:
+                ok = descriptors.DESCRIPTORS.open_count() == 0
+                with descriptors.DESCRIPTORS.reading(file) as fd:
+                    ok = ok and os.pread(fd, 4, 0) == b"abcd"
+            finally:
+                os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    descriptors.DESCRIPTORS.close(file)
+    assert os.waitstatus_to_exitcode(status) == 0
