@@ -29,7 +29,7 @@ class ModelFolder:
 
     def file(self, relative: object, named_by: str) -> str:
         """The resolved path of ``relative`` (a path ``named_by`` names) inside the folder."""
-        if not isinstance(relative, str) or not relative or "\0" in relative:
+        if not isinstance(relative, str) or not relative or "\0" in relative or not _encodable(relative):
             raise CheckpointError(f"{named_by} names {relative!r}, which is not a file name")
         if os.path.isabs(relative) or re.match(r"^[A-Za-z]:|^[\\/]", relative):
             raise CheckpointError(f"{named_by} names {relative!r}, an absolute path: files of {self.path} are "
@@ -78,6 +78,14 @@ class ModelFolder:
         if self.has(single_name):
             return [self.file(single_name, self.path)], False
         return None
+
+
+def _encodable(name: str) -> bool:
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:  # half a surrogate pair, spelled by a JSON escape
+        return False
+    return True
 
 
 def _inside(path: str, root: str) -> bool:

@@ -3,8 +3,8 @@
 A checkpoint may come from anywhere, so its header is held to the rules the safetensors library
 itself enforces (``Metadata::validate`` of safetensors 0.8), and to a few more, before a single
 tensor is attached to a model: a header length above zero, at most 100 MB and inside the file; a
-UTF-8 JSON object (no ``NaN``, no name given twice); ``__metadata__``, if present, a map of
-strings to strings; every tensor a known dtype, a shape of non-negative integers, a pair of
+UTF-8 JSON object (no ``NaN``, no name given twice, no unpaired surrogate escape);
+``__metadata__``, if present, a map of strings to strings; every tensor a known dtype, a shape of non-negative integers, a pair of
 offsets ``begin <= end`` whose span is exactly the shape's bytes; and the tensors, in offset
 order, covering the data section exactly (each begins where the previous one ends, the last ends
 at the end of the file), so that no tensor points into the header or past the end, and no two
@@ -125,6 +125,13 @@ def _parse(path: str, raw: bytes) -> dict:
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """An object of the header: no name twice, no string that is not Unicode (JSON's escapes can
+    spell half a UTF-16 surrogate pair, which Python takes and the safetensors library refuses)."""
+    for text in (s for pair in pairs for s in pair if isinstance(s, str)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{text!r} holds an unpaired surrogate escape") from None
     table = dict(pairs)
     if len(table) != len(pairs):
         seen: set[str] = set()
@@ -139,10 +146,6 @@ def _no_constant(name: str) -> None:
 
 def _entry(path: str, name: str, info: object) -> Entry:
     where = f"{path}: tensor {name!r}"
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise CheckpointError(f"{where}: the name is not valid Unicode") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"{where} is {_short(info)}, not an object with dtype, shape and data_offsets")
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]

@@ -169,6 +169,7 @@ HEADERS = {
     "NaN": (_header_text(b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}'), "not valid JSON"),
     "a name twice": (_duplicate, "given twice"),
     "metadata of numbers": (_metadata({"format": 1}), "__metadata__"),
+    "half a surrogate pair": (_metadata({"format": "\ud800"}), "unpaired surrogate"),
     "no shape": (_no_shape, "has no shape"),
     "unknown dtype": (_set("dtype", "F31"), "does not define"),
     "negative dimension": (_set("shape", [-1, 2]), "non-negative integers"),
@@ -301,6 +302,7 @@ INDEXES = {
     "a shard name that is a number": ({"weight_map": {"a": 1}}, "weight_map must be"),
     "a shard that is not there": ({"weight_map": {"a": "missing.safetensors"}}, "not a file"),
     "an empty shard name": ({"weight_map": {"a": ""}}, "not a file name"),
+    "half a surrogate pair": ({"weight_map": {"a": "\ud800.safetensors"}}, "not a file name"),
 }
 
 
