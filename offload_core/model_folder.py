@@ -63,13 +63,18 @@ class ModelFolder:
 
     def weight_files(self, index_name: str, single_name: str) -> tuple[list[str], bool] | None:
         """The safetensors files of the folder, and whether they are shards: those the shard
-        index ``index_name`` maps tensors to, else the single file ``single_name``, else None."""
+        index ``index_name`` maps tensors to (plain file names, as diffusers requires), else the
+        single file ``single_name``, else None."""
         if self.has(index_name):
             index = self.read_json(index_name)
             where = os.path.join(self.path, index_name)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{where}: weight_map must be an object of tensor names to shard file names")
+            paths = [name for name in weight_map.values() if os.path.basename(name) != name]
+            if paths:  # as diffusers requires
+                raise CheckpointError(f"{where} names shard {paths[0]!r}: a shard is a file name of the folder, "
+                                      "not a path")
             files = sorted({self.file(name, where) for name in weight_map.values()})  # resolved: a link read once
             absent = [path for path in files if not os.path.isfile(path)]
             if absent:

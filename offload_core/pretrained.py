@@ -13,11 +13,11 @@ models without safetensors weights) is loaded by diffusers as usual and packed a
 Built diffusers models follow diffusers' loading rules, so that the result equals diffusers'
 ``from_pretrained``: the default dtype during construction, ``torch_dtype`` for floating
 checkpoint tensors except the class's ``_keep_in_fp32_modules``, the model's own dtype otherwise,
-initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A model the rules
-cannot cover (missing weights, which diffusers may find under older key names; shapes of a
-quantized checkpoint) is left to diffusers; a tensor of another shape than the config makes is
-refused, as diffusers refuses it, and so is a model diffusers left with a weight on the meta
-device.
+initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A checkpoint
+lacking a weight of the model, or holding one of another shape, is refused (diffusers cannot load
+it either: it leaves a missing weight on the meta device and refuses a shape), except under a
+quantization config, where diffusers' quantizer decides; a model diffusers loads and leaves with
+a weight on the meta device is refused too.
 
 Nothing from the folder is trusted before it is checked: every safetensors header (see
 :mod:`.hostmem.safetensors_header`), every path the folder names (:mod:`.model_folder`), every
@@ -246,8 +246,8 @@ def _named_class(module: Any, name: object, base: type, named_by: str, what: str
 
 
 def _check_loaded(model: nn.Module, folder: str) -> nn.Module:
-    """A model its library loaded: refused if the library left a tensor on the meta device (a
-    weight the checkpoint lacks), which nothing could compute with."""
+    """A model its library loaded (checkpoint slices apart): refused if the library left a tensor
+    on the meta device (a weight the checkpoint lacks), which nothing could compute with."""
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
             raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r}, which {type(model).__name__} "
@@ -270,15 +270,15 @@ def _load_transformers(cls: type, folder: ModelFolder, dtype: torch.dtype | None
     except (ImportError, KeyError) as exc:
         logger.info("%s: this transformers' loading internals are not the ones offload-core stands in for (%r); "
                     "transformers reads the checkpoint into memory", folder.path, exc)
-        return cls.from_pretrained(folder.path, dtype=dtype)
-    return load_from_checkpoint(cls, folder.path, dtype)
+        return _check_loaded(cls.from_pretrained(folder.path, dtype=dtype), folder.path)
+    return _check_loaded(load_from_checkpoint(cls, folder.path, dtype), folder.path)
 
 
 def build_on_meta(cls: type, folder: ModelFolder | str, torch_dtype: torch.dtype | None) -> nn.Module | None:
     """A ``cls`` model whose checkpoint tensors are meta tensors carrying their file slices, or
-    None when diffusers' own loader must handle the folder (no safetensors weights, weights
-    missing from the checkpoint, a quantized checkpoint's shapes). Every checkpoint header is
-    checked, and every file confined to the folder, before the model is built."""
+    None when diffusers' own loader must handle the folder (no safetensors weights, a quantized
+    checkpoint's keys and shapes). Every checkpoint header is checked, and every file confined to
+    the folder, before the model is built."""
     folder = folder if isinstance(folder, ModelFolder) else ModelFolder(folder)
     found = folder.weight_files(WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
     if torch_dtype is not None and torch_dtype.itemsize == 1:
@@ -298,14 +298,20 @@ def build_on_meta(cls: type, folder: ModelFolder | str, torch_dtype: torch.dtype
         return None  # enable_offload packs modules with parameters only: nothing would read the buffers
     missing = [key for key, t in state.items() if key not in slices and t.is_meta]
     mismatched = [key for key, t in state.items() if key in slices and tuple(slices[key].shape) != tuple(t.shape)]
-    if mismatched and "quantization_config" not in config:  # diffusers refuses those too, less clearly
+    if (missing or mismatched) and "quantization_config" in config:
+        logger.warning("%s: %d weights missing from the checkpoint and %d of another shape (%s), under a "
+                       "quantization config; diffusers loads it", folder.path, len(missing), len(mismatched),
+                       ", ".join((missing + mismatched)[:4]))
+        return None
+    # diffusers cannot load these either (it leaves a missing weight on the meta device, refuses a
+    # shape), and its key fixes are the ones applied above
+    if missing:
+        raise CheckpointError(f"{', '.join(sorted(files))}: no tensor {missing[0]!r}, which {cls.__name__} needs "
+                              f"({len(missing)} weights missing)")
+    if mismatched:
         key = mismatched[0]
         raise CheckpointError(f"{slices[key].file.path}: tensor {key!r} has shape {list(slices[key].shape)}, but "
                               f"{cls.__name__} as configured needs {list(state[key].shape)}")
-    if missing or mismatched:
-        logger.warning("%s: %d weights missing from the checkpoint and %d of another shape (%s); diffusers "
-                       "loads it", folder.path, len(missing), len(mismatched), ", ".join((missing + mismatched)[:4]))
-        return None
     keep_fp32 = cls._keep_in_fp32_modules or []
     keep_fp32 = [keep_fp32] if isinstance(keep_fp32, str) else list(keep_fp32)
 
