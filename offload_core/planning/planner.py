@@ -220,13 +220,29 @@ def _layerwise(components: Sequence[Component], phases: Sequence[Phase], budget:
                 if _layerwise_peak(trial, phases, depth) > budget:
                     s.mode = STAGED
         seconds = _call_seconds(trial, phases, depth, rates, steps, host_memory, pinned_memory)
-        if best is None or seconds < best[0] - 1e-12:
+        if best is None or seconds < best[0] * (1 - 1e-9):  # a tie (relative: any unit) keeps the earlier
             best = (seconds, trial)
     if best is None:
         raise OffloadConfigError(
             f"resident_blocks={resident_blocks} needs {size(refusal, up=True)} of device memory, "
             f"over the budget of {size(budget)}: lower it, or use resident_blocks='auto'")
     return best[1], floor
+
+
+def _resized(components: Sequence[Component], phases: Sequence[Phase], budget: int, depth: int, steps: int,
+             before: Sequence[ComponentPlan]) -> list[_State]:
+    """The layout of ``before`` (a plan that runs) with the kept blocks of its components that park
+    sized again (a re-plan with measured activations): every other component keeps its mode and
+    blocks, since its homes and parts were made for them."""
+    planned = {p.name: p for p in before}
+    states = []
+    for c in components:
+        p = planned[c.name]
+        resizes = p.mode == STREAMED and p.parks
+        states.append(_State(c, p.mode, () if resizes else p.resident_blocks, parks=p.parks))
+    _grow(states, phases, budget, depth, steps,
+          fixed={id(s) for s in states if not (s.mode == STREAMED and s.parks)})
+    return states
 
 
 def _call_seconds(states: Sequence[_State], phases: Sequence[Phase], depth: int, rates: Rates, steps: int,
@@ -311,6 +327,7 @@ def make_plan(
     phases_source: str | None = None,
     steps: int = 1,
     rates: Rates | None = None,
+    relayout: Sequence[ComponentPlan] | None = None,
 ) -> Plan:
     """The plan of ``components`` under ``device_memory`` (bytes, "16GiB", or a fraction of
     ``device_total``). ``device_free``: the device's usable memory now (``backend.mem_get_info()[0]``),
@@ -325,7 +342,9 @@ def make_plan(
     from ``phases_source``): when each component runs, over calls of ``steps`` denoising steps;
     without them every component holds its weights all along. ``rates``: the copy and disk
     bandwidths the predicted times use (default: the components' own copy bandwidth, no disk figure);
-    ``bandwidth_source`` says where the copy bandwidth came from, for the text."""
+    ``bandwidth_source`` says where the copy bandwidth came from, for the text. ``relayout``: the
+    components of a layerwise plan that runs, whose layout stays but for the kept blocks of those
+    that park, sized again (see :func:`_resized`)."""
     _check_options(components, strategy, resident_blocks, prefetch_depth)
     asked = device_bytes(device_memory, device_total)
     budget = asked if device_free is None else min(asked, device_free)
@@ -371,8 +390,11 @@ def make_plan(
                          _layerwise(components, phased, 0, prefetch_depth, "auto", world_size, rates, steps,
                                     host_memory, pinned_memory)[1])
     else:
-        states, floor = _layerwise(components, phased, budget, prefetch_depth, resident_blocks, world, rates, steps,
-                                   host_memory, pinned_memory)
+        if relayout is not None:  # the layout that runs, its parked components' kept blocks sized again
+            states, floor = _resized(components, phased, budget, prefetch_depth, steps, relayout), 0
+        else:
+            states, floor = _layerwise(components, phased, budget, prefetch_depth, resident_blocks, world, rates,
+                                       steps, host_memory, pinned_memory)
         smallest = floor if strategy is not None else min(floor, model_need)
         if floor > budget:
             raise OffloadConfigError(
