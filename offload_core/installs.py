@@ -91,14 +91,14 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
                 part.begin_call()
             if handle.switch is not None:
                 handle.switch.begin_call()
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
-                if handle.switch is not None:
-                    handle.switch.end_call(_steps(self))
-                for part in staged:
-                    part.end_call()
-                handle.call_ended()
+            with handle.measured_call():
+                try:
+                    return cls.__call__(self, *args, **kwargs)
+                finally:
+                    if handle.switch is not None:
+                        handle.switch.end_call(_steps(self))
+                    for part in staged:
+                        part.end_call()
 
     namespace = {
         "__call__": __call__,

@@ -34,7 +34,8 @@ from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .phases import Phase
 from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, ComponentPlan, Plan, size
-from .predict import Rates, group_peak, phase_peak, phase_plans
+from .peaks import group_peak, phase_peak
+from .predict import Rates, phase_plans
 from .timing import choose_resident, simulate
 
 #: the strategies a plan can be asked to size, coarsest first
@@ -106,7 +107,7 @@ def _phase_peak(states: Sequence[_State], phase: Phase, depth: int) -> int:
     """The device at its fullest in ``phase`` (:func:`.predict.phase_peak`)."""
     return phase_peak(((s.component.name, s.held(depth),
                         s.component.activation + (s.component.total_bytes if s.mode == STAGED else 0), s.parks)
-                       for s in states), phase)
+                       for s in states), phase.components)
 
 
 def _layerwise_peak(states: Sequence[_State], phases: Sequence[Phase], depth: int) -> int:
@@ -416,7 +417,7 @@ def make_plan(
 
 def _model_phase_peak(components: Sequence[Component], groups: Sequence[Sequence[str]], phase: Phase,
                       budget: int | None = None) -> int:
-    return group_peak({c.name: (c.total_bytes, c.activation) for c in components}, groups, phase, budget)
+    return group_peak({c.name: (c.total_bytes, c.activation) for c in components}, groups, phase.components, budget)
 
 
 def describe(

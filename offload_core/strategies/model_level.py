@@ -30,7 +30,7 @@ from torch import nn
 
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
-from ..planning.predict import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
+from ..planning.peaks import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import WeightUnit

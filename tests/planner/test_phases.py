@@ -331,3 +331,23 @@ def test_activations_measured_on_the_first_call_re_plan_the_next(caplog):
     assert backend.max_memory_allocated() <= expert
     handle.disable()
     assert torch.equal(tiny.run(), reference)
+
+
+@pytest.mark.fake_only("the fake times its streams' work with events")
+def test_the_first_calls_block_times_reach_the_re_plan(caplog):
+    """The first pipeline call is traced for the re-plan: each streamed expert's blocks' compute
+    time and the copies' rate go into the plan, which then predicts each forward's time."""
+    tiny = big_expert_wan()
+    reference = pipeline_reference(tiny)
+    expert = sum(p.numel() * p.element_size() for p in tiny.pipe.transformer.parameters())
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=expert, backend=chaos_backend())
+    assert handle.plan.component("transformer").compute_s_per_forward is None
+    with caplog.at_level("INFO", logger="offload_core.handle"):
+        assert torch.equal(tiny.run(), reference)
+    assert any(r.getMessage().startswith("re-planned after the first call") for r in caplog.records)
+    planned = handle.plan.component("transformer")
+    assert planned.compute_s_per_forward is not None and planned.compute_s_per_forward > 0
+    assert planned.ratio is not None and planned.ratio >= 1.0
+    with handle.trace():  # a trace of the user's own is left alone: no second re-plan is traced
+        assert torch.equal(tiny.run(), reference)
+    handle.disable()
