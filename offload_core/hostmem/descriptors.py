@@ -107,4 +107,5 @@ class DescriptorCache:
 
 #: the process's cache: the bound holds across every handle and checkpoint
 DESCRIPTORS = DescriptorCache()
-os.register_at_fork(after_in_child=DESCRIPTORS._after_fork)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=DESCRIPTORS._after_fork)
