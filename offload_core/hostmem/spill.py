@@ -30,8 +30,8 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import struct
+import tempfile
 import threading
 
 import torch

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -92,8 +93,15 @@ def test_every_dtype_works_in_each_tier_of_a_model_in_memory(tier, tmp_path):
     handle = offload_core.enable_offload(m, enable_layerwise_offload=True, backend=chaos_backend(), blocks=["blocks"],
                                          **options)
     try:
-        if tier == "spilled":
+        if tier == "spilled":  # one file per block, which any safetensors reader takes
             assert handle.stats()["disk_bytes"] > 0
+            files = sorted(tmp_path.rglob("*.safetensors"))
+            assert len(files) == 3
+            for path in files:
+                with safe_open(str(path), framework="pt") as f:
+                    assert sorted(f.metadata().values()) == sorted({str(b.dtype) for b in m.blocks[0].buffers()} |
+                                                                   {"torch.float32"})
+                    assert all(f.get_tensor(k).dtype == torch.uint8 for k in f.keys())
         for _ in range(2):
             with torch.no_grad():
                 assert torch.equal(m(X.to(handle.backend.device())).cpu(), expected)
