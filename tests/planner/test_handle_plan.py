@@ -94,7 +94,7 @@ def test_a_layerwise_pipeline_without_a_budget_has_the_plan_it_runs(name):
     start = streamed_copies(handle)
     backend.reset_peak_memory_stats()
     assert torch.equal(tiny.run(), reference)
-    copied_as_planned(handle, start)  # every streamed component: forwards x its planned bytes per forward
+    copied_as_planned(handle, start, plan)  # every streamed component: forwards x its planned bytes per forward
     stats = handle.stats()
     assert stats["device_peak_bytes"] == weights_held(plan)
     assert stats["host_bytes"] == host_planned(plan)
