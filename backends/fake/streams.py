@@ -75,7 +75,7 @@ class _Queue:
     """State shared by a side stream's handle and its worker thread.
 
     The worker holds only this object, never the handle, so dropping the last handle stops the
-    thread (a finalizer enqueues the stop sentinel).
+    thread (the handle's weak reference, ``stopper``, is queued as the last task).
     """
 
     def __init__(self, name: str, timeline: StreamTrace, chaos: _Chaos | None) -> None:
@@ -90,6 +90,7 @@ class _Queue:
         self.done = 0
         self.error: BaseException | None = None
         self.closed = False  # after close(), work runs on the submitting thread (see submit)
+        self.stopper: weakref.ref | None = None  # the stream's death: see FakeStream
         self.thread = threading.Thread(target=self.run, name=f"offload-core-{name}", daemon=True)
         self.thread.start()
         _QUEUES.add(self)
@@ -130,7 +131,7 @@ class _Queue:
     def run(self) -> None:
         while True:
             item = self.tasks.get()
-            if item is None or _EXITING.is_set():
+            if item is None or item is self.stopper or _EXITING.is_set():
                 return
             seq, fn, label, nbytes, prepare = item
             try:
@@ -190,7 +191,12 @@ class FakeStream:
 
     def __init__(self, name: str, timeline: StreamTrace, chaos: _Chaos | None, sanitizer=None) -> None:
         self._q = _Queue(name, timeline, chaos)
-        self._finalizer = weakref.finalize(self, self._q.stop)
+        # Dropping the last handle stops the worker, once what was queued has run: the reference's
+        # callback queues the reference itself as the worker's last task. It is a C method, taking
+        # no lock: a garbage collection runs it on whichever thread allocates, also the worker
+        # while it holds the queue's lock, and a Ctrl-C cannot land half way through it. The queue
+        # keeps the reference, so that it outlives a stream collected in a reference cycle.
+        self._q.stopper = weakref.ref(self, self._q.tasks.put)
         self._san = sanitizer
 
     @property
@@ -243,7 +249,7 @@ class FakeStream:
 
     def close(self) -> None:
         """Finish queued work, then stop the worker thread."""
-        self._finalizer()
+        self._q.stop()
         self._q.thread.join()
 
     def __repr__(self) -> str:

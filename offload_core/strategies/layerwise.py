@@ -70,6 +70,7 @@ from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hoo
 
 from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
+from ..locks import locked
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
@@ -267,24 +268,26 @@ class LayerwiseOffload(Part):
         """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
         the device to resident tensors included), free the device. Can be called again after an
         interruption, and does nothing once done."""
-        with self.lock:
-            if self.enabled:
-                self._restore()  # collective when sharded; raises, changing nothing, out of step
-            self._remove_hooks()
-            if not self.enabled:
-                return
-            if self.ring is not None:  # else a disable interrupted after releasing it: nothing in flight
-                self.quiesce()
-            self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
-            if self.resident.host:
-                adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
-                write_back(self.backend, [
-                    (self.resident.host[dtype], buf) for dtype, buf in self.resident_device.items()
-                ])
-            # each block from the views it shows at home
-            unpack_units([(self.resident, self.resident_views), *self.units], self.placement)
-            self._release()
-            self.enabled = False
+        locked(self.lock, self._disable)
+
+    def _disable(self) -> None:
+        if self.enabled:
+            self._restore()  # collective when sharded; raises, changing nothing, out of step
+        self._remove_hooks()
+        if not self.enabled:
+            return
+        if self.ring is not None:  # else a disable interrupted after releasing it: nothing in flight
+            self.quiesce()
+        self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
+        if self.resident.host:
+            adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
+            write_back(self.backend, [
+                (self.resident.host[dtype], buf) for dtype, buf in self.resident_device.items()
+            ])
+        # each block from the views it shows at home
+        unpack_units([(self.resident, self.resident_views), *self.units], self.placement)
+        self._release()
+        self.enabled = False
 
     def _restore(self) -> None:
         """Before ``disable`` unpacks: every unit gets its full host values, by the loads the
@@ -562,16 +565,17 @@ class LayerwiseOffload(Part):
             self.load(j)
 
     def freeze(self) -> None:
-        with self.lock:
-            self._frozen += 1
+        locked(self.lock, self._count_freeze, 1)
 
     def thaw(self) -> None:
-        with self.lock:
-            self._frozen -= 1
-            if not self._frozen and self.enabled and self._passes == 0:
-                # sharded, the preloaded blocks stay: their gathers were paired with the other
-                # ranks' next loads (and the homes are shards no one else writes)
-                self.quiesce(forget=not self.transport.sharded)
+        locked(self.lock, self._count_freeze, -1)
+
+    def _count_freeze(self, step: int) -> None:
+        self._frozen += step
+        if not self._frozen and self.enabled and self._passes == 0:
+            # sharded, the preloaded blocks stay: their gathers were paired with the other ranks'
+            # next loads (and the homes are shards no one else writes)
+            self.quiesce(forget=not self.transport.sharded)
 
     def _repair(self, passes: int) -> None:
         """The state of ``passes`` model calls in progress (those still on the stack): what an

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
+from ..locks import locked
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import WeightUnit
@@ -182,16 +183,18 @@ class ModelLevelOffload(Part):
         return [(c.unit, c.unit.host_views, c.unit.host) for g in self.groups for c in g.components]
 
     def disable(self) -> None:
-        with self.lock:
-            self._remove_hooks()
-            if not self.enabled:
-                return
-            self._settle()
-            components = [c for g in self.groups for c in g.components]
-            for c in components:
-                c.home = None  # it references the home, which goes as soon as its unit is unpacked
-            unpack_units([c.unit for c in components], self.placement)
-            self.enabled = False
+        locked(self.lock, self._disable)
+
+    def _disable(self) -> None:
+        self._remove_hooks()
+        if not self.enabled:
+            return
+        self._settle()
+        components = [c for g in self.groups for c in g.components]
+        for c in components:
+            c.home = None  # it references the home, which goes as soon as its unit is unpacked
+        unpack_units([c.unit for c in components], self.placement)
+        self.enabled = False
 
     def _settle(self) -> None:
         """Every group home (changes on the device copied back), no copy in flight (swapping a
