@@ -378,3 +378,30 @@ def test_a_dropped_fake_stream_stops_its_worker_without_a_finalizer_lock():
     gate.set()
     queue.thread.join(DEADLINE)
     assert not queue.thread.is_alive(), "the worker never stopped: its stream's finalizer waited for its own lock"
+
+
+def test_a_dropped_stager_stops_its_worker_whatever_interrupts_its_drop():
+    """The stager thread of placement's staged homes stops when its stager is dropped (collected in
+    a reference cycle here), also when an interrupt lands in the first Python code the drop runs
+    (the old finalizer's: swallowed, and the thread waited for a stop that never came)."""
+    from offload_core.hostmem.staging import Stager
+
+    stager = Stager()
+    stager.cycle = stager
+    worker = stager._thread
+    del stager
+
+    def interrupt_the_first_call(frame, event, arg):
+        sys.settrace(None)
+        raise Injected("in the first Python call of the collection")
+
+    def collect() -> None:
+        sys.settrace(interrupt_the_first_call)
+        try:
+            gc.collect()
+        finally:
+            sys.settrace(None)
+
+    in_time(collect)
+    worker.join(DEADLINE)
+    assert not worker.is_alive(), "the stager's worker never stopped"

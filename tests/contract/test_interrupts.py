@@ -247,7 +247,8 @@ def test_an_interrupt_at_any_line_leaves_the_model_usable(strategy, operation, f
         point = f"{os.path.relpath(where[0], ROOT)}:{where[1]} (instruction {where[2]})"
 
         def interrupted(where=where):
-            """The operation, interrupted at ``where``; then what it left on its thread."""
+            """The operation, interrupted at ``where``; then the next call on the same thread, and
+            what is left on the thread after it (the next call undoes what an interrupted one left)."""
             before = counts()
             model, reference, run, handle = setup(operation, strategy)
             tracer = Tracer(where)
@@ -256,6 +257,7 @@ def test_an_interrupt_at_any_line_leaves_the_model_usable(strategy, operation, f
                 handle = made if operation == "enable" else handle
             except Injected:
                 pass
+            forward(model)
             return before, model, reference, handle, tracer.fired, thread_state()
 
         state, error = in_time(interrupted, f"{point}: the interrupted {operation}")
