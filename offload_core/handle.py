@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from . import changes
-from .device.backend import DeviceBackend
-from .hostmem.machine import Trimmer
+from .device.backend import Capability, DeviceBackend
+from .hostmem.machine import Trimmer, size_text as _size
 from .locks import locked
 from .timeline import Timeline
 
@@ -29,27 +29,34 @@ class OffloadHandle:
     its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
     same offloaded model waits for the first call to finish."""
 
-    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None) -> None:
+    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None,
+                 replan: Any = None) -> None:
         self.target = target
         self.config = config
         self._plan = plan
+        # measured activations -> the plan made with them, once: after the first pipeline call
+        self._replan = replan
         self.strategy = plan.strategy if plan is not None else config.strategy
         self.backend = backend
         self.lock = threading.RLock()
         self._baseline = baseline  # device bytes other users of the backend held before enable
+        self._peak = 0  # the backend's peak before its counter was last restarted (restart_peak)
         self.parts: list = []
+        self.switch: Any = None  # the parts' phase switch (strategies/phases.py), when some park
         self.placement: Any = None  # where the weights' host homes are (hostmem.placement)
         self._placements: list = []  # more, made when a part was packed again (see place())
         self._installs: list[Install] = []
         self.enabled = False
 
-    def open(self, parts: Sequence[Any], placement: Any, installs: Sequence["Install"]) -> None:
+    def open(self, parts: Sequence[Any], placement: Any, installs: Sequence["Install"], switch: Any = None) -> None:
         """The last step of ``enable``: the handle takes its enabled ``parts``, the ``placement``
-        of their homes and the ``installs`` put on the target (installed already), and is
-        enabled. ``disable()`` undoes the installs in reverse order after the parts."""
+        of their homes, the ``installs`` put on the target (installed already) and the phase
+        ``switch`` of its parts (None: nothing parks), and is enabled. ``disable()`` undoes the
+        installs in reverse order after the parts."""
         self.parts = list(parts)
         self.placement = placement
         self._installs = list(installs)
+        self.switch = switch
         self.enabled = True
 
     @property
@@ -57,10 +64,14 @@ class OffloadHandle:
         """What was decided (``print(handle.plan)``): per component resident, streamed, staged or
         swapped, its resident blocks, the device and host bytes (pinned, pageable, disk) it is
         expected to take and the bytes copied per forward, with the activation bytes each
-        streamed component's first call measured. The planner's plan under a device budget;
+        streamed or swapped component's first call measured, and the device peaks they make; once a
+        pipeline call ran, the phases that call had (``observed_phases``). The planner's plan under a device budget;
         without one, the plan of what the strategy flag set up (``budget`` None)."""
-        measured = {p.label: p.activation_bytes for p in self.parts if getattr(p, "activation_bytes", None) is not None}
-        return self._plan.measured(measured)
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        plan = self._plan.measured(measured)
+        if self.switch is not None and self.switch.observed is not None:
+            plan = plan.observed(*self.switch.observed)
+        return plan
 
     @property
     def device_weight_bytes(self) -> int:
@@ -76,19 +87,75 @@ class OffloadHandle:
         (weights read from disk), ``bounce_bytes`` (the ring), ``staged_bytes`` (bytes copied
         through the ring so far), ``disk_read_bytes`` and ``disk_read_seconds`` (bytes read from
         checkpoint or spill files so far, and the stager's time in those reads); ``host_bytes``
-        is the weights held in RAM.
+        is the weights held in RAM. ``switch_h2d_bytes``: of ``h2d_bytes``, what parked components
+        loaded back when their phase began (``handle.plan``'s phases).
         """
-        totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0, "retired_slot_bytes": 0}
+        totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0, "retired_slot_bytes": 0,
+                  "switch_h2d_bytes": 0}
         for part in self.parts:
             for key, value in part.counters.as_dict().items():
                 totals[key] = totals.get(key, 0) + value
-        totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
+        totals["device_peak_bytes"] = max(max(self._peak, self.backend.max_memory_allocated()) - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
         for placement in (self.placement, *self._placements):
             for key, value in placement.stats().items():
                 totals[key] = totals.get(key, 0) + value
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    @contextlib.contextmanager
+    def measured_call(self) -> Iterator[None]:
+        """Around a pipeline call. Until the budget has been planned again from a first call, the
+        call is traced (where the backend times device work and no trace of the user's is on), so
+        that each streamed block's compute time is known; when it ends, :meth:`call_ended`."""
+        timeline = None
+        timed = Capability.TIMING in self.backend.capabilities
+        if self._replan is not None and timed and all(p.timeline is None for p in self.parts):
+            timeline = Timeline(self.backend)
+            for part in self.parts:
+                part.timeline = timeline
+        try:
+            yield
+        finally:
+            if timeline is not None:
+                for part in self.parts:
+                    part.timeline = None
+                timeline.close()
+            self.call_ended(timeline)
+
+    def call_ended(self, timeline: Timeline | None = None) -> None:
+        """A pipeline call ended. After the first, the budget is planned again with the activations
+        it measured (and the blocks' compute times ``timeline`` shows), and the streamed
+        components whose kept blocks change take the new layout as they next begin (one log line
+        says what changed and why)."""
+        if self._replan is None:
+            return
+        replan, self._replan = self._replan, None
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        if not measured:
+            return
+        timed = timings(timeline) if timeline is not None else ({}, None)
+        new = replan(measured, *timed)
+        changes = []
+        for part in self.parts:
+            label = getattr(part, "label", None)
+            if not getattr(part, "parks", False) or label not in {c.name for c in new.components}:
+                continue
+            before, after = self._plan.component(label), new.component(label)
+            if after.mode == before.mode and after.resident_blocks != before.resident_blocks:
+                part.relayout(after.resident_blocks)
+                block = f", a block computing in {timed[0][label] * 1e3:.3g} ms" if label in timed[0] else ""
+                changes.append(f"{label} keeps {len(after.resident_blocks)} of {after.n_blocks} blocks (was "
+                               f"{len(before.resident_blocks)}): activations measured {_size(measured.get(label, 0))}, "
+                               f"{_size(before.activation_bytes)} planned{block}")
+        self._plan = new
+        logger.info("re-planned after the first call: %s", "; ".join(changes) if changes else "no layout changes")
+
+    def restart_peak(self) -> None:
+        """The backend's peak counter starts again from what is allocated now, so that a part can
+        measure what one call takes (its first: activations); the peak before is kept here."""
+        self._peak = max(self._peak, self.backend.max_memory_allocated())
+        self.backend.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Timeline]:
@@ -125,6 +192,8 @@ class OffloadHandle:
         """``disable``'s steps (the caller holds the lock); False if it was done already."""
         if not self.enabled:
             return False
+        if self.switch is not None:
+            self.switch.close()  # first: a part disabled is parked by nobody
         for part in reversed(self.parts):
             part.disable()
         while self._installs:
@@ -137,7 +206,7 @@ class OffloadHandle:
         # no reference cycle left (part -> handle, install -> handle): what the strategies still
         # hold goes now, not at the next garbage collection
         for part in self.parts:
-            part.handle = None
+            part.handle = part.switch = None
         return True
 
     @contextlib.contextmanager
@@ -206,6 +275,20 @@ class OffloadHandle:
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"<OffloadHandle {self.strategy} on {type(self.target).__name__} via {self.backend.name}: {state}>"
+
+
+def timings(timeline: Timeline) -> tuple[dict[str, float], float | None]:
+    """From a traced call: per streamed component, the median compute time of its blocks (spans
+    named "<component>.<block>"), and the host-to-device bytes per second its copies ran at."""
+    times: dict[str, list[float]] = {}
+    copied = seconds = 0.0
+    for span in timeline.spans():
+        if span.kind == "compute" and "." in span.name:
+            times.setdefault(span.name.split(".", 1)[0], []).append(span.seconds)
+        elif span.kind == "copy":
+            copied, seconds = copied + span.nbytes, seconds + span.seconds
+    rate = copied / seconds if copied and seconds > 0 else None
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}, rate
 
 
 class Install(Protocol):

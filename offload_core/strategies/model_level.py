@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Sequence
 
 import torch
@@ -30,12 +31,13 @@ from torch import nn
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
 from ..locks import locked
+from ..planning.peaks import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
-from .autograd import SavedParameters, refuse_function_transforms
+from .autograd import DeviceCopy, SavedParameters, at_backward_end, refuse_function_transforms
 from .common import allocate_device, default_placement, pack_units, unpack_units
 from .calls import calls_running, compile_disabled
 from .part import Part, write_back
@@ -43,8 +45,6 @@ from .ring import kept_views, viewed
 
 logger = logging.getLogger(__name__)
 
-#: share of the device's total memory kept free of prefetched weights, for activations
-RESERVE_FRACTION = 0.1
 
 
 @dataclasses.dataclass
@@ -55,6 +55,8 @@ class Component:
     device: dict[torch.dtype, torch.Tensor] | None = None
     binding: Binding | None = None
     home: Home | None = None
+    # its latest device copy as weights autograd saved reference it (weakly: alive while a graph is)
+    copy: weakref.ref[DeviceCopy] | None = None
 
 
 @dataclasses.dataclass
@@ -80,10 +82,13 @@ class ModelLevelOffload(Part):
         backend: DeviceBackend,
         prefetch: bool = True,
         device_limit: int | None = None,
+        reserved: dict[str, int] | None = None,
     ) -> None:
         super().__init__(backend)
         self.prefetch = prefetch
         self.device_limit = device_limit  # a device budget: prefetches stay within it, whatever the device has
+        # a budget's activation headroom per component: what a group's compute is taken to need until measured
+        self.reserved = dict(reserved or {})
         self._spec = [(name, list(members)) for name, members in groups]
         self._plan()
         # the group that usually runs next: the declared order first, then what was observed within
@@ -96,6 +101,7 @@ class ModelLevelOffload(Part):
         self.peak_weight_bytes = 0
         self._activation_bytes: dict[int, int] = {}  # group -> device bytes its calls took beyond its weights
         self._measuring: tuple[int, int] | None = None  # (group, memory allocated when it became active)
+        self.epoch = 0  # counts enables: a released device copy is read again within one
         _swaps_run_eagerly()
 
     def _plan(self) -> None:
@@ -151,6 +157,7 @@ class ModelLevelOffload(Part):
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
+        self.epoch += 1
         default_placement(self, txn)
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.placement, txn, "components")
@@ -193,6 +200,7 @@ class ModelLevelOffload(Part):
         components = [c for g in self.groups for c in g.components]
         for c in components:
             c.home = None  # it references the home, which goes as soon as its unit is unpacked
+            _release_copy(c)  # a graph kept without a backward holds no device memory past disable
         unpack_units([c.unit for c in components], self.placement)
         self.enabled = False
 
@@ -227,10 +235,25 @@ class ModelLevelOffload(Part):
             self._repair(calls_running(self.modules()) - 1)
         self._depth += 1
         self._before_use(index)
-        saving = SavedParameters() if torch.is_grad_enabled() else None
+        saving = None
+        if torch.is_grad_enabled():
+            components = self.groups[index].components
+            saving = SavedParameters(self._device_copies(index), [c.binding for c in components])
         self._saving.append(saving)  # before its hooks are pushed: an interrupt then is undone by _exit
         if saving is not None:
             saving.__enter__()
+
+    def _device_copies(self, index: int) -> list[DeviceCopy]:
+        """The device copies of group ``index`` (active) as the weights a recording forward saves
+        reference them: one per load, shared by every graph recorded while it lasts."""
+        copies = []
+        for c in self.groups[index].components:
+            copy = c.copy() if c.copy is not None else None
+            if copy is None:
+                copy = DeviceCopy(weakref.ref(self), c.name, self.epoch, c.device)
+                c.copy = weakref.ref(copy)
+            copies.append(copy)
+        return copies
 
     def _exit(self, failed: bool) -> None:
         self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
@@ -271,9 +294,26 @@ class ModelLevelOffload(Part):
     def _release(self) -> None:
         self.release_all()
 
+    def measured_activations(self) -> dict[str, int]:
+        return {c.name: used for index, used in self._activation_bytes.items() for c in self.groups[index].components}
+
+    # -- phases (phases.py) -----------------------------------------------------------------------
+    def yields(self) -> list[str]:
+        """Staged components (loaded around their use, no prefetch) leave the device when
+        another phase begins, not only when the call ends."""
+        return [] if self.prefetch else [c.name for g in self.groups for c in g.components]
+
+    def give_way(self, component: str) -> None:
+        active = self._active
+        if active is not None and self._depth == 0 and any(c.name == component for c in self.groups[active].components):
+            self.release_all()
+
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
+        if self.switch is not None:
+            for c in self.groups[index].components:
+                self.switch.entering(c.name)
         self._stop_measuring()
         if self.timeline is not None:  # the active group's compute has all been issued
             self.timeline.end_compute(self.backend.current_stream())
@@ -284,6 +324,8 @@ class ModelLevelOffload(Part):
         group = self.groups[index]
         if group.state != "host" and any(c.binding is None for c in group.components):
             self._swap_out(group)  # one an interrupt tore (its components home, its state not yet)
+        if group.state == "loading" and not all(c.home.at_home() for c in group.components):
+            self._swap_out(group)  # prefetched before a tensor was given new data: its copy is stale
         if group.state == "host":
             self._reconcile(group)
             group = self.groups[index]  # re-packing makes new groups
@@ -310,7 +352,11 @@ class ModelLevelOffload(Part):
     def _load(self, group: Group) -> None:
         """Allocate the group's device buffers and queue its copies (one per dtype per component),
         after all compute issued so far: the device buffers freed before may be reused. An
-        allocation failure (out of memory) leaves the group on the host, ready to try again."""
+        allocation failure (out of memory) leaves the group on the host, ready to try again. The
+        components' previous device copies, which graphs kept without a backward may still
+        reference, are released first (``saved_buffers`` reads them again if a backward comes)."""
+        for c in group.components:
+            _release_copy(c)
         buffers = [
             allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             for c in group.components
@@ -327,6 +373,45 @@ class ModelLevelOffload(Part):
         group.ticket = self.placement.run(functools.partial(self._queue_load, group, freed, transfers))
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
+
+    def saved_buffers(self, copy: DeviceCopy) -> dict[torch.dtype, torch.Tensor]:
+        """A backward reads weights it saved from ``copy``, which was released (the component was
+        loaded again since, or ``disable()`` ran): the component's group becomes active again, as
+        for a forward, and its current device copy is read (the saved weights' versions say they
+        did not change since). A group this made active goes home when the backward ends (outside
+        a pipeline call); read outside a backward, the weights are a copy and the group goes home
+        at once."""
+        return locked(self.lock, self._saved_buffers, copy)
+
+    def _saved_buffers(self, copy: DeviceCopy) -> dict[torch.dtype, torch.Tensor]:
+        self._check_layout(copy)
+        index = next(i for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name)
+        swapped, outside_calls = self._active != index, self._depth == 0 and self._calls == 0
+        self._before_use(index)
+        self._check_layout(copy)  # a structure changed since the forward re-packs on the way in
+        component = next(c for c in self.groups[index].components if c.name == copy.name)
+        if not swapped or not outside_calls or at_backward_end(self._after_backward):
+            return component.device
+        buffers = {dtype: b.clone() for dtype, b in component.device.items()}
+        self.release_all()
+        return buffers
+
+    def _check_layout(self, copy: DeviceCopy) -> None:
+        if not self.enabled or copy.epoch != self.epoch:
+            raise RuntimeError(
+                f"this backward reads weights of {copy.name}, but its model-level offload was disabled or re-packed "
+                "(a structural change) since the forward that saved them: run backward before handle.disable() "
+                "or before changing the model's structure"
+            )
+
+    def _after_backward(self) -> None:
+        """A backward that made groups active to read saved weights ended: they go home, unless a
+        call began meanwhile."""
+        locked(self.lock, self._release_after_backward)
+
+    def _release_after_backward(self) -> None:
+        if self.enabled and self._depth == 0 and self._calls == 0:
+            self.release_all()
 
     def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
@@ -361,8 +446,11 @@ class ModelLevelOffload(Part):
         if index == self._active or group.state != "host":
             return
         needed = self._activation_bytes.get(self._active)
-        if needed is None:  # the active group's first call: how much its compute takes is not known yet
-            return
+        if needed is None:  # the active group's first call: what the budget's plan reserved, if anything
+            reserved = [self.reserved[c.name] for c in self.groups[self._active].components if c.name in self.reserved]
+            if not reserved:
+                return
+            needed = max(reserved)
         free, total = self.backend.mem_get_info()
         if self.device_limit is not None:
             free, total = min(free, self.device_limit - self.backend.memory_allocated()), self.device_limit
@@ -378,7 +466,7 @@ class ModelLevelOffload(Part):
         that what its compute takes on top (activations, a VAE decode's buffers) is known before
         anything is prefetched beside it."""
         if index not in self._activation_bytes:
-            self._measuring = (index, self.backend.memory_allocated())
+            self._measuring = (index, self.peak_from_here())
 
     def _stop_measuring(self) -> None:
         """The measured group stops being active: all its compute has been issued, so the peak
@@ -423,6 +511,13 @@ class ModelLevelOffload(Part):
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
         write_back(self.backend, pairs)
+
+
+def _release_copy(c: Component) -> None:
+    copy = c.copy() if c.copy is not None else None
+    if copy is not None:
+        copy.release()
+    c.copy = None
 
 
 @functools.cache
