@@ -60,7 +60,7 @@ def kit_output(out: list[str], err: list[str]) -> bool:
 CASES = {
     "backends": ("offload_core.device.plugins:list_backends", ["backends"], driven),
     "plan": ("offload_core.planning:make_plan", ["plan", "--device-memory", "1GiB"], driven),
-    "bench": ("offload_core.bench.timing:interleaved", ["bench", "--only", "layerwise_overhead", "--quick"], driven),
+    "bench": ("offload_core.bench.layerwise:tiny_wan", ["bench", "--only", "layerwise_overhead", "--quick"], driven),
     "run": (None, ["run", "-v", "--steps", "1000"], calling),
     "check-backend": (None, ["check-backend", "fake"], kit_output),
 }
