@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from .errors import AlreadyEnabledError, OffloadedModelError
+from .locks import locked
 
 logger = logging.getLogger(__name__)
 
@@ -66,33 +67,39 @@ def register(handle: Any) -> None:
     install_hooks()
     mods: list[int] = []
     params: list[int] = []
+    locked(_lock, _register, handle, mods, params)
+
+
+def _register(handle: Any, mods: list[int], params: list[int]) -> None:
     ref = weakref.ref(handle)
-    with _lock:
-        _keys[id(handle)] = (mods, params)  # first: what an interrupted call recorded is found by unregister
-        for part in handle.parts:
-            if not part.enabled:
-                continue
-            for root in part.modules():
-                for module in root.modules():
-                    mods.append(id(module))
-                    _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
-                for p in root.parameters():
-                    params.append(id(p))
-                    _params[id(p)] = (weakref.ref(p), ref)
+    _keys[id(handle)] = (mods, params)  # first: what an interrupted call recorded is found by unregister
+    for part in handle.parts:
+        if not part.enabled:
+            continue
+        for root in part.modules():
+            for module in root.modules():
+                mods.append(id(module))
+                _modules[id(module)] = (weakref.ref(module), ref, weakref.ref(part))
+            for p in root.parameters():
+                params.append(id(p))
+                _params[id(p)] = (weakref.ref(p), ref)
 
 
 def unregister(handle: Any) -> None:
-    with _lock:
-        mods, params = _keys.get(id(handle), ([], []))
-        for key in mods:
-            found = _modules.get(key)
-            if found is not None and found[1]() in (handle, None):
-                del _modules[key]
-        for key in params:
-            found = _params.get(key)
-            if found is not None and found[1]() in (handle, None):
-                del _params[key]
-        _keys.pop(id(handle), None)  # last: an interrupted call leaves what it did not delete to the next
+    locked(_lock, _unregister, handle)
+
+
+def _unregister(handle: Any) -> None:
+    mods, params = _keys.get(id(handle), ([], []))
+    for key in mods:
+        found = _modules.get(key)
+        if found is not None and found[1]() in (handle, None):
+            del _modules[key]
+    for key in params:
+        found = _params.get(key)
+        if found is not None and found[1]() in (handle, None):
+            del _params[key]
+    _keys.pop(id(handle), None)  # last: an interrupted call leaves what it did not delete to the next
 
 
 def check_free(modules: Iterable[nn.Module], what: str) -> None:
@@ -122,18 +129,23 @@ def repacking(handle: Any) -> Iterator[None]:
     buffers registered, its own ``_apply``) pass the hooks. On exit, the modules and parameters
     the handle owns are recorded afresh (the re-pack may have changed them)."""
     key = id(handle)
-    with _lock:
-        _repacking[key] = _repacking.get(key, 0) + 1
+    locked(_lock, _count_repack, key, 1)
     try:
         yield
     finally:
-        with _lock:
-            _repacking[key] -= 1
-            if not _repacking[key]:
-                del _repacking[key]
+        locked(_lock, _count_repack, key, -1)
         unregister(handle)
         if handle.enabled:
             register(handle)
+
+
+def _count_repack(key: int, step: int) -> None:
+    """One more (``step`` 1) or one fewer (-1) re-pack of handle ``key`` in progress."""
+    count = _repacking.get(key, 0) + step
+    if count:
+        _repacking[key] = count
+    else:
+        _repacking.pop(key, None)
 
 
 def _is_repacking(handle: Any) -> bool:
@@ -142,15 +154,18 @@ def _is_repacking(handle: Any) -> bool:
 
 # -- hooks ----------------------------------------------------------------------------------
 def install_hooks() -> None:
+    locked(_lock, _install_hooks)
+
+
+def _install_hooks() -> None:
     global _installed
-    with _lock:
-        if _installed:
-            return
-        torch_module.register_module_parameter_registration_hook(functools.partial(_registered, "parameter"))
-        torch_module.register_module_buffer_registration_hook(functools.partial(_registered, "buffer"))
-        torch_module.register_module_module_registration_hook(functools.partial(_registered, "module"))
-        nn.Module._apply = _apply
-        _installed = True
+    if _installed:
+        return
+    torch_module.register_module_parameter_registration_hook(functools.partial(_registered, "parameter"))
+    torch_module.register_module_buffer_registration_hook(functools.partial(_registered, "buffer"))
+    torch_module.register_module_module_registration_hook(functools.partial(_registered, "module"))
+    nn.Module._apply = _apply
+    _installed = True
 
 
 def _registered(kind: str, module: nn.Module, name: str, value: Any) -> None:
@@ -186,37 +201,40 @@ def on_apply(handle: Any, part: Any, module: nn.Module, fn: Callable, recurse: b
     nothing to do. Moving them anywhere else is refused, before anything changes. A change of
     dtype, memory format or values re-packs the part around the change. Across ranks every
     change is refused."""
-    with handle.lock:
-        if _is_repacking(handle) or not part.enabled:
-            return _original_apply(module, fn, recurse)
-        if _method_of(fn) == "Module.share_memory":
-            raise OffloadedModelError(
-                f"{type(module).__name__}.share_memory(): while offloaded, its weights live in offload-core's host "
-                "copies (pinned or pageable memory, or on disk) and its device slots, which other processes cannot "
-                f"share. Call handle.disable() first ({handle!r}), then share_memory(), then enable offloading again"
-            )
-        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
-        device = handle.backend.device()
-        action, where = classify(fn, tensors, device)
-        if action == "none" and not is_conversion(fn):
-            action = "change"  # it may work in place or depend on values: stand-ins cannot tell
-        if action == "none":
-            return module
-        name = type(module).__name__
-        if action == "move":
-            raise OffloadedModelError(
-                f"{name}: this would move offloaded weights to {where}; while offloading is on, offload-core "
-                f"keeps them on {device} and in host memory. Call handle.disable() first ({handle!r}), then move "
-                "the model"
-            )
-        if part.repack_refusal() is not None:
-            raise OffloadedModelError(
-                f"{name}: changing the dtype or values of a model offloaded across ranks is not supported; call "
-                f"the collective handle.disable() on every rank first ({handle!r})"
-            )
-        logger.info("%s changes dtype or layout while offloaded: packing it again", name)
-        part.repack(lambda: _original_apply(module, keep_placement(fn), recurse))
+    return locked(handle.lock, _on_apply, handle, part, module, fn, recurse)
+
+
+def _on_apply(handle: Any, part: Any, module: nn.Module, fn: Callable, recurse: bool) -> nn.Module:
+    if _is_repacking(handle) or not part.enabled:
+        return _original_apply(module, fn, recurse)
+    if _method_of(fn) == "Module.share_memory":
+        raise OffloadedModelError(
+            f"{type(module).__name__}.share_memory(): while offloaded, its weights live in offload-core's host "
+            "copies (pinned or pageable memory, or on disk) and its device slots, which other processes cannot "
+            f"share. Call handle.disable() first ({handle!r}), then share_memory(), then enable offloading again"
+        )
+    tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+    device = handle.backend.device()
+    action, where = classify(fn, tensors, device)
+    if action == "none" and not is_conversion(fn):
+        action = "change"  # it may work in place or depend on values: stand-ins cannot tell
+    if action == "none":
         return module
+    name = type(module).__name__
+    if action == "move":
+        raise OffloadedModelError(
+            f"{name}: this would move offloaded weights to {where}; while offloading is on, offload-core "
+            f"keeps them on {device} and in host memory. Call handle.disable() first ({handle!r}), then move "
+            "the model"
+        )
+    if part.repack_refusal() is not None:
+        raise OffloadedModelError(
+            f"{name}: changing the dtype or values of a model offloaded across ranks is not supported; call "
+            f"the collective handle.disable() on every rank first ({handle!r})"
+        )
+    logger.info("%s changes dtype or layout while offloaded: packing it again", name)
+    part.repack(lambda: _original_apply(module, keep_placement(fn), recurse))
+    return module
 
 
 #: the ``nn.Module`` methods whose ``_apply`` function is a conversion: a new tensor (or the input

@@ -14,6 +14,7 @@ from torch import nn
 from . import changes
 from .device.backend import Capability, DeviceBackend
 from .hostmem.machine import Trimmer, size_text as _size
+from .locks import locked
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -183,28 +184,34 @@ class OffloadHandle:
         Calling it again does nothing. If it is interrupted (Ctrl-C, an error), the handle stays
         enabled and calling it again finishes the job: each step is done once. Inside
         ``torch.inference_mode`` too: the tensors given back are ordinary ones."""
-        with self.lock, torch.inference_mode(False):
-            if not self.enabled:
-                return
-            if self.switch is not None:
-                self.switch.close()  # first: a part disabled is parked by nobody
-            for part in reversed(self.parts):
-                part.disable()
-            while self._installs:
-                self._installs[-1].uninstall()
-                self._installs.pop()
-            for placement in (self.placement, *self._placements):
-                placement.close()
-            changes.unregister(self)  # before the flag: an interrupt in between leaves a disable to finish
-            self.enabled = False
-            # no reference cycle left (part -> handle, install -> handle): what the strategies
-            # still hold goes now, not at the next garbage collection
-            for part in self.parts:
-                part.handle = part.switch = None
+        if not locked(self.lock, self._disable):
+            return
         trimmer = Trimmer()
         trimmer.add(sum(p.host_bytes for p in self.parts))  # the homes just freed, device buffers on CPU backends
         trimmer.flush()
         logger.info("offload (%s) disabled on %s", self.strategy, type(self.target).__name__)
+
+    @torch.inference_mode(False)
+    def _disable(self) -> bool:
+        """``disable``'s steps (the caller holds the lock); False if it was done already."""
+        if not self.enabled:
+            return False
+        if self.switch is not None:
+            self.switch.close()  # first: a part disabled is parked by nobody
+        for part in reversed(self.parts):
+            part.disable()
+        while self._installs:
+            self._installs[-1].uninstall()
+            self._installs.pop()
+        for placement in (self.placement, *self._placements):
+            placement.close()
+        changes.unregister(self)  # before the flag: an interrupt in between leaves a disable to finish
+        self.enabled = False
+        # no reference cycle left (part -> handle, install -> handle): what the strategies still
+        # hold goes now, not at the next garbage collection
+        for part in self.parts:
+            part.handle = part.switch = None
+        return True
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
@@ -241,22 +248,24 @@ class OffloadHandle:
         """``copy.deepcopy(obj)`` as if offloading were off: an ordinary copy, not offloaded, whose
         tensors are host tensors with the true values (also what pickling an offloaded model
         stores)."""
-        with self.lock:
-            truths = [t for part in self.parts if part.enabled for t in part.truth()]
-            for unit, views, source in truths:
-                for entry, view, value in zip(unit.entries, views, unit.plain(source)):
-                    for owner in entry.owners:
-                        if not owner.bound_to(view):
-                            continue  # the user's own tensor: deepcopy copies it as it is
-                        if owner.param is not None:
-                            memo.setdefault(id(owner.param), nn.Parameter(value, requires_grad=owner.param.requires_grad))
-                        else:
-                            memo.setdefault(id(view), value)
-            self._installed(False)
-            try:
-                return copy.deepcopy(obj, memo)
-            finally:
-                self._installed(True)
+        return locked(self.lock, self._plain_copy, obj, memo)
+
+    def _plain_copy(self, obj: Any, memo: dict) -> Any:
+        truths = [t for part in self.parts if part.enabled for t in part.truth()]
+        for unit, views, source in truths:
+            for entry, view, value in zip(unit.entries, views, unit.plain(source)):
+                for owner in entry.owners:
+                    if not owner.bound_to(view):
+                        continue  # the user's own tensor: deepcopy copies it as it is
+                    if owner.param is not None:
+                        memo.setdefault(id(owner.param), nn.Parameter(value, requires_grad=owner.param.requires_grad))
+                    else:
+                        memo.setdefault(id(view), value)
+        self._installed(False)
+        try:
+            return copy.deepcopy(obj, memo)
+        finally:
+            self._installed(True)
 
     def _installed(self, on: bool) -> None:
         """Take off (False) or put back (True) everything offloading put on the model: the parts'

@@ -19,6 +19,7 @@ from torch import nn
 
 from .errors import OffloadConfigError, OffloadedModelError
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
+from .locks import locked
 from .other_hooks import guard_registrations
 from .pipelines import pipeline_modules
 from .strategies.model_level import ModelLevelOffload
@@ -85,7 +86,10 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
         # step callbacks no user code runs between steps, so the weights stay as they are
         check_components(self, enabled, handle)
         callbacks = any(kwargs.get(name) is not None for name in STEP_CALLBACKS)
-        with handle.lock, (contextlib.nullcontext() if callbacks else handle.frozen()):
+        return locked(handle.lock, call, self, callbacks, args, kwargs)
+
+    def call(self, callbacks: bool, args: tuple, kwargs: dict):  # with the handle's lock held
+        with contextlib.nullcontext() if callbacks else handle.frozen():
             staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
             for part in staged:
                 part.begin_call()

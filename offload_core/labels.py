@@ -5,11 +5,18 @@ A race report or an out-of-memory message that says "float32 storage at 0x7f..."
 Strategies label their slots, resident copies and host homes here; tools that report on memory
 (the fake backend's race sanitizer) ask :func:`describe`. A label may be a callable, evaluated only
 when a tool asks, so that labelling a slot whose occupant changes costs nothing on the hot path.
+
+There is no lock here, and no Python code runs when a storage dies. Both used to hang the
+process: ``label`` runs inside ``enable`` and a forward, where a Ctrl-C (or a trace function
+raising) can land between the end of a locked block and the release of its lock, and a garbage
+collection can run a storage's finalizer inside a locked block on the same thread. So every
+change is one operation on a dict (atomic under the interpreter lock): a storage's labels are a
+dict of their own, filed under a weak reference to the storage whose callback is that table's
+own ``pop`` (a C method: the entry goes with the storage, whatever is running at the time).
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Callable, Union
 
@@ -19,18 +26,9 @@ __all__ = ["describe", "label"]
 
 Label = Union[str, Callable[[], str]]
 
-# storage address -> (token of that storage's lifetime, [(first byte, end byte, label), ...]): one
-# storage may hold several labelled buffers (host homes cut from one pinned slab); the token keeps
-# a finalizer of a dead storage from dropping the labels of a new storage at the same address
-_labels: dict[int, tuple[object, list[tuple[int, int, Label]]]] = {}
-_lock = threading.Lock()
-# (address, token) of storages that died, applied to _labels under the lock by the next caller: a
-# finalizer can run at any allocation (a garbage collection), also inside the locked section
-_dead: list[tuple[int, object]] = []
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+# weak reference to a live storage -> {(first byte, end byte): label}: one storage may hold several
+# labelled buffers (host homes cut from one pinned slab)
+_labels: dict[weakref.ref, dict[tuple[int, int], Label]] = {}
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -40,44 +38,29 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def label(tensor: torch.Tensor, text: Label) -> None:
-    """Name the memory ``tensor`` views until that memory is freed."""
+    """Name the memory ``tensor`` views until that memory is freed. A label replaces those of
+    the bytes it overlaps."""
     if tensor.numel() == 0:
         return
     storage = tensor.untyped_storage()
-    address = storage.data_ptr()
+    spans = _labels.get(weakref.ref(storage))
+    if spans is None:  # the first label of this storage (another thread's may win the setdefault)
+        spans = _labels.setdefault(weakref.ref(storage, _labels.pop), {})
     first, end = _span(tensor)
-    with _lock:
-        _purge()
-        known = _labels.get(address)
-        token = known[0] if known is not None else object()
-        spans = [s for s in (known[1] if known is not None else []) if s[1] <= first or s[0] >= end]
-        _labels[address] = (token, [*spans, (first, end, text)])
-    if known is None:
-        weakref.finalize(storage, _forget, address, token)
-
-
-def _forget(address: int, token: object) -> None:
-    _dead.append((address, token))  # no lock here: see _dead
-
-
-def _purge() -> None:
-    """Drop the labels of storages that died (the caller holds the lock)."""
-    while _dead:
-        address, token = _dead.pop()
-        known = _labels.get(address)
-        if known is not None and known[0] is token:
-            del _labels[address]
+    spans[first, end] = text  # before the overlapped labels go: an interrupt leaves this one in place
+    for span in [s for s in spans.copy() if s[0] < end and first < s[1] and s != (first, end)]:
+        spans.pop(span, None)
 
 
 def describe(tensor: torch.Tensor) -> str | None:
     """The label of the memory ``tensor`` views (the labelled buffer holding its first byte), or None."""
     if tensor.numel() == 0:
         return None
+    spans = _labels.get(weakref.ref(tensor.untyped_storage()))
+    if spans is None:
+        return None
     first = _span(tensor)[0]
-    with _lock:
-        _purge()
-        known = _labels.get(_address(tensor))
-        text = next((t for start, end, t in known[1] if start <= first < end), None) if known is not None else None
+    text = next((t for (start, end), t in spans.copy().items() if start <= first < end), None)
     if text is None:
         return None
     try:

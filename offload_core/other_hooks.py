@@ -31,6 +31,7 @@ from torch import nn
 
 from . import changes
 from .errors import OffloadConfigError
+from .locks import locked
 
 _GROUP = "diffusers' group offloading (it moves the weights between devices)"
 _CASTING = "diffusers' layerwise casting (it casts the weights to its storage dtype and re-creates them on every call)"
@@ -159,10 +160,13 @@ def guard_registrations() -> None:
     """Guard the libraries' registration points (once, process-wide, when offloading is first
     enabled): those imported already now, the others as they are imported. A guard costs one
     dictionary lookup per hook attached to a module no handle owns."""
-    with _lock:
-        for name, guard in _GUARDS.items():
-            module = sys.modules.get(name)
-            if module is not None:
-                guard(module)
-        if _finder not in sys.meta_path and not all(name in sys.modules for name in _GUARDS):
-            sys.meta_path.insert(0, _finder)
+    locked(_lock, _guard_registrations)
+
+
+def _guard_registrations() -> None:
+    for name, guard in _GUARDS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            guard(module)
+    if _finder not in sys.meta_path and not all(name in sys.modules for name in _GUARDS):
+        sys.meta_path.insert(0, _finder)

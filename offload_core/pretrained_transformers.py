@@ -38,6 +38,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled, is_fsdp_enable
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from .hostmem.disk import FileSlice, read_index
+from .locks import locked
 from .weights.checkpoint import attach_slices
 
 logger = logging.getLogger(__name__)
@@ -69,20 +70,21 @@ def load_from_checkpoint(cls: type, folder: str, dtype: torch.dtype | None) -> n
 def _slices_instead_of_reads(cls: type) -> Iterator[None]:
     """Stand in for transformers' reading step in this thread for the next ``cls`` model it reads;
     other threads and other models keep transformers' own."""
-    global _users
-    with _lock:
-        if _users == 0:
-            PreTrainedModel._load_pretrained_model = staticmethod(_read_as_slices)
-        _users += 1
+    locked(_lock, _count_users, 1)
     _state.armed = cls
     try:
         yield
     finally:
         _state.armed = None
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                PreTrainedModel._load_pretrained_model = _READ_CHECKPOINT
+        locked(_lock, _count_users, -1)
+
+
+def _count_users(step: int) -> None:
+    """One more (``step`` 1) or one fewer (-1) load in progress: the stand-in is in place while
+    there is one."""
+    global _users
+    _users += step
+    PreTrainedModel._load_pretrained_model = staticmethod(_read_as_slices) if _users else _READ_CHECKPOINT
 
 
 def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **kwargs):

@@ -39,7 +39,7 @@ LAYERS = {
     "strategies": 4,
     "discovery": 5, "hostmem": 5, "weights": 5, "planning": 5,
     "changes": 6, "ownership": 6, "config": 6, "timeline": 6, "labels": 6, "overlap": 6, "transaction": 6,
-    "device": 7, "errors": 7, "backend": 7, "accelerator": 7, "hookspecs": 7,
+    "device": 7, "errors": 7, "locks": 7, "backend": 7, "accelerator": 7, "hookspecs": 7,
     "plugins": 7, "dist": 7, "memory_accounting": 7,
 }
 START = ("api", "enable_offload", "target")

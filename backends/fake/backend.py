@@ -19,6 +19,7 @@ from offload_core.config import check_value, count
 from offload_core.device import collectives
 from offload_core.device.backend import Capability, DeviceBackend
 from offload_core.device.memory_accounting import HostRegistrations, as_shape, power_of_two_ceil
+from offload_core.locks import locked
 from offload_core.testing.capabilities import SimulatorCapability
 
 from .memory import FakeOutOfMemoryError, Pool
@@ -382,9 +383,7 @@ class FakeBackend(DeviceBackend):
         write is ordered after has run."""
         if not self.chaos:
             return None
-        with self._reads_lock:
-            pending = self._pending_reads[_storage_key(dst)] > 0
-        if not pending:
+        if not locked(self._reads_lock, self._pending_reads.__getitem__, _storage_key(dst)):
             with suspended():  # the backend's own write, part of the copy the sanitizer recorded
                 _poison(dst)
             return None
@@ -395,16 +394,16 @@ class FakeBackend(DeviceBackend):
         if not self.chaos:
             return None
         key = _storage_key(src)
-        with self._reads_lock:
-            self._pending_reads[key] += 1
+        locked(self._reads_lock, self._count_read, key, 1)
+        return functools.partial(locked, self._reads_lock, self._count_read, key, -1)
 
-        def done() -> None:
-            with self._reads_lock:
-                self._pending_reads[key] -= 1
-                if self._pending_reads[key] <= 0:
-                    del self._pending_reads[key]
-
-        return done
+    def _count_read(self, key: tuple[int, int], step: int) -> None:
+        """One more (``step`` 1) or one fewer (-1) queued read of storage ``key`` (the reads lock held)."""
+        count = self._pending_reads[key] + step
+        if count > 0:
+            self._pending_reads[key] = count
+        else:
+            self._pending_reads.pop(key, None)
 
     # -- collectives ----------------------------------------------------------------------
     def init_process_group(self, rank: int, world_size: int, init_method: str, **kwargs: Any) -> None:

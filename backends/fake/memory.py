@@ -48,33 +48,33 @@ class Pool(AllocationTracker):
 
 class Spans:
     """Live storages by address, for finding the one an address falls in: a sorted index rebuilt
-    lazily after a storage comes or goes (lookups far outnumber allocations)."""
+    lazily after a storage comes (lookups far outnumber allocations).
+
+    A storage's death runs no Python code: its weak reference's callback is the table's own
+    ``pop`` (a C method), so no interrupt or lock can stop it half way; the index may still list
+    a storage that died since, and a lookup checks that the one it finds is alive."""
 
     def __init__(self) -> None:
-        self._ends: dict[int, int] = {}  # first byte -> end byte
-        self._starts: list[int] | None = []
+        self._spans: dict[weakref.ref, tuple[int, int]] = {}  # a live storage -> (first byte, end byte)
+        # (first bytes in order, (end byte, storage) of each), or None when a storage came since
+        self._index: tuple[list[int], list[tuple[int, weakref.ref]]] | None = ([], [])
 
     def add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         start = storage.data_ptr()
         if not storage.nbytes():
             return
-        self._ends[start] = start + storage.nbytes()
-        self._starts = None
-        weakref.finalize(storage, self._drop, start)
-
-    def _drop(self, start: int) -> None:
-        self._ends.pop(start, None)
-        self._starts = None
+        self._spans[weakref.ref(storage, self._spans.pop)] = (start, start + storage.nbytes())
+        self._index = None
 
     def find(self, address: int) -> int | None:
         """The first byte of the live storage holding ``address``, or None."""
-        starts = self._starts
-        if starts is None:
-            starts = self._starts = sorted(self._ends.copy())  # a finalizer may drop one meanwhile
-        k = bisect.bisect_right(starts, address) - 1
+        index = self._index
+        if index is None:
+            spans = sorted(((span, ref) for ref, span in self._spans.copy().items()), key=lambda item: item[0])
+            index = self._index = ([start for (start, _), _ in spans], [(end, ref) for (_, end), ref in spans])
+        k = bisect.bisect_right(index[0], address) - 1
         if k < 0:
             return None
-        start = starts[k]
-        end = self._ends.get(start)
-        return start if end is not None and address < end else None
+        end, ref = index[1][k]
+        return index[0][k] if address < end and ref() is not None else None

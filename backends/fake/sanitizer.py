@@ -51,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from offload_core.labels import describe
+from offload_core.locks import locked
 
 from offload_core.weights.binding import BIND_HOOKS
 
@@ -162,11 +163,15 @@ def _settle() -> None:
 
 
 def _raise_pending() -> None:
-    with _PENDING_LOCK:
-        message = "\n".join(_PENDING)
-        _PENDING.clear()
+    message = locked(_PENDING_LOCK, _take_pending)
     if message:
         raise StreamRaceError(message)
+
+
+def _take_pending() -> str:
+    message = "\n".join(_PENDING)
+    _PENDING.clear()
+    return message
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -440,35 +445,39 @@ class Sanitizer:
         """An event recorded on ``stream``: the clock it captures."""
         install()
         _settle()
-        with self._lock:
-            clock = self.clock(stream)
-            clock.join(self.host.vc)
-            return dict(clock.vc)
+        return locked(self._lock, self._recorded, stream)
+
+    def _recorded(self, stream: Any) -> dict[int, int]:
+        clock = self.clock(stream)
+        clock.join(self.host.vc)
+        return dict(clock.vc)
 
     def on_wait(self, captured: dict[int, int] | None, stream: Any) -> None:
         install()
         _settle()
-        with self._lock:
-            if captured:
-                self.clock(stream).join(captured)
+        if captured:
+            locked(self._lock, self._waited, captured, stream)
+
+    def _waited(self, captured: dict[int, int], stream: Any) -> None:
+        self.clock(stream).join(captured)
 
     def on_host_sync(self, captured: dict[int, int] | None) -> None:
         """The host synchronised with an event (or a stream: pass its clock)."""
-        with self._lock:
-            if captured:
-                self.host.join(captured)
+        if captured:
+            locked(self._lock, self.host.join, captured)
         _settle()
 
     def on_stream_sync(self, stream: Any) -> None:
-        with self._lock:
-            self.host.join(self.clock(stream).vc)
+        locked(self._lock, self._host_joins, [stream])
         _settle()
 
     def on_synchronize_all(self, streams: Iterable[Any]) -> None:
-        with self._lock:
-            for stream in streams:
-                self.host.join(self.clock(stream).vc)
+        locked(self._lock, self._host_joins, streams)
         _settle()
+
+    def _host_joins(self, streams: Iterable[Any]) -> None:
+        for stream in streams:
+            self.host.join(self.clock(stream).vc)
 
     # -- memory ----------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, kind: str) -> None:
@@ -479,15 +488,17 @@ class Sanitizer:
         key = _key(tensor)
         nbytes = tensor.untyped_storage().nbytes()
         _settle()
-        with self._lock:
-            alloc = self.clock(self._current_stream()) if kind == "device" else self.host
-            ghosts = self._ghosts.get(alloc.id, {})
-            for k in [k for k, a in ghosts.items() if self.host.knows(a.stream, a.seq)]:
-                del ghosts[k]
-            inherited = [dataclasses.replace(a, start=0, end=nbytes) for a in ghosts.values()]
-            _TRACKED[key] = Tracked(self, kind, alloc, inherited)
-            _SPANS.add(tensor)
+        locked(self._lock, self._track, tensor, kind, key, nbytes)
         weakref.finalize(tensor.untyped_storage(), self._dropped, key)
+
+    def _track(self, tensor: torch.Tensor, kind: str, key: tuple[int, int], nbytes: int) -> None:
+        alloc = self.clock(self._current_stream()) if kind == "device" else self.host
+        ghosts = self._ghosts.get(alloc.id, {})
+        for k in [k for k, a in ghosts.items() if self.host.knows(a.stream, a.seq)]:
+            del ghosts[k]
+        inherited = [dataclasses.replace(a, start=0, end=nbytes) for a in ghosts.values()]
+        _TRACKED[key] = Tracked(self, kind, alloc, inherited)
+        _SPANS.add(tensor)
 
     def _dropped(self, key: tuple[int, int]) -> None:
         """The last reference to a tracked storage is gone. This runs wherever a garbage collection
@@ -501,28 +512,29 @@ class Sanitizer:
     def _judge(self, tracked: Tracked, host: dict[int, int], alloc_vc: dict[int, int]) -> None:
         """A dropped storage, with the clocks of the moment it was dropped: each access not known
         finished either carries over to the allocation stream's next buffer or is reported."""
-        with self._lock:
-            alloc = tracked.alloc
-            ghosts = self._ghosts.setdefault(alloc.id, {})
-            for a in tracked.accesses:
-                if host.get(a.stream, 0) >= a.seq:
-                    continue  # finished, as far as the host knew: nothing can race with it
-                if tracked.kind == "pinned" and a.site.what.startswith("copy_async"):
-                    continue  # the pinned allocator records the copy's stream and reuses the block after it
-                if alloc is not self.host and alloc_vc.get(a.stream, 0) >= a.seq:
-                    old = ghosts.get((a.stream, a.write))
-                    if old is None or old.seq < a.seq:
-                        ghosts[(a.stream, a.write)] = a  # the memory's next user must order after it
-                    continue
-                report = (
-                    f"{tracked.kind} memory was freed (its last reference dropped) while work that touches it "
-                    f"may still run: on a device the allocator can hand it to the next tensor at once.\n"
-                    f"  {a.site.render('pending ' + ('write' if a.write else 'read'), a.start, a.end)}\n"
-                    f"  neither the host nor stream {alloc.name!r} (where it was allocated) is known to have "
-                    f"waited for that op: synchronize an event recorded after it before dropping the buffer"
-                )
-                with _PENDING_LOCK:
-                    _PENDING.append(report)
+        locked(self._lock, self._judged, tracked, host, alloc_vc)
+
+    def _judged(self, tracked: Tracked, host: dict[int, int], alloc_vc: dict[int, int]) -> None:
+        alloc = tracked.alloc
+        ghosts = self._ghosts.setdefault(alloc.id, {})
+        for a in tracked.accesses:
+            if host.get(a.stream, 0) >= a.seq:
+                continue  # finished, as far as the host knew: nothing can race with it
+            if tracked.kind == "pinned" and a.site.what.startswith("copy_async"):
+                continue  # the pinned allocator records the copy's stream and reuses the block after it
+            if alloc is not self.host and alloc_vc.get(a.stream, 0) >= a.seq:
+                old = ghosts.get((a.stream, a.write))
+                if old is None or old.seq < a.seq:
+                    ghosts[(a.stream, a.write)] = a  # the memory's next user must order after it
+                continue
+            report = (
+                f"{tracked.kind} memory was freed (its last reference dropped) while work that touches it "
+                f"may still run: on a device the allocator can hand it to the next tensor at once.\n"
+                f"  {a.site.render('pending ' + ('write' if a.write else 'read'), a.start, a.end)}\n"
+                f"  neither the host nor stream {alloc.name!r} (where it was allocated) is known to have "
+                f"waited for that op: synchronize an event recorded after it before dropping the buffer"
+            )
+            locked(_PENDING_LOCK, _PENDING.append, report)
 
     # -- accesses --------------------------------------------------------------------------
     def on_collective(self, output: torch.Tensor, input: torch.Tensor, stream: Any) -> dict[int, int]:
@@ -532,41 +544,47 @@ class Sanitizer:
         install()
         frames = _frames()
         _settle()
-        with self._lock:
-            issuing = self.clock(stream)
-            comm = self._collective_clocks.get(issuing.id)
-            if comm is None:
-                comm = self._collective_clocks[issuing.id] = Clock(next(self._ids), f"{issuing.name} collectives")
-            comm.join(issuing.vc)
-            comm, seq = self._tick_clock(comm)
-            self._access(input, False, comm, seq, "all_gather", frames)
-            self._access(output, True, comm, seq, "all_gather", frames)
-            return dict(comm.vc)
+        return locked(self._lock, self._gathered, output, input, stream, frames)
+
+    def _gathered(self, output: torch.Tensor, input: torch.Tensor, stream: Any, frames) -> dict[int, int]:
+        issuing = self.clock(stream)
+        comm = self._collective_clocks.get(issuing.id)
+        if comm is None:
+            comm = self._collective_clocks[issuing.id] = Clock(next(self._ids), f"{issuing.name} collectives")
+        comm.join(issuing.vc)
+        comm, seq = self._tick_clock(comm)
+        self._access(input, False, comm, seq, "all_gather", frames)
+        self._access(output, True, comm, seq, "all_gather", frames)
+        return dict(comm.vc)
 
     def on_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str) -> None:
         install()
         frames = _frames()
         _settle()
-        with self._lock:
-            clock, seq = self._tick(stream)
-            self._access(src, False, clock, seq, what, frames)
-            self._access(dst, True, clock, seq, what, frames)
+        locked(self._lock, self._copied, dst, src, stream, what, frames)
+
+    def _copied(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str, frames) -> None:
+        clock, seq = self._tick(stream)
+        self._access(src, False, clock, seq, what, frames)
+        self._access(dst, True, clock, seq, what, frames)
 
     def on_op(self, what: str, hits, frames, host_sync: bool) -> None:
         """A torch operation issued by the host: device memory on the current stream, pinned memory
         on the host itself."""
         _settle()
-        with self._lock:
-            on_device = [h for h in hits if h[2].kind == "device"]
-            if on_device:
-                clock, seq = self._tick(self._current_stream())
-                for tensor, write, _ in on_device:
-                    self._access(tensor, write, clock, seq, what, frames)
-                if host_sync:
-                    self.host.join(clock.vc)
-            for tensor, write, tracked in hits:
-                if tracked.kind != "device":
-                    self._access(tensor, write, self.host, 0, f"host {what}", frames)
+        locked(self._lock, self._operated, what, hits, frames, host_sync)
+
+    def _operated(self, what: str, hits, frames, host_sync: bool) -> None:
+        on_device = [h for h in hits if h[2].kind == "device"]
+        if on_device:
+            clock, seq = self._tick(self._current_stream())
+            for tensor, write, _ in on_device:
+                self._access(tensor, write, clock, seq, what, frames)
+            if host_sync:
+                self.host.join(clock.vc)
+        for tensor, write, tracked in hits:
+            if tracked.kind != "device":
+                self._access(tensor, write, self.host, 0, f"host {what}", frames)
 
     def _access(self, t: torch.Tensor, write: bool, clock: Clock, seq: int, what: str, frames) -> None:
         """Check an access against the live records of its storage, then record it. Host accesses

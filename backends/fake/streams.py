@@ -17,6 +17,8 @@ import time
 import weakref
 from typing import Callable
 
+from offload_core.locks import locked
+
 from .sanitizer import suspended, watching
 from .trace import StreamTrace, now_ns
 
@@ -44,8 +46,7 @@ def _stop_workers_at_exit() -> None:
     _EXITING.set()
     queues = list(_QUEUES)
     for q in queues:
-        with q.cond:
-            q.cond.notify_all()
+        locked(q.lock, q.cond.notify_all)
         q.stop()
     deadline = time.monotonic() + _EXIT_JOIN_SECONDS
     for q in queues:
@@ -66,16 +67,14 @@ class _Chaos:
         self._lock = threading.Lock()
 
     def delay(self) -> None:
-        with self._lock:
-            d = self._rng.uniform(self.max_delay / 2, self.max_delay)
-        pause(d)
+        pause(locked(self._lock, self._rng.uniform, self.max_delay / 2, self.max_delay))
 
 
 class _Queue:
     """State shared by a side stream's handle and its worker thread.
 
     The worker holds only this object, never the handle, so dropping the last handle stops the
-    thread (a finalizer enqueues the stop sentinel).
+    thread (the handle's weak reference, ``stopper``, is queued as the last task).
     """
 
     def __init__(self, name: str, timeline: StreamTrace, chaos: _Chaos | None) -> None:
@@ -83,13 +82,15 @@ class _Queue:
         self.timeline = timeline
         self.chaos = chaos
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()  # taken directly where no one waits: a Condition's own ``with`` is Python code
+        # taken directly (through locked) where no one waits: a Condition's own ``with`` is Python code
+        self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.waiters = 0  # threads in wait_for: a finished task notifies only when someone waits
         self.enqueued = 0
         self.done = 0
         self.error: BaseException | None = None
         self.closed = False  # after close(), work runs on the submitting thread (see submit)
+        self.stopper: weakref.ref | None = None  # the stream's death: see FakeStream
         self.thread = threading.Thread(target=self.run, name=f"offload-core-{name}", daemon=True)
         self.thread.start()
         _QUEUES.add(self)
@@ -102,35 +103,42 @@ class _Queue:
         prepare: Callable[[], None] | None = None,
         inline: bool = False,
     ) -> int:
-        with self.lock:
-            self.enqueued += 1
-            seq = self.enqueued
-            if self.closed:
-                # no worker any more (backend.close() with a model still offloaded): run the work
-                # here, in order, rather than queue it for nobody and hang its waiter
-                self.waiters += 1
-                self.cond.wait_for(lambda: self.done >= seq - 1 or _EXITING.is_set())
-                self.waiters -= 1
-                if prepare is not None and self.error is None:
-                    with suspended():
-                        prepare()
-                self._execute(fn, label, nbytes)
-                self._mark_done(seq)
-                return seq
-            if inline and self.done == seq - 1 and self.error is None and prepare is None:
-                # An idle stream starts the work at once: run it here, under the lock, so that
-                # no later submission can overtake it. Waking the worker would cost more than a
-                # small copy (two GIL handoffs), a cost no real device has.
-                self._execute(fn, label, nbytes)
-                self._mark_done(seq)
-                return seq
-        self.tasks.put((seq, fn, label, nbytes, prepare))
+        seq, ran = locked(self.lock, self._take_turn, fn, label, nbytes, prepare, inline)
+        if not ran:
+            self.tasks.put((seq, fn, label, nbytes, prepare))
         return seq
+
+    def _take_turn(
+        self, fn: Callable[[], None], label: str, nbytes: int, prepare: Callable[[], None] | None, inline: bool
+    ) -> tuple[int, bool]:
+        """(the task's position, whether it ran here already) (the lock held)."""
+        self.enqueued += 1
+        seq = self.enqueued
+        if self.closed:
+            # no worker any more (backend.close() with a model still offloaded): run the work
+            # here, in order, rather than queue it for nobody and hang its waiter
+            self.waiters += 1
+            self.cond.wait_for(lambda: self.done >= seq - 1 or _EXITING.is_set())
+            self.waiters -= 1
+            if prepare is not None and self.error is None:
+                with suspended():
+                    prepare()
+            self._execute(fn, label, nbytes)
+            self._mark_done(seq)
+            return seq, True
+        if inline and self.done == seq - 1 and self.error is None and prepare is None:
+            # An idle stream starts the work at once: run it here, under the lock, so that no
+            # later submission can overtake it. Waking the worker would cost more than a small
+            # copy (two GIL handoffs), a cost no real device has.
+            self._execute(fn, label, nbytes)
+            self._mark_done(seq)
+            return seq, True
+        return seq, False
 
     def run(self) -> None:
         while True:
             item = self.tasks.get()
-            if item is None or _EXITING.is_set():
+            if item is None or item is self.stopper or _EXITING.is_set():
                 return
             seq, fn, label, nbytes, prepare = item
             try:
@@ -143,8 +151,7 @@ class _Queue:
                 self.chaos.delay()
             self._execute(fn, label, nbytes)
             del item, fn, prepare  # the task's tensors must not outlive it (device memory accounting)
-            with self.cond:
-                self._mark_done(seq)
+            locked(self.lock, self._mark_done, seq)
 
     def _execute(self, fn: Callable[[], None], label: str, nbytes: int) -> None:
         """Run one task and put it on the timeline; a failure is kept for the next synchronisation."""
@@ -167,22 +174,26 @@ class _Queue:
             self.cond.notify_all()
 
     def wait_for(self, seq: int) -> None:
-        with self.cond:
-            self.waiters += 1
-            try:
-                self.cond.wait_for(lambda: self.done >= seq or _EXITING.is_set())
-            finally:
-                self.waiters -= 1
+        locked(self.lock, self._wait, seq)
         self.raise_error()
+
+    def _wait(self, seq: int) -> None:
+        self.waiters += 1
+        try:
+            self.cond.wait_for(lambda: self.done >= seq or _EXITING.is_set())
+        finally:
+            self.waiters -= 1
 
     def raise_error(self) -> None:
         if self.error is not None:
             raise StreamError(f"work on fake stream {self.name!r} failed: {self.error!r}") from self.error
 
     def stop(self) -> None:
-        with self.cond:  # work submitted from now on runs inline; what was queued before still drains
-            self.closed = True
+        locked(self.lock, self._close)  # work submitted from now on runs inline; what was queued still drains
         self.tasks.put(None)
+
+    def _close(self) -> None:
+        self.closed = True
 
 
 class FakeStream:
@@ -190,7 +201,12 @@ class FakeStream:
 
     def __init__(self, name: str, timeline: StreamTrace, chaos: _Chaos | None, sanitizer=None) -> None:
         self._q = _Queue(name, timeline, chaos)
-        self._finalizer = weakref.finalize(self, self._q.stop)
+        # Dropping the last handle stops the worker, once what was queued has run: the reference's
+        # callback queues the reference itself as the worker's last task. It is a C method, taking
+        # no lock: a garbage collection runs it on whichever thread allocates, also the worker
+        # while it holds the queue's lock, and a Ctrl-C cannot land half way through it. The queue
+        # keeps the reference, so that it outlives a stream collected in a reference cycle.
+        self._q.stopper = weakref.ref(self, self._q.tasks.put)
         self._san = sanitizer
 
     @property
@@ -243,7 +259,7 @@ class FakeStream:
 
     def close(self) -> None:
         """Finish queued work, then stop the worker thread."""
-        self._finalizer()
+        self._q.stop()
         self._q.thread.join()
 
     def __repr__(self) -> str:

@@ -11,7 +11,9 @@ when it runs), so ``--help``, ``--version`` and usage errors answer at once.
 Error contract: bad input (an unknown option or command, a backend name nobody registered) is one
 line on stderr and exit status 2, never a traceback, because these commands run in scripts and CI
 logs where a traceback hides the one line that matters. A ``run`` function raises
-:class:`UsageError` for that; anything else escaping it is a bug and keeps its traceback.
+:class:`UsageError` for that; anything else escaping it is a bug and keeps its traceback. Ctrl-C,
+in any command and at any point of it, is ``offload-core: interrupted`` and exit status 130 (what a
+shell reports for a process SIGINT ended), handled here once for every subcommand.
 """
 
 from __future__ import annotations
@@ -176,8 +178,12 @@ def _quiet_torchao_abi_warning(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith(TORCHAO_ABI_WARNING)
 
 
+#: the exit status of a command Ctrl-C stopped: 128 + SIGINT, as a shell reports it
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point: the exit status (0 ok, 2 bad input), never ``sys.exit``."""
+    """Console entry point: the exit status (0 ok, 2 bad input, 130 interrupted), never ``sys.exit``."""
     logging.getLogger("torchao").addFilter(_quiet_torchao_abi_warning)  # once: a filter is added once
     try:
         args = build_parser().parse_args(argv)
@@ -185,5 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 0

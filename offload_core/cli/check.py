@@ -64,10 +64,15 @@ def run_check_backend(args: argparse.Namespace) -> int:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, bufsize=1
         ) as child:
             assert child.stdout is not None
-            for line in child.stdout:
-                sys.stdout.write(line)
-                if line.strip():
-                    last = line.strip()
+            try:
+                for line in child.stdout:
+                    sys.stdout.write(line)
+                    if line.strip():
+                        last = line.strip()
+            except BaseException:  # Ctrl-C (a signal to this process alone): the kit stops with it
+                child.terminate()
+                child.wait()
+                raise
             code = child.wait()
     print()
     print(summary(args.name, code, last))

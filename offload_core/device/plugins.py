@@ -28,6 +28,7 @@ from typing import Any
 import pluggy
 
 from ..errors import BackendNotFoundError, OffloadConfigError
+from ..locks import locked
 from . import hookspecs
 from .backend import DeviceBackend
 
@@ -201,11 +202,14 @@ class Registry:
         if options:
             _check_options(info, options)
             return info.cls(**options)
-        with self._lock:
-            instance = self._instances.get(info.name)
-            if instance is None:
-                instance = self._instances[info.name] = info.cls()
-            return instance
+        return locked(self._lock, self._shared, info)
+
+    def _shared(self, info: BackendInfo) -> DeviceBackend:
+        """The one instance of ``info``'s backend without options (the caller holds the lock)."""
+        instance = self._instances.get(info.name)
+        if instance is None:
+            instance = self._instances[info.name] = info.cls()
+        return instance
 
 
 def _source(ep: importlib.metadata.EntryPoint) -> str:
@@ -247,22 +251,26 @@ _BUILDING = False
 def registry() -> Registry:
     """The process's registry, built on first use. Threads wait for one another; a call from the
     thread that is building it (a plugin using offload_core while it is imported) is an error."""
-    global _REGISTRY, _BUILDING
     if _REGISTRY is not None:
         return _REGISTRY
-    with _REGISTRY_LOCK:
-        if _REGISTRY is None:
-            if _BUILDING:
-                raise RuntimeError(
-                    "offload_core's backend registry was used while its plugins were being loaded (a plugin "
-                    "called get_backend() or list_backends() at import time); use it later, e.g. inside the "
-                    "backend's methods"
-                )
-            _BUILDING = True
-            try:
-                _REGISTRY = Registry()
-            finally:
-                _BUILDING = False
+    return locked(_REGISTRY_LOCK, _build_registry)
+
+
+def _build_registry() -> Registry:
+    """The registry, built once (the caller holds ``_REGISTRY_LOCK``)."""
+    global _REGISTRY, _BUILDING
+    if _REGISTRY is None:
+        if _BUILDING:
+            raise RuntimeError(
+                "offload_core's backend registry was used while its plugins were being loaded (a plugin "
+                "called get_backend() or list_backends() at import time); use it later, e.g. inside the "
+                "backend's methods"
+            )
+        _BUILDING = True
+        try:
+            _REGISTRY = Registry()
+        finally:
+            _BUILDING = False
     return _REGISTRY
 
 

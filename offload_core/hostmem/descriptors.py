@@ -19,6 +19,8 @@ import threading
 import weakref
 from typing import Iterator
 
+from ..locks import locked
+
 #: the most checkpoint and spill file descriptors open at once (more only while that many reads
 #: hold theirs: one per reading thread)
 OPEN_FILES = 32
@@ -40,45 +42,53 @@ class DescriptorCache:
     def __init__(self, limit: int = OPEN_FILES) -> None:
         self.limit = limit
         self._open: collections.OrderedDict[int, _Descriptor] = collections.OrderedDict()
-        # re-entrant: a file's finalizer (``close``) may run inside a cache operation of this thread
+        # re-entrant: a file's finalizer (``close``) may run inside a cache operation of this
+        # thread; taken through ``locks.locked``, so that no interrupt leaves it held
         self._lock = threading.RLock()
 
     @contextlib.contextmanager
     def reading(self, file) -> Iterator[int]:
         """A descriptor of ``file`` open for reading until the block ends."""
-        with self._lock:
-            d = self._open.get(id(file))
-            if d is not None and d.file() is not file:  # left by a file that died unclosed
-                del self._open[id(file)]
-                self._drop(d)
-                d = None
-            if d is None:
-                self._make_room()
-                d = _Descriptor(os.open(file.path, os.O_RDONLY | os.O_CLOEXEC), file)
-                self._open[id(file)] = d
-            else:
-                self._open.move_to_end(id(file))
-            d.users += 1
+        d = locked(self._lock, self._use, file)
         try:
             yield d.fd
         finally:
-            with self._lock:
-                d.users -= 1
-                if d.dropped and d.users == 0:
-                    os.close(d.fd)
+            locked(self._lock, self._done, d)
+
+    def _use(self, file) -> _Descriptor:
+        d = self._open.get(id(file))
+        if d is not None and d.file() is not file:  # left by a file that died unclosed
+            del self._open[id(file)]
+            self._drop(d)
+            d = None
+        if d is None:
+            self._make_room()
+            d = _Descriptor(os.open(file.path, os.O_RDONLY | os.O_CLOEXEC), file)
+            self._open[id(file)] = d
+        else:
+            self._open.move_to_end(id(file))
+        d.users += 1
+        return d
+
+    @staticmethod
+    def _done(d: _Descriptor) -> None:
+        d.users -= 1
+        if d.dropped and d.users == 0:
+            os.close(d.fd)
 
     def close(self, file) -> None:
         """Close ``file``'s descriptor now, or when the reads using it end; a later read opens it
         again."""
-        with self._lock:
-            d = self._open.pop(id(file), None)
-            if d is not None:
-                self._drop(d)
+        locked(self._lock, self._close, file)
+
+    def _close(self, file) -> None:
+        d = self._open.pop(id(file), None)
+        if d is not None:
+            self._drop(d)
 
     def open_count(self) -> int:
         """Descriptors this cache holds open (those of evicted files still in use included)."""
-        with self._lock:
-            return len(self._open)
+        return locked(self._lock, len, self._open)
 
     def _after_fork(self) -> None:
         """In a forked child: the parent's threads, and their reads, are gone; the descriptors

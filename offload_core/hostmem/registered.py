@@ -15,7 +15,6 @@ A block is unregistered when the last view of it dies, or by :meth:`RegisteredMe
 from __future__ import annotations
 
 import mmap
-import threading
 import weakref
 
 import torch
@@ -36,7 +35,6 @@ class RegisteredMemory:
         # first byte -> (mapping, registered pieces): holding the mapping keeps it mapped until its
         # pieces are unregistered, whatever order the tensor's storage lets go of it in
         self._live: dict[int, tuple[mmap.mmap, list[int]]] = {}
-        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 tensor of ``page_round(nbytes)`` registered bytes. Raises
@@ -55,17 +53,22 @@ class RegisteredMemory:
             for ptr in pieces:
                 self.backend.unregister_host(ptr)
             raise
-        with self._lock:
-            self._live[base] = (mapping, pieces)
+        self._live[base] = (mapping, pieces)
         weakref.finalize(tensor.untyped_storage(), self._release, base)
         return tensor
 
     def _release(self, base: int) -> None:
-        with self._lock:
-            entry = self._live.pop(base, None)
-        if entry is not None:  # not already released by close()
-            for ptr in entry[1]:
-                self.backend.unregister_host(ptr)
+        """Unregister the block at ``base``: its storage died, or :meth:`close`. A finalizer runs
+        this wherever a garbage collection happens, so it takes no lock (each step is one atomic
+        list or dict operation), and what an interrupt stops is finished by :meth:`close`: a piece
+        leaves the list on the line that unregisters it, the entry only once all are done."""
+        entry = self._live.get(base)
+        if entry is None:  # already released
+            return
+        pieces = entry[1]
+        while pieces:
+            self.backend.unregister_host(pieces.pop())
+        self._live.pop(base, None)
 
     @property
     def live_blocks(self) -> int:

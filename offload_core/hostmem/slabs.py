@@ -43,6 +43,7 @@ from typing import Iterable
 import torch
 
 from ..device.backend import Capability
+from ..locks import locked
 from ..weights.unit import ALIGN_BYTES
 from .registered import RegisteredMemory, page_round
 
@@ -89,29 +90,42 @@ class SlabAllocator:
             self.slab_bytes = min(self.slab_bytes, backend.pinned_chunk_bytes)
         self._remaining = sum(sizes)
         self._slabs: list[Slab] = []
-        self._lock = threading.RLock()  # a slab's finalizer may run inside allocate()
-        self.live_bytes = 0  # real pinned bytes of the slabs still alive
-        self.live_slabs = 0
+        # weak reference to a live slab's storage -> the pinned bytes it really takes. A slab's
+        # death runs no Python code (a garbage collection may run it inside allocate(), and a
+        # Ctrl-C landing in a Python finalizer is swallowed with its work half done): the
+        # reference's callback is this dict's own pop, so the counts below are exact at any time.
+        self._live: dict[weakref.ref, int] = {}
+        self._lock = threading.Lock()  # threads allocating at once (taken through locks.locked)
+
+    @property
+    def live_bytes(self) -> int:
+        """Real pinned bytes of the slabs still alive."""
+        return sum(self._live.copy().values())
+
+    @property
+    def live_slabs(self) -> int:
+        return len(self._live)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat pinned tensor of ``numel`` elements: a view into a slab."""
+        return locked(self._lock, self._allocate, numel, dtype)
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         need = aligned(nbytes)
-        with self._lock:
-            self.largest = max(self.largest, need)
-            slab, storage = self._newest(need)
-            if slab is None:
-                slab, storage = self._new_slab(need)
-            offset = slab.used
-            slab.used += need
-            self._remaining = max(self._remaining - need, 0)
+        self.largest = max(self.largest, need)
+        slab, storage = self._newest(need)
+        if slab is None:
+            slab, storage = self._new_slab(need)
+        offset = slab.used
+        slab.used += need
+        self._remaining = max(self._remaining - need, 0)
         view = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,))
         return view.view(dtype)
 
     def tail_bytes(self) -> int:
         """Bytes of live slabs that no request uses: what the slabs waste."""
-        with self._lock:
-            return sum(s.tail for s in self._slabs if s.storage() is not None)
+        return locked(self._lock, lambda: sum(s.tail for s in self._slabs if s.storage() is not None))
 
     # -- internals --------------------------------------------------------------------------
     def _newest(self, need: int) -> tuple[Slab | None, torch.UntypedStorage | None]:
@@ -127,8 +141,10 @@ class SlabAllocator:
 
     def unplan(self, nbytes: int) -> None:
         """``nbytes`` of the planned requests will not come (their homes went pageable)."""
-        with self._lock:
-            self._remaining = max(self._remaining - nbytes, 0)
+        locked(self._lock, self._unplan, nbytes)
+
+    def _unplan(self, nbytes: int) -> None:
+        self._remaining = max(self._remaining - nbytes, 0)
 
     def close(self) -> None:
         """Unregister the registered slabs still alive (``disable``: a caller may hold a view)."""
@@ -185,17 +201,10 @@ class SlabAllocator:
             tensor = self._pin(size)
         storage = tensor.untyped_storage()
         real = self._real(size)
-        self.live_bytes += real
-        self.live_slabs += 1
-        weakref.finalize(storage, self._released, real)
+        self._live[weakref.ref(storage, self._live.pop)] = real  # one statement: counted, or never seen
         slab = Slab(weakref.ref(storage), size)
         self._slabs.append(slab)
         return slab, storage
-
-    def _released(self, real: int) -> None:
-        with self._lock:
-            self.live_bytes -= real
-            self.live_slabs -= 1
 
     def __repr__(self) -> str:
         return f"<SlabAllocator {self.live_slabs} slabs, {self.live_bytes} pinned bytes>"

@@ -180,6 +180,10 @@ class Ticket:
 
 
 _STAGERS: weakref.WeakSet = weakref.WeakSet()
+#: each live stager's weak reference, whose callback queues the reference itself when the stager is
+#: dropped (a C call: no Python code runs where a garbage collection drops it, and no Ctrl-C lands
+#: half way); kept here until its worker, or close(), takes it
+_STOPPERS: set = set()
 _EXITING = threading.Event()
 _exit_hook: list = []  # the exit hook, once registered
 
@@ -193,7 +197,8 @@ class Stager:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=_work, args=(self._queue, on_start), name=name, daemon=True)
         self._thread.start()
-        weakref.finalize(self, self._queue.put, None)  # the thread holds only the queue
+        self._stopper = weakref.ref(self, self._queue.put)  # the thread holds only the queue
+        _STOPPERS.add(self._stopper)
         if not _exit_hook:
             # registered on first use, after the backends' own hooks, so that it runs before
             # them: the task in progress may still wait on their streams
@@ -220,6 +225,7 @@ class Stager:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        _STOPPERS.discard(self._stopper)
 
 
 def _work(tasks: queue.SimpleQueue, on_start: Callable[[], None] | None) -> None:
@@ -234,6 +240,9 @@ def _work(tasks: queue.SimpleQueue, on_start: Callable[[], None] | None) -> None
         failed = exc
     while True:
         item = tasks.get()
+        if type(item) is weakref.ref:  # the stager was dropped
+            _STOPPERS.discard(item)
+            return
         if item is None or _EXITING.is_set():
             return
         task, ticket = item

@@ -39,6 +39,7 @@ from torch._C import _autograd
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import OffloadedModelError
+from ..locks import locked
 from ..weights.layout import storage_key
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
@@ -299,24 +300,26 @@ class SavedSlots:
                 "(a structural change) since the forward that saved them: run backward before handle.disable() "
                 "or before changing the model's structure"
             )
-        with strategy.lock:
-            task = _graph_task()
-            first = not self._in_backward or task != self._task
-            if first:
-                if self._in_backward:  # a backward that raised before its end
-                    strategy.end_backward()
-                if not self._begin_backward(task):
-                    return self._read_outside_backward(strategy, packed)
-            i = packed.block
-            if i not in self._checked:
-                self._check_versions(strategy, i)
-            param = packed.param() if packed.param is not None else None
-            if param is not None and param._version != packed.version:
-                self._checked.discard(i)
-                self._check_versions(strategy, i, force=True)
-            _ensure_loaded(strategy, i, miss=not first)
-            self._prefetch(i)
-            return _view(strategy, packed)
+        return locked(strategy.lock, self._unpack_slot, strategy, packed)
+
+    def _unpack_slot(self, strategy, packed: SlotRef) -> torch.Tensor:
+        task = _graph_task()
+        first = not self._in_backward or task != self._task
+        if first:
+            if self._in_backward:  # a backward that raised before its end
+                strategy.end_backward()
+            if not self._begin_backward(task):
+                return self._read_outside_backward(strategy, packed)
+        i = packed.block
+        if i not in self._checked:
+            self._check_versions(strategy, i)
+        param = packed.param() if packed.param is not None else None
+        if param is not None and param._version != packed.version:
+            self._checked.discard(i)
+            self._check_versions(strategy, i, force=True)
+        _ensure_loaded(strategy, i, miss=not first)
+        self._prefetch(i)
+        return _view(strategy, packed)
 
     def _check_versions(self, strategy, i: int, force: bool = False) -> None:
         if force or strategy.versions(i) != self._versions.get(i):
@@ -376,8 +379,7 @@ class SavedSlots:
             return  # a backward already ended (by a later one that found it unfinished)
         strategy = self._strategy()
         if strategy is not None and strategy.enabled:
-            with strategy.lock:
-                strategy.end_backward()
+            locked(strategy.lock, strategy.end_backward)
         # only now: an end interrupted half-way is still to do, by the next forward (forget_backward)
         self._in_backward = False
         self._stale = True

@@ -107,6 +107,7 @@ class CallWrapper:
         self._after_eager = after
         self._inner = module.__dict__.get("_compiled_call_impl")  # compiled in place before enable
         self._call = compile_disabled(self._run, recursive=False)
+        self._compiled_work = compile_disabled(self._work, recursive=False)
         self._entry = self._checked_call  # one bound method, so that remove() recognises it
         self._pinned_forward = "forward" not in module.__dict__
 
@@ -129,9 +130,9 @@ class CallWrapper:
                 "then enable offloading again"
             )
         if _compiling_frames():
-            return self._call(self._enter, self._after, args, kwargs)
+            return self._call(self._compiled_work, self._enter, self._after, args, kwargs)
         # eager: nothing would trace the work, so its disabled wrappers are skipped
-        return self._run(self._prepare, self._after_eager, args, kwargs)
+        return self._run(self._work, self._prepare, self._after_eager, args, kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._work_before is not None:
@@ -140,22 +141,27 @@ class CallWrapper:
             return to_device(args, self._device), to_device(kwargs, self._device)
         return args, kwargs
 
-    def _run(self, enter: Callable, after: Callable[[bool], None] | None, args: tuple, kwargs: dict) -> Any:
-        # Under Dynamo this frame is skipped but the frames it calls are compiled: the work is in
-        # the two disabled calls, and the module's own frames between them are compiled as usual.
-        with self._lock:
-            # taken now: a strategy that re-packs inside ``before`` removes this wrapper, and the
-            # call that began here must still end with its ``after``
-            failed = True
-            try:
-                args, kwargs = enter(args, kwargs)
-                inner = self._inner
-                output = inner(*args, **kwargs) if inner is not None else self.module._call_impl(*args, **kwargs)
-                failed = False
-            finally:
-                if after is not None:
-                    after(failed)
-            return output
+    def _run(self, work: Callable, enter: Callable, after: Callable[[bool], None] | None, args: tuple,
+             kwargs: dict) -> Any:
+        # ``work`` holding the lock, the with statement on one line (offload_core.locks): no
+        # interrupt leaves the handle's lock held. Under Dynamo this frame and ``work``'s are
+        # skipped (``work`` is then the disabled wrapper), and the frames they call are compiled.
+        with self._lock: return work(enter, after, args, kwargs)  # noqa: E701
+
+    def _work(self, enter: Callable, after: Callable[[bool], None] | None, args: tuple, kwargs: dict) -> Any:
+        # ``after`` captured now: a strategy that re-packs inside ``before`` removes this wrapper,
+        # and the call that began here must still end with its ``after``. The work is in the two
+        # disabled calls, and the module's own frames between them are compiled as usual.
+        failed = True
+        try:
+            args, kwargs = enter(args, kwargs)
+            inner = self._inner
+            output = inner(*args, **kwargs) if inner is not None else self.module._call_impl(*args, **kwargs)
+            failed = False
+        finally:
+            if after is not None:
+                after(failed)
+        return output
 
     def _compile(self, *args: Any, **kwargs: Any) -> None:
         """``nn.Module.compile`` for a wrapped module: compile its call, keep the wrapper outside."""
@@ -179,7 +185,7 @@ class CallWrapper:
             del state["forward"]
         # last, once the module is restored: an interrupted call can be made again
         self._work_before = self._enter = self._after = self._after_eager = None
-        self._call = self._entry = None
+        self._call = self._entry = self._compiled_work = None
 
 
 def calls_running(modules) -> int:

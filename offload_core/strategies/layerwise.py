@@ -71,6 +71,7 @@ from torch.nn.modules.module import _global_forward_pre_hooks as _global_pre_hoo
 
 from ..device.backend import DeviceBackend
 from ..errors import OffloadedModelError
+from ..locks import locked
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
@@ -284,15 +285,17 @@ class LayerwiseOffload(Part):
         blocks); their homes are the truth until the part runs again. Outside any pass, and not
         while a backward may still read what a forward saved (until that backward, or the part's
         next forward)."""
-        with self.lock:
-            if not self.enabled or self.ring is None or self._passes or self._bound >= 0 or self.saved.recorded:
-                return
-            logger.debug("%s parks: its phase is over", self.describe())
-            self.quiesce()
-            self.ring = None  # parked from here: an interrupt below is finished by the next unpark
-            self._send_held_home()
-            self._drop_device()
-            self._serve(None)
+        locked(self.lock, self._park)
+
+    def _park(self) -> None:
+        if not self.enabled or self.ring is None or self._passes or self._bound >= 0 or self.saved.recorded:
+            return
+        logger.debug("%s parks: its phase is over", self.describe())
+        self.quiesce()
+        self.ring = None  # parked from here: an interrupt below is finished by the next unpark
+        self._send_held_home()
+        self._drop_device()
+        self._serve(None)
 
     def _send_held_home(self) -> None:
         if self.held.unbind_home(self.backend):
@@ -399,23 +402,25 @@ class LayerwiseOffload(Part):
         """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
         the device to resident tensors included), free the device. Can be called again after an
         interruption, and does nothing once done."""
-        with self.lock:
-            if self.enabled:
-                self._restore()  # collective when sharded; raises, changing nothing, out of step
-            self._remove_hooks()
-            if not self.enabled:
-                return
-            if self.ring is not None:  # else parked, or a disable interrupted after releasing it: nothing in flight
-                self.quiesce()
-            self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
-            if self.held.bindings:  # a part that parks goes home as it parks
-                self._send_held_home()
-            held = [(unit, views) for unit, views, _ in self.held.truth()]
-            self.held.copy_home(self.backend)  # on the device, their truth
-            # the held units from the views they show, each block from the views it shows at home
-            unpack_units([*held, *self.units], self.placement)
-            self._release()
-            self.enabled = False
+        locked(self.lock, self._disable)
+
+    def _disable(self) -> None:
+        if self.enabled:
+            self._restore()  # collective when sharded; raises, changing nothing, out of step
+        self._remove_hooks()
+        if not self.enabled:
+            return
+        if self.ring is not None:  # else parked, or a disable interrupted after releasing it: nothing in flight
+            self.quiesce()
+        self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
+        if self.held.bindings:  # a part that parks goes home as it parks
+            self._send_held_home()
+        held = [(unit, views) for unit, views, _ in self.held.truth()]
+        self.held.copy_home(self.backend)  # on the device, their truth
+        # the held units from the views they show, each block from the views it shows at home
+        unpack_units([*held, *self.units], self.placement)
+        self._release()
+        self.enabled = False
 
     def _restore(self) -> None:
         """Before ``disable`` unpacks: every unit gets its full host values, by the loads the
@@ -707,16 +712,17 @@ class LayerwiseOffload(Part):
             self.load(j)
 
     def freeze(self) -> None:
-        with self.lock:
-            self._frozen += 1
+        locked(self.lock, self._count_freeze, 1)
 
     def thaw(self) -> None:
-        with self.lock:
-            self._frozen -= 1
-            if not self._frozen and self.enabled and self._passes == 0:
-                # sharded, the preloaded blocks stay: their gathers were paired with the other
-                # ranks' next loads (and the homes are shards no one else writes)
-                self.quiesce(forget=not self.transport.sharded)
+        locked(self.lock, self._count_freeze, -1)
+
+    def _count_freeze(self, step: int) -> None:
+        self._frozen += step
+        if not self._frozen and self.enabled and self._passes == 0:
+            # sharded, the preloaded blocks stay: their gathers were paired with the other ranks'
+            # next loads (and the homes are shards no one else writes)
+            self.quiesce(forget=not self.transport.sharded)
 
     def _repair(self, passes: int) -> None:
         """The state of ``passes`` model calls in progress (those still on the stack): what an

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
+from ..locks import locked
 from ..planning.peaks import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
 from ..timeline import UNTRACED
 from ..transaction import Transaction
@@ -189,17 +190,19 @@ class ModelLevelOffload(Part):
         return [(c.unit, c.unit.host_views, c.unit.host) for g in self.groups for c in g.components]
 
     def disable(self) -> None:
-        with self.lock:
-            self._remove_hooks()
-            if not self.enabled:
-                return
-            self._settle()
-            components = [c for g in self.groups for c in g.components]
-            for c in components:
-                c.home = None  # it references the home, which goes as soon as its unit is unpacked
-                _release_copy(c)  # a graph kept without a backward holds no device memory past disable
-            unpack_units([c.unit for c in components], self.placement)
-            self.enabled = False
+        locked(self.lock, self._disable)
+
+    def _disable(self) -> None:
+        self._remove_hooks()
+        if not self.enabled:
+            return
+        self._settle()
+        components = [c for g in self.groups for c in g.components]
+        for c in components:
+            c.home = None  # it references the home, which goes as soon as its unit is unpacked
+            _release_copy(c)  # a graph kept without a backward holds no device memory past disable
+        unpack_units([c.unit for c in components], self.placement)
+        self.enabled = False
 
     def _settle(self) -> None:
         """Every group home (changes on the device copied back), no copy in flight (swapping a
@@ -378,18 +381,20 @@ class ModelLevelOffload(Part):
         did not change since). A group this made active goes home when the backward ends (outside
         a pipeline call); read outside a backward, the weights are a copy and the group goes home
         at once."""
-        with self.lock:
-            self._check_layout(copy)
-            index = next(i for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name)
-            swapped, outside_calls = self._active != index, self._depth == 0 and self._calls == 0
-            self._before_use(index)
-            self._check_layout(copy)  # a structure changed since the forward re-packs on the way in
-            component = next(c for c in self.groups[index].components if c.name == copy.name)
-            if not swapped or not outside_calls or at_backward_end(self._after_backward):
-                return component.device
-            buffers = {dtype: b.clone() for dtype, b in component.device.items()}
-            self.release_all()
-            return buffers
+        return locked(self.lock, self._saved_buffers, copy)
+
+    def _saved_buffers(self, copy: DeviceCopy) -> dict[torch.dtype, torch.Tensor]:
+        self._check_layout(copy)
+        index = next(i for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name)
+        swapped, outside_calls = self._active != index, self._depth == 0 and self._calls == 0
+        self._before_use(index)
+        self._check_layout(copy)  # a structure changed since the forward re-packs on the way in
+        component = next(c for c in self.groups[index].components if c.name == copy.name)
+        if not swapped or not outside_calls or at_backward_end(self._after_backward):
+            return component.device
+        buffers = {dtype: b.clone() for dtype, b in component.device.items()}
+        self.release_all()
+        return buffers
 
     def _check_layout(self, copy: DeviceCopy) -> None:
         if not self.enabled or copy.epoch != self.epoch:
@@ -402,9 +407,11 @@ class ModelLevelOffload(Part):
     def _after_backward(self) -> None:
         """A backward that made groups active to read saved weights ended: they go home, unless a
         call began meanwhile."""
-        with self.lock:
-            if self.enabled and self._depth == 0 and self._calls == 0:
-                self.release_all()
+        locked(self.lock, self._release_after_backward)
+
+    def _release_after_backward(self) -> None:
+        if self.enabled and self._depth == 0 and self._calls == 0:
+            self.release_all()
 
     def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..device.backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
+from ..locks import locked
 from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.owners import collect_tensors
@@ -93,14 +94,16 @@ class ResidentModules(Part):
         return [(u, views, buf) for u, views, buf in zip(self.units, self.device_views, self.device)]
 
     def disable(self) -> None:
-        with self.lock:
-            self._remove_hooks()
-            if not self.enabled:
-                return
-            for unit, views, buf in zip(self.units, self.device_views, self.device):
-                if unit.host:
-                    adopt_foreign(self.backend, unit, views)  # the user's same-shape tensors
-                    write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
-            unpack_units(list(zip(self.units, self.device_views)), self.placement)
-            self.device, self.device_views = [], []
-            self.enabled = False
+        locked(self.lock, self._disable)
+
+    def _disable(self) -> None:
+        self._remove_hooks()
+        if not self.enabled:
+            return
+        for unit, views, buf in zip(self.units, self.device_views, self.device):
+            if unit.host:
+                adopt_foreign(self.backend, unit, views)  # the user's same-shape tensors
+                write_back(self.backend, [(unit.host[dtype], b) for dtype, b in buf.items()])
+        unpack_units(list(zip(self.units, self.device_views)), self.placement)
+        self.device, self.device_views = [], []
+        self.enabled = False

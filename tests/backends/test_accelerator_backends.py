@@ -786,7 +786,8 @@ def test_compiler_disable_gets_a_reason_only_where_it_takes_one(monkeypatch, tak
     wrapper.install()
     module(torch.ones(1, 2))
     assert ran == ["before", "after"]
-    assert len(seen) == 3 and [s["recursive"] for s in seen] == [True, True, False]
+    # the work before and after the call, and the two frames that hold the lock and run the call
+    assert [s["recursive"] for s in seen] == [True, True, False, False]
     assert all(("reason" in s) == takes_reason for s in seen)
     if takes_reason:
         assert all("regional compilation" in s["reason"] for s in seen)

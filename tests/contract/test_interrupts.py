@@ -1,19 +1,31 @@
-"""Issue 29, item 12 (docs/design.md, contract row 8): a ``KeyboardInterrupt`` at any line of the
-library during a forward, a backward, ``enable`` or ``disable`` leaves the model usable: it then
-runs exactly (``torch.equal`` to the model without offload), disables, and enables again.
+"""Issue 29, item 12 and issue 42, item 2 (docs/design.md, contract row 8): a ``KeyboardInterrupt``
+at any line of the library during a forward, a backward, ``enable`` or ``disable`` leaves the
+model usable: it then runs exactly (``torch.equal`` to the model without offload), disables, and
+enables again, from another thread too (no lock is left held), and every byte the backend counts
+is given back.
 
-A trace function (``sys.settrace``) first lists the lines executed inside ``offload_core/`` during
-the operation, in the order they are first reached; then, for each chosen line in turn, the
-operation runs again with a ``KeyboardInterrupt`` raised when that line is reached. The suite
-injects at an even sample of every file's lines (per operation, at most ``PER_FILE`` lines of each
-file of the strategies' and the handle's path, two of each other file: about a fifth of the lines
-reached); ``OFFLOAD_CORE_ALL_INTERRUPTS=1`` injects at every line reached (the full sweep)."""
+A trace function (``sys.settrace``) first lists the points executed inside ``offload_core/``
+during the operation, in the order they are first reached; then, for each chosen point in turn,
+the operation runs again with a ``KeyboardInterrupt`` raised when that point is reached. A point
+is a line event: a line, and the instruction it starts at, so that a line reached again at
+another instruction is a point of its own (a ``with`` statement's line is reached again when its
+block ends, just before the lock it took is released: the issue's hang). Finalizers the
+operation runs (a garbage collection inside it) are traced too. The suite injects at an even
+sample of every file's points (per operation, at most ``PER_FILE`` points of each file of the
+strategies', the handle's and the bookkeeping's path, two of each other file: about a fifth of
+the points reached); ``OFFLOAD_CORE_ALL_INTERRUPTS=1`` injects at every point reached (the full
+sweep). What follows an injection runs on another thread under a deadline
+(``OFFLOAD_CORE_INTERRUPT_DEADLINE`` seconds), so that a lock left held fails the test, naming
+the point and where the thread waits, instead of hanging it."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -27,11 +39,15 @@ from stacks import StackSpec, build_stack
 ROOT = str(Path(offload_core.__file__).parent)
 STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 OPERATIONS = ["enable", "forward", "backward", "disable"]
-PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "8"))  # in the strategies and the handle
-PER_OTHER_FILE = 2  # in the rest of the library the path runs through (weights, placement, labels)
-PATH = ("strategies/", "handle.py", "changes.py", "enable.py")
+PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "8"))  # in the files of PATH
+PER_OTHER_FILE = 2  # in the rest of the library the path runs through (weights, placement)
+#: the strategies, the handle, and the bookkeeping that locks and finalizers guard
+PATH = ("strategies/", "handle.py", "changes.py", "enable.py", "labels.py", "slabs.py", "memory_accounting.py")
 ALL = os.environ.get("OFFLOAD_CORE_ALL_INTERRUPTS") == "1"
+DEADLINE = float(os.environ.get("OFFLOAD_CORE_INTERRUPT_DEADLINE", "60"))
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+
+Point = tuple[str, int, int]  # (file, line, instruction offset)
 
 
 class Injected(KeyboardInterrupt):
@@ -39,12 +55,12 @@ class Injected(KeyboardInterrupt):
 
 
 class Tracer:
-    """Lists the lines of ``offload_core/`` reached (``stop_at`` None), or raises at the first
-    time line ``stop_at`` is reached."""
+    """Lists the points of ``offload_core/`` reached (``stop_at`` None), or raises at the first
+    time point ``stop_at`` is reached."""
 
-    def __init__(self, stop_at: tuple[str, int] | None = None) -> None:
+    def __init__(self, stop_at: Point | None = None) -> None:
         self.stop_at = stop_at
-        self.reached: dict[tuple[str, int], None] = {}
+        self.reached: dict[Point, None] = {}
         self.fired = False
 
     def __call__(self, frame, event, arg):
@@ -54,7 +70,7 @@ class Tracer:
 
     def _line(self, frame, event, arg):
         if event == "line" and not self.fired:
-            where = (frame.f_code.co_filename, frame.f_lineno)
+            where = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti)
             if self.stop_at is None:
                 self.reached.setdefault(where)
             elif where == self.stop_at:
@@ -75,8 +91,34 @@ def no_saved_tensor_hooks() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+def thread_state() -> list[str]:
+    """The autograd state a call of the library changes on its thread and must put back."""
+    left = [] if no_saved_tensor_hooks() else ["saved-tensor hooks pushed"]
+    if not torch.is_grad_enabled():
+        left.append("grad mode off")
+    if torch.is_inference_mode_enabled():
+        left.append("inference mode on")
+    return left
+
+
 def backend():
     return offload_core.get_backend("fake")
+
+
+def counts() -> tuple[int, int]:
+    """(device, pinned) bytes the backend counts as allocated, after a collection."""
+    gc.collect()
+    return backend().memory_allocated(), backend().pinned_memory_allocated()
+
+
+@pytest.fixture
+def frozen_heap():
+    """What exists before the sweep is left out of its collections (one per point), which then
+    take microseconds instead of half a second."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def build():
@@ -100,7 +142,6 @@ def assert_usable(model, reference, strategy) -> None:
     if handle is None:
         handle = offload_core.enable_offload(model, backend=backend(), **STRATEGIES[strategy])
     assert torch.equal(forward(model), forward(reference))
-    assert no_saved_tensor_hooks()  # none left pushed on the thread by the interrupted call
     for m in (model, reference):
         m.zero_grad(set_to_none=True)
         loss(m).backward()
@@ -132,8 +173,8 @@ def setup(operation: str, strategy: str):
     return model, reference, handle.disable, handle
 
 
-def lines(operation: str, strategy: str) -> list[tuple[str, int]]:
-    """The lines reached by the operation, in the order first reached, on its second run (the
+def points(operation: str, strategy: str) -> list[Point]:
+    """The points reached by the operation, in the order first reached, on its second run (the
     first one also runs what happens once per process: lazy imports, caches)."""
     for _ in range(2):
         model, _, run, handle = setup(operation, strategy)
@@ -143,9 +184,9 @@ def lines(operation: str, strategy: str) -> list[tuple[str, int]]:
     return list(tracer.reached)
 
 
-def sample(reached: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Every line (the full sweep), or evenly spaced lines of every file: up to ``PER_FILE`` of
-    each file of the strategies' and the handle's path, ``PER_OTHER_FILE`` of the others."""
+def sample(reached: list[Point]) -> list[Point]:
+    """Every point (the full sweep), or evenly spaced points of every file: up to ``PER_FILE`` of
+    each file of ``PATH``, ``PER_OTHER_FILE`` of the others."""
     if ALL:
         return reached
     by_file: dict[str, list] = {}
@@ -159,33 +200,88 @@ def sample(reached: list[tuple[str, int]]) -> list[tuple[str, int]]:
     return chosen
 
 
+#: what a point that left a lock held blocked at: later tests fail at once instead of blocking too
+_held: list[str] = []
+
+
+def in_time(work, what: str):
+    """(``work()``'s result, None) or (None, what it raised), run on a new thread: the point's
+    thread state is its own, and a lock left held fails the test, after ``DEADLINE`` seconds,
+    naming where it blocked, instead of hanging it."""
+    if _held:
+        pytest.fail(f"not run: an earlier point left a lock held ({_held[0]})")
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((work(), None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the sweep
+            outcome.append((None, exc))
+
+    worker = threading.Thread(target=run, name="interrupt-sweep", daemon=True)
+    worker.start()
+    worker.join(DEADLINE)
+    if worker.is_alive():
+        frame = sys._current_frames().get(worker.ident)
+        stack = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else ""
+        _held.append(what)
+        pytest.fail(f"{what}: still running after {DEADLINE:.0f} s (a lock left held?), at:\n{stack}")
+    return outcome[0]
+
+
 @pytest.mark.parametrize("operation", OPERATIONS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_an_interrupt_at_any_line_leaves_the_model_usable(strategy, operation):
-    reached = lines(operation, strategy)
-    files = {f for f, _ in reached}
+def test_an_interrupt_at_any_line_leaves_the_model_usable(strategy, operation, frozen_heap):
+    reached, error = in_time(lambda: points(operation, strategy), "listing the points")
+    if error is not None:
+        raise error
+    files = {f for f, _, _ in reached}
     assert len(files) > 3, files  # the path runs through the strategies, the handle and the weights
+    if operation == "enable":  # the bookkeeping the issue's hang and wrong counts came from
+        assert {"labels.py", "slabs.py", "memory_accounting.py"} <= {os.path.basename(f) for f in files}
     chosen = sample(reached)
-    assert {f for f, _ in chosen} == files  # every file of the path is covered
+    assert {f for f, _, _ in chosen} == files  # every file of the path is covered
     failures = []
     fired = 0
     for where in chosen:
-        model, reference, run, handle = setup(operation, strategy)
-        tracer = Tracer(where)
-        try:
-            made = traced(tracer, run)
-            handle = made if operation == "enable" else handle
-        except Injected:
-            pass
-        fired += tracer.fired
-        try:
+        point = f"{os.path.relpath(where[0], ROOT)}:{where[1]} (instruction {where[2]})"
+
+        def interrupted(where=where):
+            """The operation, interrupted at ``where``; then the next call on the same thread, and
+            what is left on the thread after it (the next call undoes what an interrupted one left)."""
+            before = counts()
+            model, reference, run, handle = setup(operation, strategy)
+            tracer = Tracer(where)
+            try:
+                made = traced(tracer, run)
+                handle = made if operation == "enable" else handle
+            except Injected:
+                pass
+            forward(model)
+            return before, model, reference, handle, tracer.fired, thread_state()
+
+        state, error = in_time(interrupted, f"{point}: the interrupted {operation}")
+        if error is not None:
+            failures.append(f"{point}: the operation raised {type(error).__name__}: {error}"[:300])
+            continue
+        before, model, reference, handle, hit, left = state
+        fired += hit
+        if left:
+            failures.append(f"{point}: left on its thread: {', '.join(left)}")
+
+        def recover(handle=handle, model=model, reference=reference) -> None:
+            """On another thread than the interrupted one: a lock it left held blocks here."""
             if operation == "disable":  # the user calls disable() again: it completes
                 handle.disable()
             assert_usable(model, reference, strategy)
-        except BaseException as exc:  # noqa: BLE001 - collected, reported together
-            failures.append(f"{os.path.relpath(where[0], ROOT)}:{where[1]}: {type(exc).__name__}: {exc}"[:300])
-            while not no_saved_tensor_hooks():  # what a failure left pushed fails no later line
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+
+        _, error = in_time(recover, f"{point}: the model's next use")
+        if error is not None:
+            failures.append(f"{point}: {type(error).__name__}: {error}"[:300])
+        del state, model, reference, handle, recover
+        after, _ = in_time(counts, f"{point}: the counts")
+        if error is None and after != before:
+            failures.append(f"{point}: (device, pinned) bytes counted {before} before, {after} after")
     assert fired >= len(chosen) * 0.9, (fired, len(chosen))
-    print(f"{strategy} {operation}: injected at {len(chosen)} of {len(reached)} lines reached")
-    assert not failures, f"{len(failures)} of {len(chosen)} lines ({len(reached)} reached):\n" + "\n".join(failures)
+    print(f"{strategy} {operation}: injected at {len(chosen)} of {len(reached)} points reached")
+    assert not failures, f"{len(failures)} of {len(chosen)} points ({len(reached)} reached):\n" + "\n".join(failures)

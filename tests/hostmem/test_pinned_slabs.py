@@ -235,39 +235,6 @@ def test_host_homes_sharing_a_slab_keep_their_own_names_in_reports():
     handle.disable()
 
 
-def test_a_storage_dying_while_labels_are_updated_does_not_deadlock(monkeypatch):
-    """A garbage collection can run at any allocation, also inside ``label``'s locked section; the
-    finalizer of a storage it frees must not wait for that lock."""
-    import builtins
-    import threading
-
-    from offload_core import labels
-
-    class Cycle:
-        """Freed only by the cyclic garbage collector."""
-
-    def collecting_object():  # an allocation inside the locked section that runs a collection
-        gc.collect()
-        return builtins.object()
-
-    def label_with_a_collection_inside():
-        cycle = Cycle()
-        cycle.self, cycle.tensor = cycle, torch.empty(16)
-        labels.label(cycle.tensor, "in a reference cycle")
-        del cycle
-        labels.label(torch.empty(4), "fresh")
-
-    monkeypatch.setattr(labels, "object", collecting_object, raising=False)
-    worker = threading.Thread(target=label_with_a_collection_inside, daemon=True)
-    worker.start()
-    worker.join(timeout=30)
-    monkeypatch.undo()
-    assert not worker.is_alive(), "label() deadlocked on a finalizer"
-    kept = torch.empty(8)
-    labels.label(kept, "kept")
-    assert labels.describe(kept) == "kept"
-
-
 def test_units_packed_side_by_side_in_a_slab_view_their_own_bytes():
     """A home is a view at an offset into a slab: every tensor bound to it, at packing and after,
     sees its own values."""

@@ -70,9 +70,6 @@ def run_command(args: argparse.Namespace) -> int:
             return _run_command(args)
         except UsageError:
             raise
-        except KeyboardInterrupt:
-            print("offload-core: interrupted", file=sys.stderr)
-            return 130
         except Exception as exc:  # noqa: BLE001 - the error contract: one line, exit 1
             if args.debug or logging.getLogger("offload_core").isEnabledFor(logging.DEBUG):
                 traceback.print_exc()
