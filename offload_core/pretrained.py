@@ -27,6 +27,7 @@ import inspect
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -73,7 +74,7 @@ def from_pretrained(
     or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
-    (or ``"default"``) to dtype. For a pipeline, ``replaced_components``: a keyword naming one of
+    (or ``"default"``) to dtype; or ``"auto"``, each model in the dtype its checkpoint is stored in. For a pipeline, ``replaced_components``: a keyword naming one of
     its components replaces that component, as in diffusers (``text_encoder=None`` loads no text
     encoder: pass ``prompt_embeds`` to the pipeline); any other name is refused. With
     ``host_memory`` left to "auto", weights may use up to 90 % of the memory available when
@@ -87,8 +88,9 @@ def from_pretrained(
     index = _model_index(folder)
     replaced = {k: options.pop(k) for k in list(options) if k not in defaults and index is not None and k in index}
     config = resolve_config(None, options)
-    if torch_dtype is not None and not isinstance(torch_dtype, (torch.dtype, dict)):
-        raise OffloadConfigError(f"torch_dtype must be a torch.dtype (or, for a pipeline, a dict), got {torch_dtype!r}")
+    if torch_dtype is not None and torch_dtype != "auto" and not isinstance(torch_dtype, (torch.dtype, dict)):
+        raise OffloadConfigError(f"torch_dtype must be a torch.dtype, 'auto' (or, for a pipeline, a dict), got "
+                                 f"{torch_dtype!r}")
     kind = "pipeline" if index is not None else "module"
     if kind == "module" and not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(
@@ -100,10 +102,39 @@ def from_pretrained(
     config.warn_ignored()
     if config.strategy is not None:  # else the device budget picks it, and enable checks then
         config.check_applies(kind)
-    if config.strategy == "layerwise" and config.host_budget.auto:
-        config = dataclasses.replace(config, host_memory=auto_host_budget())
-    target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
-    return enable(inventory(target), config)
+    if config.host_budget.auto:
+        config = dataclasses.replace(config, host_memory=host_limit(config.strategy))
+    return enable(inventory(load(folder, torch_dtype, **replaced)), config)
+
+
+def host_limit(strategy: str | None) -> Any:
+    """The ``host_memory`` a checkpoint is loaded under when none is given: with layerwise offload,
+    or a device budget that may pick it, the automatic host limit (blocks beyond it stay in the
+    checkpoint); model-level offload keeps every weight in RAM (None)."""
+    return auto_host_budget() if strategy in ("layerwise", None) else None
+
+
+def load(path: str | os.PathLike, torch_dtype: Any = None, **replaced_components: Any) -> Any:
+    """The pipeline or model of a local folder, each model built on the meta device with its
+    checkpoint slices attached, nothing read yet (:func:`from_pretrained` without the offload,
+    which ``offload-core plan --model`` measures and ``run --model`` enables). ``torch_dtype``:
+    as :func:`from_pretrained`'s."""
+    folder = os.fspath(path)
+    index = _model_index(folder)
+    if index is not None:
+        return _load_pipeline(folder, index, torch_dtype, replaced_components)
+    return _load_model(folder, checkpoint_dtype(folder) if torch_dtype == "auto" else torch_dtype)
+
+
+def checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype | None:
+    """The floating dtype most of a model folder's checkpoint bytes are in (None: no safetensors
+    file, or nothing floating): what ``torch_dtype="auto"`` loads it in."""
+    files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
+    sizes: dict[torch.dtype, int] = {}
+    for item in read_index(files).values() if files else ():
+        if item.dtype.is_floating_point:
+            sizes[item.dtype] = sizes.get(item.dtype, 0) + item.nbytes
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def _model_index(folder: str) -> dict | None:
@@ -121,6 +152,9 @@ def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[st
     if pipeline_cls is None:
         raise ValueError(f"{folder}/model_index.json names pipeline class {index.get('_class_name')!r}, "
                          "which diffusers does not have")
+    if torch_dtype == "auto":  # each component in its checkpoint's dtype; the rest as diffusers' default
+        torch_dtype = {name: dtype for name in index if not name.startswith("_")
+                       if (dtype := checkpoint_dtype(os.path.join(folder, name))) is not None}
     prebuilt = dict(replaced)
     for name, spec in index.items():
         if name in replaced or name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 \

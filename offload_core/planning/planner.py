@@ -340,12 +340,18 @@ def make_plan(
     resident_need, model_need = _resident_peak(components), _model_peak(components, groups)
     chosen = strategy
     if chosen is None:
-        if resident_need <= budget:
+        # resident and model-level offload keep every weight in RAM too: not beyond a host budget
+        in_ram = _host_bytes(host_memory) is None or sum(c.total_bytes for c in components) <= _host_bytes(host_memory)
+        if resident_need <= budget and in_ram:
             chosen = "resident"
-        elif model_need <= budget:
+        elif model_need <= budget and in_ram:
             chosen = "model"
         else:
             chosen = layered
+            if model_need <= budget:
+                notes.append(f"model-level offload would fit the device, but keeps all {size(sum(c.total_bytes for c in components))} "
+                             f"of weights in RAM, over host_memory={size(_host_bytes(host_memory))}: layerwise streams "
+                             "what RAM cannot hold from disk")
         if chosen in ("resident", "model") and resident_blocks != "auto":
             notes.append(f"resident_blocks={resident_blocks} unused: the budget allows {chosen} placement")
     world = world_size if chosen == "distributed" else 1
@@ -466,6 +472,10 @@ def _finish(components: Sequence[Component], parts: list[ComponentPlan], notes: 
                 notes=tuple(notes), phases=phased, steps=steps if phases else None,
                 disk_bandwidth=rates.disk if phases else None, disk_bandwidth_source=rates.disk_source if phases else None,
                 host_budget=host_budget, host_budget_source=host_source, **plan)
+
+
+def _host_bytes(host_memory: object) -> int | None:
+    return _host_budget(host_memory)[0]
 
 
 def _host_budget(host_memory: object) -> tuple[int | None, str | None]:

@@ -194,31 +194,108 @@ def test_wan22_capped_at_one_experts_bytes_copies_under_eight_tenths_of_an_exper
     handle.disable()
 
 
-@pytest.mark.fake_only("the fake's device capacity is set to the budget")
-def test_a_component_whose_phase_returns_in_the_same_call_stops_parking():
-    """A plan's phases that do not match the pipeline (here: both experts declared to run in turn,
-    but the call alternates them) would reload the kept blocks at every forward: after the second
-    reload in one call the component stays, and the output is still exact."""
-    from offload_core.planning import phases as phases_module
-
+def test_a_component_whose_phase_returns_in_the_same_call_stops_parking(caplog):
+    """A plan whose phases do not match the call (a step callback runs the high-noise expert again
+    during the low-noise expert's steps) would load the kept blocks back at every forward: after
+    the second load in one call the component stays on the device, and the output is exact."""
     tiny = big_expert_wan(num_layers=4)
     reference = pipeline_reference(tiny)
     expert = sum(p.numel() * p.element_size() for p in tiny.pipe.transformer.parameters())
-    handle = offload_core.enable_offload(tiny.pipe, device_memory=2 * expert, activation_memory=0,
-                                         backend=chaos_backend())
-    parts = {p.label: p for p in handle.parts if hasattr(p, "parks")}
-    assert parts["transformer"].parks
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformer, transformer_2 = tiny.pipe.transformer, tiny.pipe.transformer_2
-        latents = torch.zeros(1, 4, 2, 4, 4)
-        context = torch.zeros(1, 16, 16)
-        t = torch.tensor([500.0])
-        for _ in range(3):  # out of the planned order: the experts alternate
-            transformer(latents, t, context)
-            transformer_2(latents, t, context)
-    assert handle.switch is not None
-    assert not [y for y in handle.switch._yielding if y.component == "transformer"] or \
-        phases_module is None  # the alternating expert was taken off the switch
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=expert, activation_memory=0,
+                                         backend=chaos_backend())  # no capacity: an expert that stays fits
+    assert all(c.parks for c in handle.plan.components if c.kind == "dit")
+
+    def high_noise_again(pipe, step, timestep, tensors):
+        pipe.transformer(hidden_states=tensors["latents"], timestep=timestep.expand(1),
+                         encoder_hidden_states=tensors["prompt_embeds"], return_dict=False)
+        return {}
+
+    loads = handle.stats()["switch_h2d_bytes"]
+    with caplog.at_level("WARNING", logger="offload_core.strategies.phases"):
+        assert torch.equal(tiny.run(callback_on_step_end=high_noise_again,
+                                    callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"]), reference)
+    warned = [r.getMessage() for r in caplog.records if "loaded back twice" in r.getMessage()]
+    assert warned and warned[0].split()[0] in ("transformer", "transformer_2")
+    steps = tiny.call_kwargs["num_inference_steps"]
+    held = sum(c.device_bytes - c.slot_bytes for c in handle.plan.components if c.kind == "dit")
+    assert handle.stats()["switch_h2d_bytes"] - loads < steps * held, "not a load back per step"
     handle.disable()
     assert torch.equal(tiny.run(), reference)
+
+
+# -- loading under the host limit --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_bf16(tmp_path_factory):
+    """The tiny FLUX.2 demo pipeline saved in bfloat16, and its output loaded back by diffusers."""
+    import diffusers
+
+    from offload_core.tiny import TinyPipeline
+
+    tiny = build_pipeline("flux2-deep")
+    path = tmp_path_factory.mktemp("flux2-bf16")
+    tiny.pipe.to(torch.bfloat16).save_pretrained(path)
+    reference = diffusers.Flux2Pipeline.from_pretrained(path, torch_dtype=torch.bfloat16)
+    reference.set_progress_bar_config(disable=True)
+    return path, tiny.call_kwargs, TinyPipeline("ref", reference, tiny.call_kwargs, tiny.output_attr).run(seed=0)
+
+
+def checkpoint_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.safetensors"))
+
+
+@pytest.mark.fake_only("the automatic host limit is read from a fake system tree")
+def test_from_pretrained_with_a_device_budget_alone_stays_within_the_automatic_host_limit(
+        saved_bf16, tmp_path, monkeypatch):
+    from offload_core.hostmem import machine
+    from offload_core.tiny import TinyPipeline
+
+    from fake_system import V2_MOUNT, system, v2_level
+
+    path, call, expected = saved_bf16
+    limit = checkpoint_bytes(path) // 2  # the cgroup lets the weights take about half their size
+    root = system(tmp_path, "0::/app", V2_MOUNT, v2_level("/sys/fs/cgroup/app", limit, 0, 0))
+    monkeypatch.setenv(machine.SYSTEM_ROOT_ENV, str(root))
+    budget = checkpoint_bytes(path) // 3
+    handle = offload_core.from_pretrained(path, torch_dtype=torch.bfloat16, device_memory=budget,
+                                          backend=chaos_backend(device_memory=budget))
+    try:
+        assert handle.plan.host_budget == int(0.9 * limit) and handle.strategy == "layerwise"
+        stats = handle.stats()
+        assert stats["disk_bytes"] > 0, "what the limit does not hold stays in the checkpoint"
+        assert stats["host_bytes"] <= 0.9 * limit
+        pipe = handle.target
+        pipe.set_progress_bar_config(disable=True)
+        assert torch.equal(TinyPipeline("offloaded", pipe, call, "images").run(seed=0), expected)
+    finally:
+        handle.disable()
+
+
+@pytest.mark.fake_only("a chaos-mode fake runs the call")
+def test_run_model_loads_a_bf16_folder_in_bf16_within_its_host_budget(tmp_path):
+    from offload_core.cli import build_parser
+    from offload_core.cli.run.command import run_pipeline
+
+    path = tmp_path / "sd3"
+    build_pipeline("sd3").pipe.to(torch.bfloat16).save_pretrained(path)
+    argv = ["run", "--model", str(path), "--steps", "2", "--height", "16", "--width", "16", "--json"]
+
+    def run(*more):
+        return run_pipeline(build_parser().parse_args([*argv, *more]), backend=chaos_backend())
+
+    smallest = run("--host-memory", "1B")  # every block from disk: what must stay in RAM
+    stats = smallest.handle.stats()
+    fixed, streamed = stats["host_bytes"], stats["disk_bytes"]
+    smallest.close()
+    host = fixed + streamed // 2
+    result = run("--host-memory", f"{host}B")
+    try:
+        assert {p.dtype for p in result.pipe.transformer.parameters()} == {torch.bfloat16}
+        stats = result.handle.stats()
+        assert stats["host_bytes"] <= host and stats["disk_bytes"] > 0
+        plain = run("--strategy", "none")
+        assert torch.equal(result.output, plain.output)
+        assert {p.dtype for p in plain.pipe.transformer.parameters()} == {torch.bfloat16}
+    finally:
+        result.close()

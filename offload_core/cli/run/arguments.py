@@ -119,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
                         help="a device budget (bytes, 16GiB, or a fraction of the device such as 0.5): the planner "
                              "picks the strategy (unless --strategy is given) and the blocks kept on the device")
+    parser.add_argument("--host-memory", metavar="SIZE", type=budget_type("RAM"),
+                        help="RAM for the weights (bytes, 64GiB, or a fraction of RAM such as 0.5): blocks beyond it "
+                             "are read from disk (default with --model: 90%% of the memory available)")
     parser.add_argument(
         "--backend", metavar="NAME", help="offload backend (default: auto-detect; see 'offload-core backends')"
     )
