@@ -1,13 +1,14 @@
 """Weights on disk: safetensors files read with positional reads, and units spilled to a folder.
 
-Reads use ``os.preadv`` straight into the destination's memory (a bounce buffer or a packed
-home), never ``mmap``: mapped file pages count in the process's resident memory for as long as
-the mapping lives, positional reads only fill the kernel's page cache, which it reclaims freely.
-What a unit's image asks the kernel to read ahead (:meth:`DiskImage.advise`) is its file bytes
-merged into page-aligned extents, asked for in pieces the kernel reads whole: Linux quietly
-reads only the first ``max(read_ahead_kb, max_sectors_kb)`` of a larger ``POSIX_FADV_WILLNEED``
-range, so one request per tensor (or per block) leaves most of a large block to be read when
-the stager gets to it, one request at a time.
+Reads use ``os.preadv``, never ``mmap``: mapped file pages count in the process's resident memory
+for as long as the mapping lives. Where the file system allows it, the slices a read needs are
+read past the page cache, several at once (:mod:`.direct`). Elsewhere they are read straight into
+the destination's memory (a bounce buffer or a packed home) through the page cache, which the
+kernel reclaims freely, and what a unit's image asks the kernel to read ahead
+(:meth:`DiskImage.advise`) is its file bytes merged into page-aligned extents, asked for in pieces
+the kernel reads whole: Linux quietly reads only the first ``max(read_ahead_kb, max_sectors_kb)``
+of a larger ``POSIX_FADV_WILLNEED`` range, so one request per tensor (or per block) leaves most of
+a large block to be read when the stager gets to it, one request at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import direct
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class SafetensorsFile:
                 raise ValueError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {info['shape']}")
             self.tensors[name] = FileSlice(self, self.data_start + begin, dtype, tuple(info["shape"]))
         self._fd: int | None = None
+        self._direct: int | None | bool = False  # not yet opened; None: O_DIRECT refused
         self._lock = threading.Lock()
 
     @functools.cached_property
@@ -108,9 +111,18 @@ class SafetensorsFile:
                     self._fd = os.open(self.path, os.O_RDONLY)
         return self._fd
 
+    def direct_fd(self) -> int | None:
+        """A descriptor reading past the page cache (:mod:`.direct`), None where refused."""
+        if self._direct is False:
+            with self._lock:
+                if self._direct is False:
+                    self._direct = direct.open_direct(self.path)
+        return self._direct
+
     def __del__(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
+        for fd in (self._fd, self._direct):
+            if fd is not None and fd is not False:
+                os.close(fd)
 
 
 class FileSlice:
@@ -177,12 +189,23 @@ class DiskImage:
 
     def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
         """Elements ``start .. start + count`` of the ``dtype`` home into ``out``; returns the
-        bytes read from files (what ``disk_read_bytes`` counts)."""
-        end, read = start + count, 0
+        bytes read from files (what ``disk_read_bytes`` counts). File slices of ``out``'s dtype in
+        files that allow it are read past the page cache, all of them in flight together
+        (:func:`.direct.read`); the rest one by one."""
+        end, read, jobs = start + count, 0, []
         for seg_start, seg_count, source in self.segments.get(dtype, ()):
             lo, hi = max(start, seg_start), min(end, seg_start + seg_count)
-            if lo < hi:
-                read += source.read(lo - seg_start, hi - lo, out[lo - start : hi - start])
+            if lo >= hi:
+                continue
+            part = out[lo - start : hi - start]
+            fd = source.file.direct_fd() if isinstance(source, FileSlice) and source.dtype == out.dtype else None
+            if fd is None:
+                read += source.read(lo - seg_start, hi - lo, part)
+            else:
+                jobs.append((fd, source.offset + (lo - seg_start) * source.dtype.itemsize, part.data_ptr(), part.nbytes))
+                read += part.nbytes
+        if jobs:
+            direct.read(jobs)
         return read
 
     @property
@@ -214,6 +237,8 @@ class DiskImage:
         than it honours whole (:attr:`SafetensorsFile.advise_bytes`): each returns once its reads
         are queued, and they fill the cache, not this process's resident memory."""
         for file, offset, length in self.extents():
+            if file.direct_fd() is not None:  # read past the page cache: caching it would read it twice
+                continue
             step = file.advise_bytes
             for begin in range(offset, offset + length, step):
                 try:

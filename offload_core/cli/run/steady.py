@@ -24,7 +24,7 @@ import os
 import statistics
 from typing import Any, Sequence
 
-from ...bench import UNRELIABLE, status
+from ...bench import BASELINE, UNRELIABLE, status
 from ...bench.timing import ratio
 from ...overlap import Overlap, copy_overlap
 from ...timeline import Timeline
@@ -120,7 +120,7 @@ def unreliable_reasons(busy: str | None, waited: Steady | None, step: Steady | N
                        f"points across {waited.steps}")
     if step is not None and step.median > 0 and (step.high - step.low) / step.median > WIDE_STEP:
         reasons.append(f"the step times range over {(step.high - step.low) / step.median:.0%} of their median")
-    if compare is not None and status(compare[0], compare[1], None, floor=1.0) == UNRELIABLE:
+    if compare is not None and status(compare[0], compare[1], None, floor=1.0) == BASELINE:
         reasons.append(f"the offloaded steps came out faster than those without offload ({compare[0]:.2f}x, "
                        "beyond its spread)")
     return reasons
