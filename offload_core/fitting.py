@@ -39,6 +39,7 @@ class Fit:
 
     plan: Plan
     config: OffloadConfig
+    replan: Any = None  # measured activations (component -> bytes) -> the plan made with them
 
     def mode(self, name: str) -> str:
         return self.plan.component(name).mode
@@ -61,20 +62,33 @@ def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit
         components = [c.with_measurements(activation_bytes=config.activation_memory, activation_from="given")
                       for c in components]
     free, total = backend.mem_get_info()
-    plan = make_plan(
-        components, free if config.device_budget.auto else config.device_memory, device_total=total,
-        device_free=free, groups=inputs.groups, strategy=config.strategy,
-        resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
-        prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
-        pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
-        steps=inputs.steps,
-    )
+    options = dict(device_total=total, device_free=free, groups=inputs.groups,
+                   resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
+                   prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
+                   pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
+                   steps=inputs.steps)
+    budget = free if config.device_budget.auto else config.device_memory
+    plan = make_plan(components, budget, strategy=config.strategy, **options)
     if plan.asked_budget > plan.budget:
         warnings.warn(plan.notes[0], UserWarning, stacklevel=4)
     logger.info("device plan for %s:\n%s", type(target.target).__name__, plan.render())
     flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
-    return Fit(plan, chosen)
+
+    def replan(measured: dict[str, int]) -> Plan:
+        """The plan of the same budget and strategy with the activations a first call measured
+        (an activation given by ``activation_memory=`` is kept)."""
+        again = [c if c.activation_from == "given" and c.activation_bytes is not None or c.name not in measured
+                 else c.with_measurements(activation_bytes=measured[c.name], activation_from="measured")
+                 for c in components]
+        again = make_plan(again, plan.budget, strategy=plan.strategy, **{**options, "device_free": None})
+        return dataclasses.replace(again, chosen_by=plan.chosen_by, min_budget=plan.min_budget,
+                                   asked_budget=plan.asked_budget, notes=plan.notes)
+
+    # a layout that can change between calls: layerwise parts that park (their kept blocks are loaded
+    # at each switch anyway)
+    return Fit(plan, chosen, replan if plan.strategy == "layerwise" and any(c.parks for c in plan.components)
+               else None)
 
 
 def describe_parts(target: Inventory, config: OffloadConfig, backend: DeviceBackend, parts: Sequence[Any]) -> Plan:

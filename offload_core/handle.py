@@ -13,7 +13,7 @@ from torch import nn
 
 from . import changes
 from .device.backend import DeviceBackend
-from .hostmem.machine import Trimmer
+from .hostmem.machine import Trimmer, size_text as _size
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -28,10 +28,13 @@ class OffloadHandle:
     its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
     same offloaded model waits for the first call to finish."""
 
-    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None) -> None:
+    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None,
+                 replan: Any = None) -> None:
         self.target = target
         self.config = config
         self._plan = plan
+        # measured activations -> the plan made with them, once: after the first pipeline call
+        self._replan = replan
         self.strategy = plan.strategy if plan is not None else config.strategy
         self.backend = backend
         self.lock = threading.RLock()
@@ -98,6 +101,31 @@ class OffloadHandle:
                 totals[key] = totals.get(key, 0) + value
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    def call_ended(self) -> None:
+        """A pipeline call ended. After the first, the budget is planned again with the activations
+        it measured, and the streamed components whose kept blocks change take the new layout as
+        they next begin (one log line says what changed and why)."""
+        if self._replan is None:
+            return
+        replan, self._replan = self._replan, None
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        if not measured:
+            return
+        new = replan(measured)
+        changes = []
+        for part in self.parts:
+            label = getattr(part, "label", None)
+            if not getattr(part, "parks", False) or label not in {c.name for c in new.components}:
+                continue
+            before, after = self._plan.component(label), new.component(label)
+            if after.mode == before.mode and after.resident_blocks != before.resident_blocks:
+                part.relayout(after.resident_blocks)
+                changes.append(f"{label} keeps {len(after.resident_blocks)} of {after.n_blocks} blocks (was "
+                               f"{len(before.resident_blocks)}): activations measured {_size(measured.get(label, 0))}, "
+                               f"{_size(before.activation_bytes)} planned")
+        self._plan = new
+        logger.info("re-planned after the first call: %s", "; ".join(changes) if changes else "no layout changes")
 
     def restart_peak(self) -> None:
         """The backend's peak counter starts again from what is allocated now, so that a part can

@@ -100,6 +100,7 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
                     handle.switch.end_call(_steps(self))
                 for part in staged:
                     part.end_call()
+                handle.call_ended()
 
     namespace = {
         "__call__": __call__,

@@ -220,7 +220,7 @@ def _layerwise(components: Sequence[Component], phases: Sequence[Phase], budget:
                 if _layerwise_peak(trial, phases, depth) > budget:
                     s.mode = STAGED
         seconds = _call_seconds(trial, phases, depth, rates, steps, host_memory, pinned_memory)
-        if best is None or seconds < best[0] - 1e-12:
+        if best is None or seconds < best[0] * (1 - 1e-9):  # a tie (relative: any unit) keeps the earlier
             best = (seconds, trial)
     if best is None:
         raise OffloadConfigError(
