@@ -19,6 +19,7 @@ This file is the check, not the core: it may call ``torch.cuda``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import inspect
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the check's own modu
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import gpu_host  # noqa: E402
 import gpu_probe  # noqa: E402
 import gpu_sweep  # noqa: E402
 
@@ -117,6 +119,14 @@ class Run:
         self.sizes = gpu_sweep.DRY if dry_run else gpu_sweep.GPU
         self.configs = TINY_CONFIGS if dry_run else CONFIGS
         self.h2d_bytes_per_s: float | None = None
+
+    def bandwidth(self) -> float:
+        """The plain pinned host-to-device copy's bytes per second (measured once)."""
+        from offload_core.bench.realsize import pinned_copy_bandwidth
+
+        if self.h2d_bytes_per_s is None:
+            self.h2d_bytes_per_s = pinned_copy_bandwidth(self.backend, 1 << 20 if self.dry_run else 1 << 30)
+        return self.h2d_bytes_per_s
 
     def judged(self, check: Check, speed_ok: bool, other_ok: bool = True) -> bool:
         """A check's verdict: on the device, its speed target and the rest; on the simulator, the
@@ -229,9 +239,9 @@ def check_host_cost(run: Run, check: Check) -> None:
         f"{results[f'{mode}, diffusers record_stream=False']['host_cpu_us_per_block']:.0f} / "
         f"{results[f'{mode}, diffusers record_stream=True']['host_cpu_us_per_block']:.0f} (record_stream False / True)"
         for mode in ("eager", "regional compile"))
-    syncs = results["eager, diffusers record_stream=False"]["runtime_calls_per_block"]
     check.summary = (f"host CPU µs per block: {text}; host synchronisations per block: offload-core "
-                     f"{_syncs(results['eager, offload-core']):.2f}, diffusers {sum(syncs[c] for c in gpu_probe.SYNCHRONISING_CALLS):.2f}"
+                     f"{_syncs(results['eager, offload-core']):.2f}, diffusers "
+                     f"{_syncs(results['eager, diffusers record_stream=False']):.2f}"
                      + (f"; not bit-equal: {', '.join(inexact)}" if inexact else "")
                      + ("; simulated" if run.dry_run else ""))
 
@@ -294,7 +304,7 @@ def check_syncs(run: Run, check: Check) -> None:
             handle = offload_core.enable_offload(model, enable_layerwise_offload=True, prefetch_depth=depth,
                                                  backend=run.backend)
             try:
-                with torch.no_grad(), (handle.frozen() if frozen else _nothing()):
+                with torch.no_grad(), (handle.frozen() if frozen else contextlib.nullcontext()):
                     for x in inputs[:2]:
                         model(x)
                     since = len(run.calls.log)
@@ -313,12 +323,6 @@ def check_syncs(run: Run, check: Check) -> None:
     check.summary = (f"host synchronisations per steady-state forward, counted at the backend: {text} "
                      f"(the pass-end copy-stream synchronize)" + (f"; other than the design's: {', '.join(bad)}"
                                                                   if bad else ""))
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def check_bandwidth(run: Run, check: Check, exact: dict[str, Any]) -> None:
@@ -341,16 +345,17 @@ def check_host_memory(run: Run, check: Check) -> None:
     backend = run.backend
     model, inputs = _stack(run.configs["copy-bound"])
     backend.empty_host_cache()  # pinned blocks cached by earlier checks would be reused, not allocated
-    baseline, locked = backend.pinned_memory_allocated(), gpu_probe.proc_status("VmPin", "VmLck")
+    baseline, locked = backend.pinned_memory_allocated(), gpu_host.proc_status("VmPin", "VmLck")
     cycles = []
     for _ in range(2):
         handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
         with torch.no_grad():
             model(inputs[0].to(backend.device()))
         reported, counted = handle.stats()["pinned_host_bytes"], backend.pinned_memory_allocated() - baseline
-        held = gpu_probe.proc_status("VmPin", "VmLck")
+        held = gpu_host.proc_status("VmPin", "VmLck")
         handle.disable()
-        cycles.append({"reported": reported, "backend": counted, "after_disable": backend.pinned_memory_allocated() - baseline,
+        left = backend.pinned_memory_allocated() - baseline
+        cycles.append({"reported": reported, "backend": counted, "after_disable": left,
                        **{f"{k}_delta": (held[k] - locked[k]) if held[k] is not None and locked[k] is not None else None
                           for k in held}})
     check.figures = {"cycles": cycles, "registers_homes": offload_core.Capability.HOST_REGISTER in backend.capabilities}
@@ -510,7 +515,8 @@ def check_registered_bandwidth(run: Run, check: Check) -> None:
     memory = RegisteredMemory(backend)  # what offload-core pins homes with on this backend
     registered = memory.allocate(nbytes)
     try:
-        seconds = {"registered": _h2d_seconds(backend, registered, dst), "caching allocator": _h2d_seconds(backend, cached, dst)}
+        seconds = {"registered": _h2d_seconds(backend, registered, dst),
+                   "caching allocator": _h2d_seconds(backend, cached, dst)}
     finally:
         del registered, cached, dst
         memory.close()
@@ -522,18 +528,6 @@ def check_registered_bandwidth(run: Run, check: Check) -> None:
     check.summary = (f"registered pinned {rates['registered'] / 1e9:.2f} GB/s, caching allocator's pinned "
                      f"{rates['caching allocator'] / 1e9:.2f} GB/s (x{check.figures['ratio']:.2f})"
                      + ("; simulated" if run.dry_run else ""))
-
-
-def _bandwidth(run: Run) -> float:
-    """The plain pinned host-to-device copy's bytes per second (measured once)."""
-    from offload_core.bench.realsize import pinned_copy_bandwidth
-
-    if run.h2d_bytes_per_s is None:
-        run.h2d_bytes_per_s = pinned_copy_bandwidth(run.backend, 1 << 20 if run.dry_run else 1 << 30)
-    return run.h2d_bytes_per_s
-
-
-Run.bandwidth = _bandwidth
 
 
 CHECKS: list[tuple[str, str]] = [
@@ -616,7 +610,7 @@ def environment(dry_run: bool, site: str) -> dict[str, Any]:
         emptier = CudaBackend().host_cache_emptier()
         facts["cuda_backend_host_cache"] = getattr(emptier, "__qualname__", repr(emptier))
     backend = offload_core.get_backend("fake" if dry_run else "cuda") if dry_run or cuda else None
-    facts["link"] = gpu_probe.link_facts(dry_run, backend)
+    facts["link"] = gpu_host.link_facts(dry_run, backend)
     facts["from_wheel"] = Path(offload_core.__file__).resolve().is_relative_to(Path(site).resolve())
     facts["ok"] = facts["from_wheel"] and (dry_run or cuda)
     _ = offload_dist  # imported: the module the all-gather goes through must import on this torch

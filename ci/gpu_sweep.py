@@ -300,7 +300,8 @@ def _diffusers_group_offload(model: nn.Module, device: torch.device, record_stre
                                                 num_blocks_per_group=1, use_stream=True, record_stream=record_stream)
         return
     config = group_offloading.GroupOffloadingConfig(
-        onload_device=device, offload_device=torch.device("cpu"), offload_type=group_offloading.GroupOffloadingType.BLOCK_LEVEL,
+        onload_device=device, offload_device=torch.device("cpu"),
+        offload_type=group_offloading.GroupOffloadingType.BLOCK_LEVEL,
         num_blocks_per_group=1, non_blocking=True, stream=group_offloading.TorchDeviceBackend(device).Stream(),
         record_stream=record_stream, low_cpu_mem_usage=False, offload_to_disk_path=None, block_modules=None,
         exclude_kwargs=None)

@@ -30,7 +30,7 @@ import json
 import logging
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

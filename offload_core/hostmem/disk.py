@@ -202,7 +202,8 @@ class DiskImage:
             if fd is None:
                 read += source.read(lo - seg_start, hi - lo, part)
             else:
-                jobs.append((fd, source.offset + (lo - seg_start) * source.dtype.itemsize, part.data_ptr(), part.nbytes))
+                offset = source.offset + (lo - seg_start) * source.dtype.itemsize
+                jobs.append((fd, offset, part.data_ptr(), part.nbytes))
                 read += part.nbytes
         if jobs:
             direct.read(jobs)

@@ -217,7 +217,7 @@ def test_the_simulator_profile_writes_the_device_side_a_gpu_trace_has(tmp_path):
 def test_the_link_facts_say_what_a_machine_without_a_gpu_cannot_tell():
     import offload_core
 
-    facts = _module("gpu_probe").link_facts(True, offload_core.get_backend("fake", chaos=False))
+    facts = _module("gpu_host").link_facts(True, offload_core.get_backend("fake", chaos=False))
     assert facts["pcie_generation"] is None and "dry run" in facts["unavailable"]["pcie"]
     assert facts["gpu_numa_node"] is None and facts["unavailable"]["gpu_numa_node"]
     assert facts["home_numa_node"] is not None or facts["unavailable"]["home_numa_node"]
