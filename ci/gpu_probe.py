@@ -91,7 +91,9 @@ class Calls:
         setattr(obj, method, called)
 
     def _stream(self, stream: Any) -> Any:
-        self._wrap(stream, "synchronize", RUNTIME_NAMES["stream.synchronize"])
+        if not getattr(stream, "_gpu_check_logged", False):  # a backend may hand out one stream many times
+            self._wrap(stream, "synchronize", RUNTIME_NAMES["stream.synchronize"])
+            stream._gpu_check_logged = True
         return stream
 
     def _event(self, event: Any) -> Any:
