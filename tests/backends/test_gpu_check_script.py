@@ -252,3 +252,16 @@ def test_the_table_shows_each_step_and_check_with_its_state():
     assert "| conformance kit | pass | 5 passed, 0 failed, 1 skipped (4 s) |" in text
     assert "| &nbsp; exact | FAIL | differs from resident: x (target: bit-equal) |" in text
     assert "| &nbsp; overlap | pass | 91% of H2D copy time (target: >= 80%) |" in text
+
+
+def test_the_report_holds_each_step_and_names_the_traces_kept_beside_it(tmp_path):
+    check_report = _module("check_report")
+    (tmp_path / "hardware.json").write_text(json.dumps({"checks": [], "estimate_h200_s": {"total": 1.0}}))
+    (tmp_path / "trace-overlap.json").write_text("{}")
+    (tmp_path / "trace-host-eager-resident.json").write_text("{}")
+    steps = tmp_path / "steps.tsv"
+    steps.write_text(f"install\t0\t3\t-\nhardware\t1\t5\t{tmp_path / 'hardware.json'}\n")
+    document = check_report.report(steps, True, tmp_path / "report.json")
+    assert document["ok"] is False and document["seconds"] == 8.0 and document["dry_run"] is True
+    assert document["steps"]["hardware"]["result"]["estimate_h200_s"] == {"total": 1.0}
+    assert document["traces"] == ["trace-host-eager-resident.json", "trace-overlap.json"]
