@@ -75,13 +75,19 @@ def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit
     flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
 
-    def replan(measured: dict[str, int]) -> Plan:
-        """The plan of the same budget and strategy with the activations a first call measured
-        (an activation given by ``activation_memory=`` is kept)."""
+    def replan(measured: dict[str, int], block_seconds: dict[str, float], copy_bandwidth: float | None) -> Plan:
+        """The plan of the same budget and layout with the activations a first call measured (an
+        activation given by ``activation_memory=`` is kept), its blocks' compute times and the
+        rate its copies ran at: only the kept blocks of the components that park are sized (and
+        placed among the streamed ones) again."""
         again = [c if c.activation_from == "given" and c.activation_bytes is not None or c.name not in measured
                  else c.with_measurements(activation_bytes=measured[c.name], activation_from="measured")
                  for c in components]
-        again = make_plan(again, plan.budget, strategy=plan.strategy, **{**options, "device_free": None})
+        again = [c.with_measurements(block_compute_s=block_seconds[c.name],
+                                     copy_bandwidth=c.copy_bandwidth or copy_bandwidth) if c.name in block_seconds else c
+                 for c in again]
+        again = make_plan(again, plan.budget, strategy=plan.strategy, relayout=plan.components,
+                          **{**options, "device_free": None})
         return dataclasses.replace(again, chosen_by=plan.chosen_by, min_budget=plan.min_budget,
                                    asked_budget=plan.asked_budget, notes=plan.notes)
 
@@ -161,7 +167,7 @@ def plan_inputs(target: Inventory, blocks: Any = None) -> PlanInputs:
     so activations are the planner's estimate until the first call measures them."""
     if not target.pipeline:
         return PlanInputs(components_from_modules(target.components(), target.kinds, blocks), None)
-    return pipeline_plan_inputs(target.target, target.components(), blocks, cls_name=type(target.target).__name__)
+    return _pipeline_inputs(target, blocks, type(target.target).__name__)
 
 
 def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None, *,
@@ -172,7 +178,12 @@ def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks
     calls of ``steps`` steps (default: the pipeline's usual) with or without classifier-free
     ``guidance`` (None: as its usual call); none is no error here, the planner says there is
     nothing to plan."""
-    target = pipeline_inventory(pipe, modules)
+    return _pipeline_inputs(pipeline_inventory(pipe, modules), blocks, cls_name, shape, steps, guidance)
+
+
+def _pipeline_inputs(target: Inventory, blocks: Any, cls_name: str | None, shape: CallShape | None = None,
+                     steps: int | None = None, guidance: bool | None = None) -> PlanInputs:
+    modules = list(target.modules)
     phases, source, usual_steps = pipeline_phases(cls_name, [(name, target.kinds[name]) for name, _ in modules],
                                                   guidance)
     components = components_from_modules(modules, target.kinds, blocks, shape, guidance_batch(cls_name, guidance))

@@ -84,9 +84,10 @@ ROWS: tuple[Row, ...] = (
     Row("layerwise_casting", HOOKS, "`enable_layerwise_casting(...)`",
         REFUSED, REFUSED, REFUSED,
         "it re-creates every weight on each call: refused at enable, and the method raises on an offloaded model"),
-    Row("group_offloading", HOOKS, "diffusers `enable_group_offload(...)`",
+    Row("group_offloading", HOOKS, "diffusers `enable_group_offload(...)` or `apply_group_offloading(model, ...)`",
         REFUSED, REFUSED, REFUSED,
-        "two offloaders would move the same weights: refused at enable, and the method raises on an offloaded model"),
+        "two offloaders would move the same weights: refused at enable, and on an offloaded model the method and "
+        "the function raise before any weight moves"),
     Row("accelerate_offload", HOOKS, "accelerate `cpu_offload(model)`",
         REFUSED, REFUSED, REFUSED, "refused at enable, as every accelerate hook"),
     Row("input_gradients", TRAINING, "`loss.backward()` through a frozen model (guidance, inversion)",

@@ -13,17 +13,22 @@ anywhere, and its place in the bounce buffer is set by its unit's layout, so eac
 the aligned range that covers it into its reader's own aligned scratch buffer and copied from
 there into place: one copy of each byte, in user space, spread over the readers. A file system
 that refuses ``O_DIRECT`` (tmpfs) is read through the page cache, as are files when
-:data:`ENABLED` is False.
+:data:`ENABLED` is False. Descriptors opened with ``O_DIRECT`` come from a cache of their own,
+bounded as the page-cache readers' is (:mod:`.descriptors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
+
+from .descriptors import DescriptorCache
 
 #: the alignment of an O_DIRECT request's offset, length and buffer (4 KiB: 512-byte and 4 KiB devices)
 ALIGN = 4096
@@ -37,19 +42,33 @@ ENABLED = True
 #: one read: (file descriptor opened with O_DIRECT, file offset, destination address, bytes)
 Job = tuple[int, int, int, int]
 
+#: descriptors opened with O_DIRECT, by file
+DESCRIPTORS = DescriptorCache(flags=getattr(os, "O_DIRECT", 0))
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=DESCRIPTORS._after_fork)
+_refused: weakref.WeakSet = weakref.WeakSet()  # files whose file system refused O_DIRECT
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the readers)
 _pool_lock = threading.Lock()
 _scratch = threading.local()
 
 
-def open_direct(path: str) -> int | None:
-    """A descriptor of ``path`` that reads past the page cache, or None where that is not offered."""
-    if not ENABLED or not hasattr(os, "O_DIRECT"):
-        return None
+def usable(file) -> bool:
+    """Whether ``file`` (a :class:`~.disk.DataFile`) is read past the page cache: the first ask
+    opens it so (and keeps the descriptor in the cache); a file system that refuses says so once."""
+    if not ENABLED or not hasattr(os, "O_DIRECT") or file in _refused:
+        return False
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+        with DESCRIPTORS.reading(file):
+            return True
     except OSError:  # EINVAL: the file system does not do direct I/O
-        return None
+        _refused.add(file)
+        return False
+
+
+def reading(file) -> contextlib.AbstractContextManager[int]:
+    """A descriptor of ``file`` reading past the page cache, open until the block ends (only for
+    a file :func:`usable` said yes to)."""
+    return DESCRIPTORS.reading(file)
 
 
 def read(jobs: Sequence[Job]) -> None:

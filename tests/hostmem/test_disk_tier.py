@@ -6,7 +6,6 @@ first block for the next step) within a bounded window; the bytes read counted i
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -167,7 +166,7 @@ def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_
     the read-ahead asks in pieces of at most that (here set to one page), and together they hold
     every byte the blocks read."""
     folder, inputs, expected = checkpoint
-    monkeypatch.setattr(disk.SafetensorsFile, "advise_bytes", 4096)
+    monkeypatch.setattr(disk.DataFile, "advise_bytes", 4096)
     asked: list[tuple[int, int]] = []
     fadvise = disk.os.posix_fadvise
 
@@ -198,7 +197,7 @@ def test_disk_blocks_are_read_past_the_page_cache_in_pieces_in_flight_together(c
     (it would read the same bytes a second time), and the output is exact."""
     folder, inputs, expected = checkpoint
     handle = on_disk(folder)
-    if handle.parts[0].plans[0].image.extents()[0][0].direct_fd() is None:
+    if not direct.usable(handle.parts[0].plans[0].image.extents()[0][0]):
         handle.disable()
         pytest.skip("this file system refuses O_DIRECT")
     calls: list[int] = []
@@ -230,10 +229,10 @@ def test_a_direct_read_lands_every_byte_whatever_its_alignment(tmp_path, monkeyp
     path = tmp_path / "blob"
     data = torch.randint(0, 256, (200_003,), dtype=torch.uint8)
     path.write_bytes(data.numpy().tobytes())
-    fd = direct.open_direct(str(path))
-    if fd is None:
+    file = disk.DataFile(path)
+    if not direct.usable(file):
         pytest.skip("this file system refuses O_DIRECT")
-    try:
+    with direct.reading(file) as fd:
         spans = [(1, 5), (4095, 4098), (12_289, 50_000), (100_000, 100_003), (0, 4096)]
         outs = [torch.zeros(n, dtype=torch.uint8) for _, n in spans]
         direct.read([(fd, offset, out.data_ptr(), n) for (offset, n), out in zip(spans, outs)])
@@ -241,8 +240,7 @@ def test_a_direct_read_lands_every_byte_whatever_its_alignment(tmp_path, monkeyp
             assert torch.equal(out, data[offset : offset + n]), (offset, n)
         with pytest.raises(EOFError, match="short of a tensor"):
             direct.read([(fd, 199_000, outs[2].data_ptr(), 5_000)])
-    finally:
-        os.close(fd)
+    file.close()
 
 
 def test_placeholders_hold_the_poison_of_their_dtype_and_refuse_every_in_place_operator():

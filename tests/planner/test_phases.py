@@ -331,3 +331,60 @@ def test_activations_measured_on_the_first_call_re_plan_the_next(caplog):
     assert backend.max_memory_allocated() <= expert
     handle.disable()
     assert torch.equal(tiny.run(), reference)
+
+
+@pytest.mark.fake_only("the fake times its streams' work with events")
+def test_the_first_calls_block_times_reach_the_re_plan(caplog):
+    """The first pipeline call is traced for the re-plan: each streamed expert's blocks' compute
+    time and the copies' rate go into the plan, which then predicts each forward's time."""
+    tiny = big_expert_wan()
+    reference = pipeline_reference(tiny)
+    expert = sum(p.numel() * p.element_size() for p in tiny.pipe.transformer.parameters())
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=expert, backend=chaos_backend())
+    assert handle.plan.component("transformer").compute_s_per_forward is None
+    with caplog.at_level("INFO", logger="offload_core.handle"):
+        assert torch.equal(tiny.run(), reference)
+    assert any(r.getMessage().startswith("re-planned after the first call") for r in caplog.records)
+    planned = handle.plan.component("transformer")
+    assert planned.compute_s_per_forward is not None and planned.compute_s_per_forward > 0
+    assert planned.ratio is not None and planned.ratio >= 1.0
+    with handle.trace():  # a trace of the user's own is left alone: no second re-plan is traced
+        assert torch.equal(tiny.run(), reference)
+    handle.disable()
+
+
+def strategy_budgets(pipe) -> dict[str, int]:
+    """A budget at which the planner picks each strategy it can for ``pipe``: layerwise between its
+    smallest and model-level's need, model-level at its need, everything resident at all of it."""
+    inputs = pipeline_plan_inputs(pipe, pipeline_modules(pipe), cls_name=type(pipe).__name__)
+    need = {strategy: make_plan(inputs.components, 2**40, strategy=strategy, groups=inputs.groups,
+                                phases=inputs.phases, steps=inputs.steps).min_budget
+            for strategy in ("layerwise", "model")}
+    resident = make_plan(inputs.components, 2**40, groups=inputs.groups, phases=inputs.phases,
+                         steps=inputs.steps).device_peak
+    budgets = {"resident": resident}
+    if need["model"] < resident:
+        budgets["model"] = need["model"]
+    if need["layerwise"] < min(need["model"], resident):
+        budgets["layerwise"] = (need["layerwise"] + min(need["model"], resident)) // 2
+    return budgets
+
+
+@pytest.mark.fake_only("the fake's device capacity is set to the budget, and its accounting is exact")
+@pytest.mark.parametrize("name", sorted(__import__("offload_core.tiny.zoo", fromlist=["PIPELINES"]).PIPELINES))
+def test_the_measured_device_peak_is_within_the_predicted_one_and_close_to_it(name):
+    """Every pipeline of the supported table, in every strategy the planner picks for it: the device
+    peak of a call is at most the plan's predicted peak (a bound a card can trust) and at least 0.85
+    of it (the plan is not padded), with the plan read after the call (its activations measured)."""
+    tiny = build_pipeline(name)
+    reference = pipeline_reference(tiny)
+    for strategy, budget in strategy_budgets(tiny.pipe).items():
+        handle = offload_core.enable_offload(tiny.pipe, device_memory=budget,
+                                             backend=chaos_backend(device_memory=budget))
+        try:
+            assert handle.strategy == strategy
+            assert torch.equal(tiny.run(), reference), strategy
+            peak, predicted = handle.stats()["device_peak_bytes"], handle.plan.device_peak
+            assert 0.85 * predicted <= peak <= predicted, (strategy, peak, predicted)
+        finally:
+            handle.disable()
