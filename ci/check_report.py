@@ -1,5 +1,6 @@
 """The one JSON report of ``ci/gpu-check.sh``: every step's exit status and duration, with what it
-produced (pytest's JUnit XML reduced to counts and failing test ids, benchmark JSON as is).
+produced (pytest's JUnit XML reduced to counts and failing test ids, benchmark JSON as is), and
+the profiler traces the hardware checks kept beside it.
 
 The script records one line per step in a tab-separated file (name, exit status, seconds, the
 file the step wrote or ``-``) and calls this module last.
@@ -45,7 +46,7 @@ def read_step(line: str) -> dict[str, Any]:
     return step
 
 
-def report(steps_file: Path, dry_run: bool) -> dict[str, Any]:
+def report(steps_file: Path, dry_run: bool, out: Path) -> dict[str, Any]:
     steps = [read_step(line) for line in steps_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     return {
         "ok": all(s["ok"] for s in steps),
@@ -54,6 +55,7 @@ def report(steps_file: Path, dry_run: bool) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "steps": {s.pop("name"): s for s in steps},
+        "traces": sorted(p.name for p in out.parent.glob("trace-*.json")),
     }
 
 
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="the JSON report to write")
     parser.add_argument("--dry-run", action="store_true", help="mark the report as a dry run")
     args = parser.parse_args(argv)
-    document = report(args.steps, args.dry_run)
+    document = report(args.steps, args.dry_run, args.out)
     args.out.write_text(json.dumps(document, indent=2), encoding="utf-8")
     failed = [name for name, step in document["steps"].items() if not step["ok"]]
     print(f"{args.out}: {len(document['steps'])} steps in {document['seconds']:.0f} s; "

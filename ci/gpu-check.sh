@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
-# The first GPU run, for a machine with one NVIDIA GPU, torch preinstalled and no network (under
-# 8 minutes). Nothing is downloaded: the Python given by --python (with its torch) is used as it
-# is, and only the wheels carried in --wheels (prepared here by ci/gpu-wheels.sh: diffusers, what
-# torch lacks of our imports, the test runner, and offload-core itself as a wheel) are installed,
-# with `pip install --no-index --no-deps --target` into a temporary folder. Tests and checks then
-# import offload-core from that wheel, never from this checkout. Steps, in order, each with a
-# pass/FAIL line; every step runs even if an earlier one failed:
+# The first GPU run, for a machine with one NVIDIA GPU, torch preinstalled and no network (about
+# 5 minutes on an H200: `python ci/gpu_check.py estimate` says how long each step takes there, from
+# the work it does). Nothing is downloaded: the Python given by --python (with its torch) is used
+# as it is, and only the wheels carried in --wheels (prepared here by ci/gpu-wheels.sh: diffusers,
+# what torch lacks of our imports, the test runner, and offload-core itself as a wheel) are
+# installed, with `pip install --no-index --no-deps --target` into a temporary folder. Tests and
+# checks then import offload-core from that wheel, never from this checkout. Steps, in order, each
+# with a pass/FAIL line; every step runs even if an earlier one failed:
 #
 #   1. install      the carried wheels, offline;
-#   2. environment  torch, CUDA, the device, which version-dependent APIs this torch has;
+#   2. environment  torch, CUDA, the device, its PCIe link and NUMA node, the node of the pinned
+#                   homes, which version-dependent APIs this torch has;
 #   3. kit          the conformance kit (pytest --backend=cuda --pyargs offload_core.testing);
 #   4. strategies   the layerwise strategy tests on the device;
-#   5. hardware     exactness (layerwise depth 1 and 2, copy- and compute-bound, 20 steps each,
-#                   bit-equal to resident, TF32 off), copy/compute overlap (torch.profiler), host
-#                   syncs per forward (sync debug mode), H2D bandwidth against a plain pinned copy,
-#                   pinned bytes against the host allocator over two enable/disable cycles,
-#                   mem_get_info against the driver, model-level offload near capacity, stream
-#                   switches per block (layerwise depth 1 and 2, model-level), H2D bandwidth
-#                   from registered pinned memory against the caching allocator's ("not
-#                   available" where the backend has no registration capability);
-#   6. realsize     a Wan2.1-1.3B-size transformer: step ratios to resident.
+#   5. hardware     exactness (layerwise depth 1 and 2, fp32, TF32 off); the crossover sweep
+#                   (FLUX.2 single-stream and Wan-14B bf16 blocks at 1k to 64k tokens: resident,
+#                   layerwise depth 1 and 2 in frozen(), the planner; step ratio, bound, efficiency,
+#                   compute-stream idle time); host cost per block (small Wan blocks, eager and
+#                   regionally compiled: offload-core against diffusers' stream path with and
+#                   without record_stream); copy/compute overlap; host synchronisations per forward
+#                   counted at the backend; H2D bandwidth; pinned bytes against the backend's own
+#                   count; mem_get_info; model-level near capacity; stream switches per block;
+#                   registered against cached pinned H2D. A profiler trace of each measured step
+#                   is kept (trace-*.json);
+#   6. realsize     a Wan2.1-1.3B-size transformer run as its pipeline runs it: step ratios to
+#                   resident.
 #
-# The report goes to --out DIR (8 files): report.md (the table), report.json, log.txt, and what
-# each step wrote. The exit status is 0 only if every step passed.
+# The report goes to --out DIR: report.md (the table), report.json, log.txt, what each step wrote,
+# and the profiler traces. The exit status is 0 only if every step passed.
 #
 # Usage: ci/gpu-check.sh [--out DIR] [--wheels DIR] [--python PY] [--dry-run]
 #   --out DIR     where the report goes (default: gpu-check-out)
 #   --wheels DIR  the carried wheels (default: .whl)
 #   --python PY   the Python with torch to use (default: python3)
-#   --dry-run     no GPU: the same offline install, then every step on the fake backend; the
-#                 checks that need CUDA print "skipped: no GPU"; stream switches and the registered
-#                 bandwidth run there too (CI runs this over its oldest torch)
+#   --dry-run     no GPU: the same offline install, then every step on the fake backend; every
+#                 hardware check runs on the simulator at tiny sizes, its figures marked simulated
+#                 and its speed targets not judged (CI runs this over its oldest torch)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +49,7 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=${2:?--wheels needs a folder}; shift ;;
         --python) PY=${2:?--python needs an interpreter}; shift ;;
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -57,7 +62,8 @@ trap 'rm -rf "$WORK"' EXIT
 STEPS="$WORK/steps.tsv"
 SITE="$WORK/site"
 mkdir -p "$OUT"
-rm -f "$OUT"/{report.md,report.json,log.txt,environment.json,kit.xml,strategies.xml,hardware.json,realsize.json}
+rm -f "$OUT"/{report.md,report.json,log.txt,environment.json,kit.xml,strategies.xml,hardware.json,realsize.json} \
+    "$OUT"/trace-*.json
 
 # step NAME SECONDS ARTIFACT COMMAND...: run COMMAND with a time limit, log its status and duration
 step() {
@@ -99,7 +105,7 @@ run() {
         "$PY" -m pytest --backend="$backend" -q -m "not fake_only" --junitxml="$OUT/strategies.xml" \
         -k "not cosmos3-omni and not test_removing_the_ready_wait_is_reported_as_a_race" \
         tests/strategies/test_layerwise_lifecycle.py tests/strategies/test_layerwise_properties.py tests/strategies/test_layerwise_models.py
-    step hardware 150 "$OUT/hardware.json" \
+    step hardware 300 "$OUT/hardware.json" \
         "$PY" ci/gpu_check.py hardware --out "$OUT/hardware.json" ${dry[@]+"${dry[@]}"}
     step realsize 100 "$OUT/realsize.json" \
         "$PY" -m offload_core.bench.realsize --out "$OUT/realsize.json" "${realsize[@]}"

@@ -7,8 +7,10 @@
 # Then the oldest torch pyproject.toml declares, run through the GPU check's dry run: a bare
 # virtual environment with only that torch (PyPI's build, whose CUDA libraries import without a
 # GPU; about 2.5 minutes to install here), the same offline install of the carried wheels as on
-# the GPU machine (built for this Python), the conformance kit and the layerwise strategy tests
-# on the fake backend (about 2 minutes). The whole run took 12.8 minutes on 2026-12-01.
+# the GPU machine (built for this Python), then every step on the fake backend: the conformance
+# kit, the layerwise strategy tests, every hardware check on the simulator, the real-size
+# benchmark's dry run (2 minutes at load average 6, 4 at 7 to 9, on 2026-12-04 and 05). The whole
+# run took 12.8 minutes on 2026-12-01.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -1,21 +1,26 @@
 """How much of the host-to-device copy time a run hid behind compute, read from a timeline.
 
 Offloading is free only when every weight copy runs while the device is busy computing; the moment
-compute has to stop and wait for a copy, the transfer is on the critical path. The strategies
-record both sides of that race in a :class:`~offload_core.timeline.Timeline`: ``copy`` spans (the
-transfers loading a block or group, on the copy lanes) and ``wait`` spans (the compute stream held
-until a copy was done), plus host waits (instants with a duration: the host blocked on device
-work). Only those kinds are relied on, so the figure means the same on every backend.
+compute has to stop and wait for a copy, the transfer is on the critical path, and a copy that
+runs while the device has nothing to compute (a model-level group loaded while the host encodes
+the prompt) hides behind nothing either. The strategies record both sides of that race in a
+:class:`~offload_core.timeline.Timeline`: ``copy`` spans (the transfers loading a block or group,
+on the copy lanes), ``compute`` spans (a block, or a model-level group while it is active) and
+``wait`` spans (the compute stream held until a copy was done), plus host waits (instants with a
+duration: the host blocked on device work). Only those kinds are relied on, so the figure means
+the same on every backend.
 
 The measure::
 
     copy    = union of the copy spans (overlapping copies on two lanes count once)
-    exposed = the part of ``copy`` during which compute waited for a copy or the host was blocked
-    overlap = 1 - exposed / copy          (None when there was no copy to hide)
+    busy    = union of the compute spans, less the waits and host waits
+    hidden  = the part of ``copy`` that lies inside ``busy``
+    overlap = hidden / copy               (None when there was no copy to hide)
 
 Unions, not sums, because two copy streams busy at the same instant cost the run that instant
-once; and the waits are intersected with the copies because a wait may outlast the copy it was
-for (it also waits for the work queued before the copy), which is not copy time.
+once. A copy is hidden only where a compute span ran beside it: not where compute waited for it,
+the host was blocked, or nothing computed at all. Compute outside any span (a layerwise model's
+work between its blocks) is not seen, so the figure errs low, never high.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ class InstantLike(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-    """Copy time and the part of it compute (or the host) waited for, in nanoseconds."""
+    """Copy time and the part of it not hidden behind compute (compute waited for it, the host
+    was blocked, or nothing computed), in nanoseconds."""
 
     copy_ns: int
-    exposed_ns: int
+    exposed_ns: int  # not hidden: ``waited_ns`` and the copy time while nothing computed
+    waited_ns: int = 0  # the part compute (or the host) waited for
 
     @property
     def fraction(self) -> float | None:
@@ -84,19 +91,42 @@ def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
     return out
 
 
+def difference(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """``a`` less ``b``, both sorted and disjoint."""
+    out: list[Interval] = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while start < end and k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def copy_overlap(spans: Iterable[SpanLike], instants: Iterable[InstantLike] = ()) -> Overlap:
-    """Measure copy time and its exposed part over a timeline's spans and instants."""
+    """Measure copy time and the part of it not hidden behind compute, over a timeline's spans
+    and instants."""
     copies: list[Interval] = []
+    computing: list[Interval] = []
     blocked: list[Interval] = []
     for span in spans:
         if span.kind == "copy":
             copies.append((span.start_ns, span.end_ns))
+        elif span.kind == "compute":
+            computing.append((span.start_ns, span.end_ns))
         elif span.kind == "wait":
             blocked.append((span.start_ns, span.end_ns))
     blocked += [(i.at_ns, i.at_ns + i.duration_ns) for i in instants if i.kind == "host wait"]
-    copy = union(copies)
-    exposed = intersect(copy, union(blocked))
-    return Overlap(copy_ns=length(copy), exposed_ns=length(exposed))
+    copy, held = union(copies), union(blocked)
+    hidden = intersect(copy, difference(union(computing), held))
+    return Overlap(copy_ns=length(copy), exposed_ns=length(copy) - length(hidden),
+                   waited_ns=length(intersect(copy, held)))
 
 
 def timeline_overlap(timeline) -> Overlap | None:

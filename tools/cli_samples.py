@@ -5,8 +5,8 @@ grep WORD`` keeps the lines holding WORD, as the shell would.
 
 A test reruns them and compares, with the figures that depend on timing (times, overlap, the
 ratio, the copy counts a late prefetch can change, each number with its unit) masked, and the
-verdict's "unreliable (machine busy)" clause dropped, so the pages cannot go stale and a busy
-machine cannot fail the comparison. The generator refuses to run on a busy machine, or to write a
+verdict's "unreliable (machine busy)" clause and the step row's garbage collections dropped, so
+the pages cannot go stale and a busy machine or a collection cannot fail the comparison. The generator refuses to run on a busy machine, or to write a
 run that says its figures are unreliable, so the pages never take a busy machine's figures.
 """
 
@@ -32,6 +32,8 @@ TIMED_ROWS = ("time per step", "call", "moved host -> device", "overlap (copy hi
 NUMBER = re.compile(r"\d+(\.\d+)?(\s?(ns|us|ms|s|%|x)(?![\w]))?")
 #: the verdict's last clause on a run that cannot vouch for its figures
 UNRELIABLE_CLAUSE = re.compile(r"; " + re.escape(UNRELIABLE) + r".*$")
+#: the step row's clause naming the garbage collections left out of its times
+COLLECTION_CLAUSE = re.compile(r"; Python's garbage collector held .*? \(left out of these times\)")
 
 
 def output_of(command: str) -> str:
@@ -58,12 +60,13 @@ def regenerate(text: str) -> str:
 
 
 def masked(text: str) -> str:
-    """``text`` with the numbers of timed report rows (with their units) replaced by ``#`` and
-    the verdict's "unreliable (machine busy)" clause dropped."""
+    """``text`` with the numbers of timed report rows (with their units) replaced by ``#``, and
+    the verdict's "unreliable (machine busy)" clause and the garbage collections dropped."""
     lines = []
     for line in text.splitlines():
         label = re.split(r"\s{2,}", line, maxsplit=1)[0]
-        lines.append(NUMBER.sub("#", UNRELIABLE_CLAUSE.sub("", line)) if label in TIMED_ROWS else line)
+        timed = label in TIMED_ROWS
+        lines.append(NUMBER.sub("#", COLLECTION_CLAUSE.sub("", UNRELIABLE_CLAUSE.sub("", line))) if timed else line)
     return "\n".join(lines)
 
 

@@ -1,14 +1,19 @@
 """Real-size benchmark for a machine with an accelerator (run by ``ci/gpu-check.sh``).
 
 A Wan2.1-T2V-1.3B-config ``WanTransformer3DModel`` with random bf16 weights at a realistic video
-latent (480x832, 81 frames), stepped resident, with layerwise offload at prefetch depths 1 and 2,
-and with diffusers' ``enable_group_offload(block_level, num_blocks_per_group=1, use_stream=True)``.
-It reports step times and their ratios to resident, the host-to-device bandwidth a step achieves
-against a plain pinned-memory copy, device peaks, pinned bytes, and whether each offloaded output
-equals the resident one bit for bit.
+latent (480x832, 81 frames), run the way ``WanPipeline`` runs it: a UniPC flow-matching scheduler,
+and per denoising step two transformer calls (with and without the prompt: classifier-free
+guidance) combined, then the scheduler's step; offload-core's steps inside ``handle.frozen()``,
+as every pipeline call without step callbacks runs them. Variants: resident, layerwise offload at
+prefetch depths 1 and 2, and diffusers' ``enable_group_offload(block_level,
+num_blocks_per_group=1, use_stream=True)`` with ``record_stream`` False (its default) and True. It
+reports step times and their ratios to resident, the host-to-device bandwidth a step achieves
+against a plain pinned-memory copy, device peaks, pinned bytes, and whether each variant's final
+latents equal the resident ones bit for bit.
 
 Everything goes through the backend API, so the same code runs on any backend; ``--dry-run`` runs
-it on the fake backend at tiny sizes, which is how CI keeps it working without a GPU.
+it on the fake backend at tiny sizes, which is how CI keeps it working without a GPU (there
+diffusers runs without streams, which it refuses on the CPU: one variant, ``use_stream=False``).
 
 Weights are built on the meta device and then filled in place (a scaled uniform draw, so that
 activations stay finite through 30 blocks): initialising 1.3 billion parameters the usual way would
@@ -19,12 +24,13 @@ from a one-block instance of the same config, built normally.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +54,8 @@ TINY: dict[str, Any] = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=
 TINY_INPUTS = {"latent": (1, 16, 3, 8, 8), "text": (1, 8, 32)}
 #: bytes of the plain pinned-to-device copy the achieved bandwidth is compared with
 MEMCPY_BYTES = 1 << 30
+#: classifier-free guidance scale (WanPipeline's default)
+GUIDANCE = 5.0
 
 
 def build_wan(config: dict[str, Any], dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
@@ -87,13 +95,13 @@ def _as_first_block(name: str) -> str:
     return ".".join(["blocks", "0", *parts[2:]]) if parts[0] == "blocks" else name
 
 
-def make_inputs(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int = 1) -> dict[str, Any]:
+def make_inputs(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int = 1) -> dict[str, torch.Tensor]:
+    """The initial latents, and the prompt's and the empty prompt's encodings."""
     generator = torch.Generator().manual_seed(seed)
     return {
-        "hidden_states": torch.randn(shapes["latent"], generator=generator).to(dtype),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(shapes["text"], generator=generator).to(dtype),
-        "return_dict": False,
+        "latents": torch.randn(shapes["latent"], generator=generator).to(dtype),
+        "cond": torch.randn(shapes["text"], generator=generator).to(dtype),
+        "uncond": torch.randn(shapes["text"], generator=generator).to(dtype),
     }
 
 
@@ -101,18 +109,38 @@ def _to(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def timed_steps(backend, step: Callable[[], torch.Tensor], steps: int) -> tuple[list[float], torch.Tensor]:
-    """Seconds of each of ``steps`` steps after one warm-up step, and the last output (on the host)."""
+def scheduler(steps: int):
+    """Wan's scheduler (UniPC on flow-matching sigmas, shift 3), set to ``steps`` steps."""
+    from diffusers import UniPCMultistepScheduler
+
+    made = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                   num_train_timesteps=1000)
+    made.set_timesteps(steps)
+    return made
+
+
+def denoise(backend, model: nn.Module, inputs: dict[str, torch.Tensor], steps: int,
+            guidance: float = GUIDANCE) -> tuple[list[float], torch.Tensor]:
+    """Seconds of each denoising step (the device synchronised after each), and the final latents
+    (on the host): per step, the transformer with and without the prompt, their guided mix, the
+    scheduler's step, as ``WanPipeline`` runs them."""
+    schedule = scheduler(steps)
+    latents = inputs["latents"]
+    times = []
     with torch.no_grad():
-        out = step()
         backend.synchronize()
-        times = []
-        for _ in range(steps):
+        for t in schedule.timesteps:
             start = time.perf_counter()
-            out = step()
+            timestep = t.expand(latents.shape[0]).to(latents.device)
+            cond = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=inputs["cond"],
+                         return_dict=False)[0]
+            uncond = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=inputs["uncond"],
+                           return_dict=False)[0]
+            noise = uncond + guidance * (cond - uncond)
+            latents = schedule.step(noise, t, latents, return_dict=False)[0]
             backend.synchronize()
             times.append(time.perf_counter() - start)
-    return times, out.detach().to("cpu")
+    return times, latents.detach().to("cpu")
 
 
 def pinned_copy_bandwidth(backend, nbytes: int, repeats: int = 3) -> float:
@@ -135,19 +163,25 @@ def pinned_copy_bandwidth(backend, nbytes: int, repeats: int = 3) -> float:
 
 def run(backend, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], steps: int = 3,
         memcpy_bytes: int = MEMCPY_BYTES) -> dict[str, Any]:
-    """Every variant on ``backend``; see the module docstring."""
+    """Every variant on ``backend``: one warm-up step, then ``steps`` timed denoising steps (the
+    scheduler set to all of them); see the module docstring."""
     dtype = torch.bfloat16
     device = backend.device()
     model = build_wan(config, dtype)
-    inputs = make_inputs(shapes, dtype)
+    inputs = _to(make_inputs(shapes, dtype), device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     results: dict[str, Any] = {}
 
-    def measure(name: str, step: Callable[[], torch.Tensor], handle=None) -> torch.Tensor:
+    def measure(name: str, denoiser: nn.Module, handle=None) -> torch.Tensor:
+        backend.synchronize()
+        base = backend.memory_allocated()
+        backend.reset_peak_memory_stats()
         before = handle.stats() if handle is not None else None  # enable's own copies excluded
-        times, out = timed_steps(backend, step, steps)
+        with handle.frozen() if handle is not None else contextlib.nullcontext():
+            times, out = denoise(backend, denoiser, inputs, steps + 1)
+        times = times[1:]  # the first step pays the first loads and the kernels' first launch
         entry: dict[str, Any] = {"step_s": times, "median_step_s": sorted(times)[len(times) // 2],
-                                 "device_peak_bytes": backend.max_memory_allocated() - baseline}
+                                 "device_peak_bytes": backend.max_memory_allocated() - base}
         if handle is not None:
             stats = handle.stats()
             per_step = (stats["h2d_bytes"] - before["h2d_bytes"]) / (steps + 1)  # the warm-up step included
@@ -160,29 +194,25 @@ def run(backend, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], ste
         logger.info("%s: %.3f s per step", name, entry["median_step_s"])
         return out
 
-    backend.synchronize()
-    baseline = backend.memory_allocated()
-    backend.reset_peak_memory_stats()
     resident = copy.deepcopy(model).to(device)
-    device_inputs = _to(inputs, device)
-    expected = measure("resident", lambda: resident(**device_inputs)[0])
+    expected = measure("resident", resident)
     del resident
     for depth in (1, 2):
-        backend.synchronize()
-        baseline = backend.memory_allocated()
-        backend.reset_peak_memory_stats()
         handle = enable_offload(model, enable_layerwise_offload=True, prefetch_depth=depth, backend=backend)
-        out = measure(f"layerwise_depth{depth}", lambda: model(**inputs)[0], handle)
-        results[f"layerwise_depth{depth}"]["exact"] = bool(torch.equal(out, expected))
-        handle.disable()
-    use_stream = device.type != "cpu"  # diffusers' streams need a device whose backend implements them
-    backend.synchronize()
-    baseline = backend.memory_allocated()
-    backend.reset_peak_memory_stats()
-    model.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1,
-                               use_stream=use_stream)
-    out = measure("diffusers_group_offload", lambda: model(**device_inputs)[0])
-    results["diffusers_group_offload"].update(exact=bool(torch.equal(out, expected)), use_stream=use_stream)
+        try:
+            out = measure(f"layerwise_depth{depth}", model, handle)
+            results[f"layerwise_depth{depth}"]["exact"] = bool(torch.equal(out, expected))
+        finally:
+            handle.disable()
+    streams = device.type != "cpu"  # diffusers' streams need a device whose backend implements them
+    for record_stream in (False, True) if streams else (False,):
+        name = f"diffusers_group_offload{'_record_stream' if record_stream else ''}"
+        offloaded = copy.deepcopy(model)
+        offloaded.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1,
+                                       use_stream=streams, record_stream=record_stream)
+        out = measure(name, offloaded)
+        results[name].update(exact=bool(torch.equal(out, expected)), use_stream=streams, record_stream=record_stream)
+        del offloaded
 
     memcpy = pinned_copy_bandwidth(backend, min(memcpy_bytes, max(weight_bytes, 1 << 20)))
     resident_s = results["resident"]["median_step_s"]
@@ -198,6 +228,8 @@ def run(backend, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], ste
         "dtype": str(dtype),
         "weight_bytes": weight_bytes,
         "steps": steps,
+        "call_pattern": "per step: transformer(cond), transformer(uncond), guidance, UniPC step; offloaded ones "
+                        "inside handle.frozen()",
         "pinned_memcpy_bytes_per_s": memcpy,
         "variants": results,
     }

@@ -40,8 +40,8 @@ def render(results: dict[str, Any], load: dict[str, Any]) -> str:
             f"thread CPU time outside the block forwards, medians of {o['passes']} passes)"
         )
     lines.append("\nspread: half the interquartile range of the per-repetition ratios; status \"unreliable (machine "
-                 "busy)\": the spread is wider than the distance to the target, or the figure is below its physical "
-                 "limit by more than its spread")
+                 "busy)\": the spread is wider than the distance to the target; \"unreliable (baseline too weak)\": "
+                 "the figure lies beyond its physical limit by more than its spread")
     return "\n".join(lines)
 
 

@@ -39,8 +39,9 @@ class _Descriptor:
 class DescriptorCache:
     """Open descriptors by file (any object with a ``path``), least recently used first."""
 
-    def __init__(self, limit: int = OPEN_FILES) -> None:
+    def __init__(self, limit: int = OPEN_FILES, flags: int = 0) -> None:
         self.limit = limit
+        self.flags = flags  # opened with these too (``O_DIRECT``: the reads past the page cache)
         self._open: collections.OrderedDict[int, _Descriptor] = collections.OrderedDict()
         # re-entrant: a file's finalizer (``close``) may run inside a cache operation of this
         # thread; taken through ``locks.locked``, so that no interrupt leaves it held
@@ -63,7 +64,7 @@ class DescriptorCache:
             d = None
         if d is None:
             self._make_room()
-            d = _Descriptor(os.open(file.path, os.O_RDONLY | os.O_CLOEXEC), file)
+            d = _Descriptor(os.open(file.path, os.O_RDONLY | os.O_CLOEXEC | self.flags), file)
             self._open[id(file)] = d
         else:
             self._open.move_to_end(id(file))

@@ -1,15 +1,16 @@
 """Weights on disk: safetensors checkpoints and spill files, read with positional reads.
 
-Reads use ``os.preadv`` straight into the destination's memory (a bounce buffer or a packed
-home), never ``mmap``: mapped file pages count in the process's resident memory for as long as
-the mapping lives, positional reads only fill the kernel's page cache, which it reclaims freely.
-Descriptors come from one process-wide cache of a few (:mod:`.descriptors`). A checkpoint's
-header is checked before any of its tensors is used (:mod:`.safetensors_header`). What a unit's
-image asks the kernel to read ahead (:meth:`DiskImage.advise`) is its file bytes merged into
-page-aligned extents, asked for in pieces the kernel reads whole: Linux quietly reads only the
-first ``max(read_ahead_kb, max_sectors_kb)`` of a larger ``POSIX_FADV_WILLNEED`` range, so one
-request per tensor (or per block) leaves most of a large block to be read when the stager gets
-to it, one request at a time.
+Reads use ``os.preadv``, never ``mmap``: mapped file pages count in the process's resident memory
+for as long as the mapping lives. Where the file system allows it, the slices a read needs are
+read past the page cache, several at once (:mod:`.direct`). Elsewhere they are read straight into
+the destination's memory (a bounce buffer or a packed home) through the page cache, which the
+kernel reclaims freely. Descriptors come from process-wide caches of a few (:mod:`.descriptors`).
+A checkpoint's header is checked before any of its tensors is used (:mod:`.safetensors_header`).
+What a unit's image asks the kernel to read ahead (:meth:`DiskImage.advise`), for files read
+through the page cache, is its file bytes merged into page-aligned extents, asked for in pieces
+the kernel reads whole: Linux quietly reads only the first ``max(read_ahead_kb, max_sectors_kb)``
+of a larger ``POSIX_FADV_WILLNEED`` range, so one request per tensor (or per block) leaves most of
+a large block to be read when the stager gets to it, one request at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Iterable
 import torch
 
 from ..errors import CheckpointError
+from . import direct
 from .descriptors import DESCRIPTORS
 from .safetensors_header import DTYPES, read_header
 
@@ -61,8 +63,9 @@ class DataFile:
         return DESCRIPTORS.reading(self)
 
     def close(self) -> None:
-        """Close the descriptor now (or when the reads using it end); a later read opens it again."""
+        """Close the descriptors now (or when the reads using them end); a later read opens them again."""
         DESCRIPTORS.close(self)
+        direct.DESCRIPTORS.close(self)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the cache may be gone first
@@ -164,12 +167,27 @@ class DiskImage:
 
     def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
         """Elements ``start .. start + count`` of the ``dtype`` home into ``out``; returns the
-        bytes read from files (what ``disk_read_bytes`` counts)."""
-        end, read = start + count, 0
-        for seg_start, seg_count, source in self.segments.get(dtype, ()):
-            lo, hi = max(start, seg_start), min(end, seg_start + seg_count)
-            if lo < hi:
-                read += source.read(lo - seg_start, hi - lo, out[lo - start : hi - start])
+        bytes read from files (what ``disk_read_bytes`` counts). File slices of ``out``'s dtype in
+        files that allow it are read past the page cache, all of them in flight together
+        (:func:`.direct.read`); the rest one by one."""
+        end, read, jobs = start + count, 0, []
+        with contextlib.ExitStack() as held:
+            fds: dict[DataFile, int] = {}
+            for seg_start, seg_count, source in self.segments.get(dtype, ()):
+                lo, hi = max(start, seg_start), min(end, seg_start + seg_count)
+                if lo >= hi:
+                    continue
+                part = out[lo - start : hi - start]
+                if not (isinstance(source, FileSlice) and source.dtype == out.dtype and direct.usable(source.file)):
+                    read += source.read(lo - seg_start, hi - lo, part)
+                    continue
+                if source.file not in fds:
+                    fds[source.file] = held.enter_context(direct.reading(source.file))
+                offset = source.offset + (lo - seg_start) * source.dtype.itemsize
+                jobs.append((fds[source.file], offset, part.data_ptr(), part.nbytes))
+                read += part.nbytes
+            if jobs:
+                direct.read(jobs)
         return read
 
     @property
@@ -205,6 +223,8 @@ class DiskImage:
         than it honours whole (:attr:`DataFile.advise_bytes`): each returns once its reads are
         queued, and they fill the cache, not this process's resident memory."""
         for file, offset, length in self.extents():
+            if direct.usable(file):  # read past the page cache: caching it would read it twice
+                continue
             try:
                 step = file.advise_bytes
                 with file.reading() as fd:

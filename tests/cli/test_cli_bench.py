@@ -3,12 +3,13 @@ their targets, never "ok" for a figure the run cannot vouch for, and --check fai
 
 from __future__ import annotations
 
+import builtins
 import json
 
 import pytest
 
 from offload_core import bench, cli
-from offload_core.bench import UNRELIABLE, status
+from offload_core.bench import BASELINE, UNRELIABLE, status
 from offload_core.bench.load import LoadMeter
 from offload_core.bench.timing import ratio, spread
 
@@ -48,8 +49,8 @@ def test_bench_table_flags_a_missed_target(capsys, monkeypatch):
         (0.20, 0.02, 0.35, 0.0, "ok"),
         (0.45, 0.02, 0.35, 0.0, "MISSED"),
         (0.30, 0.10, 0.35, 0.0, UNRELIABLE),  # the spread reaches past the target
-        (-0.32, 0.05, 0.35, 0.0, UNRELIABLE),  # a negative overhead
-        (0.93, 0.02, None, 1.0, UNRELIABLE),  # offloaded faster than resident beyond the noise
+        (-0.32, 0.05, 0.35, 0.0, BASELINE),  # a negative overhead
+        (0.93, 0.02, None, 1.0, BASELINE),  # offloaded faster than resident beyond the noise
         (0.98, 0.05, None, 1.0, ""),  # within the noise of the limit: reported
         (float("nan"), 0.0, 1.0, None, UNRELIABLE),
     ],
@@ -65,7 +66,7 @@ def test_bench_check_fails_on_an_unreliable_figure(capsys, monkeypatch):
     })
     assert cli.main(["bench", "--only", "layerwise_overhead"]) == 0
     table = capsys.readouterr().out
-    assert "-0.320 ± 0.050" in table and UNRELIABLE in table and " ok" not in table
+    assert "-0.320 ± 0.050" in table and BASELINE in table and " ok" not in table
     assert cli.main(["bench", "--only", "layerwise_overhead", "--check"]) == 1
 
 
@@ -131,25 +132,54 @@ def test_the_budget_curve_keeps_a_growing_share_and_copies_less(tmp_path):
     assert curve["0"]["ratio"] > curve["75"]["ratio"]
 
 
-def test_bench_disk_quick_reads_every_disk_block_and_reports_against_a_cold_plain_read(capsys):
+def test_bench_disk_quick_reads_every_disk_block_and_reports_against_the_drive(capsys, monkeypatch):
     """The quick disk-tier run: each forward reads the bytes of the blocks on disk (counted by
-    ``handle.stats()``), the plain read reads the whole checkpoint, both with a cold cache; its
-    small model is compute-bound, so the throughput share is reported as unreliable, never ok."""
+    ``handle.stats()``); the drive's read (O_DIRECT, 8 requests in flight, named) and the buffered
+    one read the whole checkpoint; every read starts with the files' pages evicted through
+    ``POSIX_FADV_DONTNEED``, never by dropping the machine's page cache; its small model is
+    compute-bound, so the throughput share is reported as unreliable, never ok."""
+    from offload_core.bench import disk as disk_bench
+
+    evicted = []
+    fadvise = disk_bench.os.posix_fadvise
+
+    def recorded(fd, offset, length, advice):
+        evicted.append(advice)
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(disk_bench.os, "posix_fadvise", recorded)
+    opened = builtins.open
+
+    def no_drop_caches(path, *args, **kwargs):
+        assert "drop_caches" not in str(path), "the machine's whole page cache was dropped"
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_drop_caches)
     assert cli.main(["bench", "--only", "disk", "--quick", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     disk = printed["results"]["disk"]
     samples = disk["samples"]
-    assert disk["cold_cache"] == "fadvise_dontneed"
+    assert disk["cold_cache"] == "fadvise_dontneed" and disk_bench.os.POSIX_FADV_DONTNEED in evicted
+    assert disk["raw_method"].startswith("O_DIRECT, 8 threads") and disk["buffered_mb_s"] > 0
     assert set(samples["tier_bytes"]) == {disk["bytes_read_per_forward_gb"] * 1e9}
     assert 0 < disk["disk_bytes"] < disk["model_bytes"] <= min(samples["raw_bytes"])
+    assert min(samples["raw_bytes"]) == min(samples["buffered_bytes"])  # the whole checkpoint, both ways
     assert samples["tier_bytes"][0] <= disk["disk_bytes"]  # what the homes hold, less alignment gaps
-    assert disk["read_ahead_peak_bytes"] > 0 and disk["repeats"] == len(samples["tier_s"]) == 2
+    assert disk["repeats"] == len(samples["tier_s"]) == 2 and disk["tier_cpu_s_per_gb"] == disk["tier_cpu_s_per_gb"]
     rows = {r["figure"]: r for r in printed["headlines"] if r["figure"].startswith(("disk", "disk-bound"))}
-    assert len(rows) == 2 and all(r["status"] in ("ok", "MISSED", UNRELIABLE) for r in rows.values())
+    assert len(rows) == 2 and all(r["status"] in ("ok", "MISSED", UNRELIABLE, BASELINE) for r in rows.values())
     share = next(r for r in rows.values() if r["at_least"])
     assert share["target"] == 0.8
     if not disk["disk_bound"]:
         assert share["status"] == UNRELIABLE
+
+
+def test_a_ratio_beyond_its_physical_limit_is_a_baseline_too_weak_never_ok():
+    """A tier faster than the drive (above 1), a forward faster than its ideal (below 1), each
+    beyond its spread: the baseline was measured too low, whatever the target says."""
+    assert status(1.16, 0.05, 0.8, None, at_least=True, ceiling=1.0) == BASELINE
+    assert status(1.03, 0.05, 0.8, None, at_least=True, ceiling=1.0) == "ok"  # within its spread of the limit
+    assert status(0.60, 0.22, 1.10, 1.0) == BASELINE and status(0.86, 0.22, 1.10, 1.0) == "ok"
 
 
 def test_a_figure_held_from_below_is_ok_only_at_or_above_its_target():

@@ -1,6 +1,8 @@
 """The disk tier: blocks beyond ``host_memory`` are read from their checkpoint in every forward,
-the blocks that run next asked of the kernel ahead of the stager (wrapping to the first block for
-the next step) within a bounded window, and the bytes read counted in ``handle.stats()``."""
+past the page cache with several requests in flight where the file system allows it; else
+through it, the blocks that run next asked of the kernel ahead of the stager (wrapping to the
+first block for the next step) within a bounded window; the bytes read counted in
+``handle.stats()``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 import offload_core
-from offload_core.hostmem import disk, staging
+from offload_core.hostmem import direct, disk, staging
 from offload_core.weights.owners import collect_tensors
 from offload_core.weights.placeholders import check_placeholders, placeholders
 from offload_core.weights.unit import WeightUnit
@@ -42,6 +44,12 @@ def checkpoint(tmp_path_factory):
 def kib_chunks(monkeypatch):
     """Bounce buffers of 4 KiB: each block takes several chunks, the ring wraps within a block."""
     monkeypatch.setattr(staging, "BOUNCE_CHUNK_BYTES", 4096)
+
+
+@pytest.fixture
+def page_cache_reads(monkeypatch):
+    """Files read through the page cache, as on a file system without O_DIRECT: the read-ahead's path."""
+    monkeypatch.setattr(direct, "ENABLED", False)
 
 
 def block_bytes_in_checkpoint(folder) -> int:
@@ -101,7 +109,7 @@ class Recorder:
 
 
 def test_the_next_blocks_are_asked_for_before_the_current_one_is_read_wrapping_to_the_first(
-        checkpoint, kib_chunks, monkeypatch):
+        checkpoint, kib_chunks, page_cache_reads, monkeypatch):
     folder, inputs, expected = checkpoint
     handle = on_disk(folder)
     blocks, slots = len(handle.parts[0].units), handle.parts[0].num_slots
@@ -134,7 +142,7 @@ def test_the_next_blocks_are_asked_for_before_the_current_one_is_read_wrapping_t
         assert events.count(("ask", i)) >= 2, (i, events)
 
 
-def test_read_ahead_stays_within_its_window(checkpoint, kib_chunks, monkeypatch):
+def test_read_ahead_stays_within_its_window(checkpoint, kib_chunks, page_cache_reads, monkeypatch):
     """No more than the configured read-ahead is asked for beyond the block being staged (but
     always the next block), and the output is exact."""
     folder, inputs, expected = checkpoint
@@ -153,7 +161,7 @@ def test_read_ahead_stays_within_its_window(checkpoint, kib_chunks, monkeypatch)
 
 
 def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_reads_whole(
-        checkpoint, kib_chunks, monkeypatch):
+        checkpoint, kib_chunks, page_cache_reads, monkeypatch):
     """Linux reads only the first max(read_ahead_kb, max_sectors_kb) of a larger WILLNEED range:
     the read-ahead asks in pieces of at most that (here set to one page), and together they hold
     every byte the blocks read."""
@@ -181,6 +189,58 @@ def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_
             for _, _, piece in segments:
                 if isinstance(piece, disk.FileSlice):
                     assert covered.issuperset(range(piece.offset, piece.offset + piece.nbytes))
+
+
+def test_disk_blocks_are_read_past_the_page_cache_in_pieces_in_flight_together(checkpoint, kib_chunks, monkeypatch):
+    """Where the file system allows O_DIRECT: every file byte of a block comes through
+    ``direct.read`` (a chunk's slices in one call), nothing is asked of the kernel's read-ahead
+    (it would read the same bytes a second time), and the output is exact."""
+    folder, inputs, expected = checkpoint
+    handle = on_disk(folder)
+    if not direct.usable(handle.parts[0].plans[0].image.extents()[0][0]):
+        handle.disable()
+        pytest.skip("this file system refuses O_DIRECT")
+    calls: list[int] = []
+    willneed: list[int] = []
+    read, fadvise = direct.read, disk.os.posix_fadvise
+
+    def counted(jobs):
+        calls.append(sum(nbytes for _, _, _, nbytes in jobs))
+        read(jobs)
+
+    def recorded(fd, offset, length, advice):
+        if advice == disk.os.POSIX_FADV_WILLNEED:
+            willneed.append(length)
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(direct, "read", counted)
+    monkeypatch.setattr(disk.os, "posix_fadvise", recorded)
+    before = handle.stats()["disk_read_bytes"]
+    assert torch.equal(forward(handle.target, inputs), expected)
+    assert sum(calls) == handle.stats()["disk_read_bytes"] - before == block_bytes_in_checkpoint(folder)
+    assert len(calls) > len(handle.parts[0].units) and not willneed
+    handle.disable()
+
+
+def test_a_direct_read_lands_every_byte_whatever_its_alignment(tmp_path, monkeypatch):
+    """Pieces at odd offsets and lengths, larger than a reader's scratch, several in flight:
+    byte for byte what a plain read gives; a file shorter than a job needs fails clearly."""
+    monkeypatch.setattr(direct, "PIECE_BYTES", 3 * direct.ALIGN)
+    path = tmp_path / "blob"
+    data = torch.randint(0, 256, (200_003,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    file = disk.DataFile(path)
+    if not direct.usable(file):
+        pytest.skip("this file system refuses O_DIRECT")
+    with direct.reading(file) as fd:
+        spans = [(1, 5), (4095, 4098), (12_289, 50_000), (100_000, 100_003), (0, 4096)]
+        outs = [torch.zeros(n, dtype=torch.uint8) for _, n in spans]
+        direct.read([(fd, offset, out.data_ptr(), n) for (offset, n), out in zip(spans, outs)])
+        for (offset, n), out in zip(spans, outs):
+            assert torch.equal(out, data[offset : offset + n]), (offset, n)
+        with pytest.raises(EOFError, match="short of a tensor"):
+            direct.read([(fd, 199_000, outs[2].data_ptr(), 5_000)])
+    file.close()
 
 
 def test_placeholders_hold_the_poison_of_their_dtype_and_refuse_every_in_place_operator():

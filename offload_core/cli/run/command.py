@@ -38,7 +38,7 @@ from ...errors import OffloadConfigError
 from ...timeline import Timeline
 from ..common import UsageError, Writer, columns, write_all
 from . import arguments, loading, outputs, ranks
-from .clock import MemorySampler, StepClock
+from .clock import Collections, MemorySampler, StepClock, settled_collector
 from .report import Measured, judge, make_report, render, weight_bytes
 from .steady import busy_machine, compare_ratio
 
@@ -173,23 +173,27 @@ def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> Ru
         before = handle.stats() if handle is not None else {}
         logger.info("calling %s (%s, seed %d)", target.label, args.strategy, args.seed)
         busy = busy_machine()
-        with _traced(handle) as timeline, _sampled(handle) as memory, clock.attached(target.pipe) as callback:
-            origin_ns = time.perf_counter_ns()  # the timeline's zero, as near as the host sees it
-            start = time.perf_counter()
-            output = _call(target, {**overrides, **callback}, args.seed)
-            if handle is not None:
-                handle.backend.synchronize()
-            wall = time.perf_counter() - start
-        _check_output_size(target, overrides, output)
-        settings = {**target.defaults, **overrides}
-        clock.finish(settings.get("num_inference_steps"))
-        measured = Measured(wall, clock.step_seconds(), [(t - origin_ns) / 1e6 for t in clock.step_ends_ns],
-                            [((t - origin_ns) / 1e6, b) for t, b in memory.samples] if memory else [],
-                            (clock.loop_start_ns - origin_ns) / 1e6 if clock.loop_start_ns is not None else None)
-        report = make_report(args, target, handle, output, measured, settings, timeline, plan_bytes, before)
-        if args.compare:
-            handle.disable()
-            report["compare"] = compare(target, overrides, args.seed, handle.backend, output, wall, measured.step_s)
+        with settled_collector():
+            with _traced(handle) as timeline, _sampled(handle) as memory, clock.attached(target.pipe) as callback, \
+                    Collections() as collections:
+                origin_ns = time.perf_counter_ns()  # the timeline's zero, as near as the host sees it
+                start = time.perf_counter()
+                output = _call(target, {**overrides, **callback}, args.seed)
+                if handle is not None:
+                    handle.backend.synchronize()
+                wall = time.perf_counter() - start
+            _check_output_size(target, overrides, output)
+            settings = {**target.defaults, **overrides}
+            clock.finish(settings.get("num_inference_steps"))
+            measured = Measured(wall, clock.step_seconds(), [(t - origin_ns) / 1e6 for t in clock.step_ends_ns],
+                                [((t - origin_ns) / 1e6, b) for t, b in memory.samples] if memory else [],
+                                (clock.loop_start_ns - origin_ns) / 1e6 if clock.loop_start_ns is not None else None,
+                                clock.collected_seconds(collections.pauses))
+            report = make_report(args, target, handle, output, measured, settings, timeline, plan_bytes, before)
+            if args.compare:
+                handle.disable()
+                report["compare"] = compare(target, overrides, args.seed, handle.backend, output, wall,
+                                            measured.uncollected_step_s)
         judge(report, busy)
     except BaseException:
         if handle is not None and handle.enabled:
@@ -203,11 +207,12 @@ def compare(target: loading.Target, overrides: dict[str, Any], seed: int, backen
             offloaded: torch.Tensor, offloaded_s: float, offloaded_steps: list[float]) -> dict[str, Any]:
     """The same call without offload, every weight on the backend's device (after the offloaded
     one, which ran first and cold): its time, the offloaded call's cost ratio (the whole calls',
-    and step by step after the first, with its spread), whether the outputs are equal."""
+    and step by step after the first, with its spread, garbage collections left out of either
+    side's steps), whether the outputs are equal."""
     clock = StepClock()
     try:
         target.pipe.to(backend.device())
-        with clock.attached(target.pipe) as callback:
+        with clock.attached(target.pipe) as callback, Collections() as collections:
             start = time.perf_counter()
             resident = _call(target, {**overrides, **callback}, seed)
             backend.synchronize()
@@ -216,7 +221,8 @@ def compare(target: loading.Target, overrides: dict[str, Any], seed: int, backen
         return {"call_s_without_offload": None, "cost_ratio": None, "step_ratio": None, "step_ratio_spread": None,
                 "same_output": None, "note": "without offload the pipeline does not fit in device memory"}
     clock.finish(len(offloaded_steps))
-    steps = compare_ratio(offloaded_steps, clock.step_seconds())
+    resident_steps = [s - c for s, c in zip(clock.step_seconds(), clock.collected_seconds(collections.pauses))]
+    steps = compare_ratio(offloaded_steps, resident_steps)
     return {"call_s_without_offload": seconds, "cost_ratio": offloaded_s / seconds,
             "step_ratio": steps[0] if steps else None, "step_ratio_spread": steps[1] if steps else None,
             "same_output": bool(torch.equal(resident.cpu(), offloaded.cpu())), "note": None}

@@ -5,7 +5,9 @@ own copies of resident weights); ``call_h2d_*`` are the share of the timed call.
 compared with every weight resident on the device; the verdict says in one line what offloading
 bought (the device memory saved) and what it cost (copy time not hidden), and, on a simulator,
 that the times are simulated. Copies the strategies made for a block that did not run again
-before the call ended (a prefetch for a step that never comes) are counted apart.
+before the call ended (a prefetch for a step that never comes) are counted apart. A step's time
+excludes the garbage collections that ran inside it (:class:`.clock.Collections`), which are
+listed apart: a collection is the interpreter's pause, not offloading's cost nor a busy machine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ...overlap import timeline_overlap
 from ...timeline import Timeline
 from ..common import columns
 from .outputs import frames_of
-from .steady import UNRELIABLE, Steady, step_overlaps, unreliable_reasons
+from .steady import UNRELIABLE, Steady, step_overlaps, unreliable_reasons, waited_share
 
 
 def weight_bytes(pipe: Any) -> int:
@@ -41,6 +43,10 @@ def weight_bytes(pipe: Any) -> int:
     return total
 
 
+#: a step's garbage collections the table names (shorter ones are left out of its time all the same)
+SHOWN_COLLECTION_S = 0.001
+
+
 @dataclasses.dataclass
 class Measured:
     """What the command measured around and inside the call (times in ms since the timeline's start)."""
@@ -50,6 +56,12 @@ class Measured:
     step_ends_ms: list[float]
     memory_ms: list[tuple[float, int]]  # (time, allocated device bytes) samples
     loop_start_ms: float | None = None  # the denoising loop's start (the denoiser's first forward)
+    collected_s: list[float] = dataclasses.field(default_factory=list)  # each step's garbage collections
+
+    @property
+    def uncollected_step_s(self) -> list[float]:
+        """Each step's duration less the time Python's garbage collector held it."""
+        return [s - c for s, c in zip(self.step_s, self.collected_s)] if self.collected_s else list(self.step_s)
 
 
 def unused_prefetches(timeline: Timeline | None) -> tuple[int, int] | None:
@@ -83,10 +95,13 @@ def make_report(
     overlap = timeline_overlap(timeline) if timeline is not None else None
     peak = stats.get("device_peak_bytes")
     unused = unused_prefetches(timeline)
-    later_steps = measured.step_s[1:]
-    overlap_steps = step_overlaps(timeline, measured.loop_start_ms, measured.step_ends_ms)
+    later_steps = measured.uncollected_step_s[1:]
+    per_step = step_overlaps(timeline, measured.loop_start_ms, measured.step_ends_ms)
+    overlap_steps = [o.fraction for o in per_step]
+    waited_steps = [waited_share(o) for o in per_step]
     steady_overlap = Steady.of(overlap_steps)
-    steady_step = Steady.of(measured.step_s)
+    steady_waited = Steady.of(waited_steps)
+    steady_step = Steady.of(measured.uncollected_step_s)
     report: dict[str, Any] = {
         "pipeline": target.label,
         "pipeline_class": type(target.pipe).__name__,
@@ -104,7 +119,8 @@ def make_report(
         "simulated": handle is not None and not type(handle.backend).is_accelerator,
         "wall_time_s": measured.wall_s,
         "step_times_s": measured.step_s,
-        "first_step_s": measured.step_s[0] if measured.step_s else None,
+        "collected_s": measured.collected_s,
+        "first_step_s": measured.uncollected_step_s[0] if measured.step_s else None,
         "step_s": statistics.median(later_steps) if later_steps else None,
         "device_peak_bytes": peak,
         "device_bytes_without_offload": plan_bytes,
@@ -123,9 +139,12 @@ def make_report(
         "device_timed": timeline.device_timed if timeline is not None else None,
         "copy_time_s": overlap.copy_ns / 1e9 if overlap is not None else None,
         "exposed_copy_time_s": overlap.exposed_ns / 1e9 if overlap is not None else None,
+        "waited_copy_time_s": overlap.waited_ns / 1e9 if overlap is not None else None,
         "overlap": overlap.fraction if overlap is not None else None,
         "overlap_steps": overlap_steps,
         "steady_overlap": steady_overlap.to_dict() if steady_overlap else None,
+        "waited_steps": waited_steps,
+        "steady_waited": steady_waited.to_dict() if steady_waited else None,
         "steady_step_s": steady_step.to_dict() if steady_step else None,
         "unreliable": None,
         "verdict": None,
@@ -143,7 +162,7 @@ def judge(report: dict[str, Any], busy: str | None) -> None:
     ``busy`` is the machine's load when the call began), then the verdict."""
     c = report["compare"]
     compared = (c["step_ratio"], c["step_ratio_spread"]) if c and c["step_ratio"] is not None else None
-    report["unreliable"] = unreliable_reasons(busy, _steady(report["steady_overlap"]),
+    report["unreliable"] = unreliable_reasons(busy, _steady(report["steady_waited"]),
                                               _steady(report["steady_step_s"]), compared) or None
     report["verdict"] = verdict(report)
 
@@ -173,14 +192,24 @@ def verdict(r: dict[str, Any]) -> str:
     return text + (f"; {UNRELIABLE}: {', '.join(r['unreliable'])}" if r["unreliable"] else "")
 
 
+#: per strategy, what a device peak above every weight resident is made of
+ADDED_BY = {
+    "layerwise": "the slots and activations outweigh the weights streaming keeps off the device, which are tiny here",
+    "distributed": "the slots and activations outweigh the weights streaming keeps off the device, which are tiny "
+                   "here",
+    "model": "the active component and activations outweigh the components kept off the device, which are tiny here",
+    "resident": "the plan keeps every weight on the device, and the call's activations come on top",
+}
+
+
 def memory_words(r: dict[str, Any]) -> str:
-    """The device memory offloading saved, or, on a pipeline so small that the peak's own parts
-    outweigh the weights kept off the device, what it added and why."""
+    """The device memory offloading saved, or, where the peak's own parts outweigh the weights
+    kept off the device, what it added and why, in the terms of the strategy that ran."""
     saved, fraction = r["device_saved_bytes"], r["device_saved_fraction"]
     if saved >= 0:
         return f"device memory {fraction:.0%} lower ({_bytes(saved)} saved)"
-    return (f"device memory {-fraction:.0%} higher ({_bytes(-saved)} more than every weight resident: the slots and "
-            "activations outweigh the weights streaming keeps off the device, which are tiny here)")
+    why = ADDED_BY[r["strategy"]]
+    return f"device memory {-fraction:.0%} higher ({_bytes(-saved)} more than every weight resident: {why})"
 
 
 def simulated_words(r: dict[str, Any]) -> str:
@@ -222,9 +251,10 @@ def render(report: dict[str, Any]) -> str:
     simulated = f"; {simulated_words(r)}" if r["simulated"] else ""
     overlap = "n/a"
     if r["overlap"] is not None:
+        idle = r["exposed_copy_time_s"] - r["waited_copy_time_s"]
         overlap = (
-            f"{r['overlap']:.0%} over the call (copy time {_seconds(r['copy_time_s'])}, "
-            f"compute waited {_seconds(r['exposed_copy_time_s'])})"
+            f"{r['overlap']:.0%} over the call (copy time {_seconds(r['copy_time_s'])}: compute waited for "
+            f"{_seconds(r['waited_copy_time_s'])} of it, and {_seconds(idle)} ran while nothing computed)"
         )
         steady = _steady(r["steady_overlap"])
         if steady is not None:
@@ -248,6 +278,9 @@ def render(report: dict[str, Any]) -> str:
         step = f"{_seconds(r['first_step_s'])} (one step)"
     else:
         step = "n/a (no callback_on_step_end, and the denoiser's forwards do not divide into the steps)"
+    held = [f"step {i} for {_seconds(c)}" for i, c in enumerate(r["collected_s"], 1) if c >= SHOWN_COLLECTION_S]
+    if held:
+        step += f"; Python's garbage collector held {', '.join(held)} (left out of these times)"
     rows = [
         ("pipeline", f"{r['pipeline']} ({r['pipeline_class']})"),
         ("strategy", strategy),

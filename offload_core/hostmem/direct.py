@@ -1,0 +1,118 @@
+"""Reads of weights on disk that bypass the page cache, several requests in flight.
+
+A block on disk is read in every forward. Read through the page cache, one request at a time,
+each byte is copied by the kernel from its cache into the bounce buffer on the stager's thread (a
+core per few GB/s, which a busy machine starves), every page goes through the cache's allocation
+and reclaim, and a drive that serves many requests at once waits for the next. Read with
+``O_DIRECT`` the drive writes straight into this process's memory, and :func:`read` keeps up to
+:data:`READERS` requests in flight, one per reader thread.
+
+``O_DIRECT`` needs the file offset, the length and the memory address aligned to the device's
+logical block size (:data:`ALIGN` covers every common one). A tensor in a safetensors file starts
+anywhere, and its place in the bounce buffer is set by its unit's layout, so each piece is read as
+the aligned range that covers it into its reader's own aligned scratch buffer and copied from
+there into place: one copy of each byte, in user space, spread over the readers. A file system
+that refuses ``O_DIRECT`` (tmpfs) is read through the page cache, as are files when
+:data:`ENABLED` is False. Descriptors opened with ``O_DIRECT`` come from a cache of their own,
+bounded as the page-cache readers' is (:mod:`.descriptors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from .descriptors import DescriptorCache
+
+#: the alignment of an O_DIRECT request's offset, length and buffer (4 KiB: 512-byte and 4 KiB devices)
+ALIGN = 4096
+#: the most one request reads (and each reader's scratch buffer, less the alignment slack)
+PIECE_BYTES = 2 * 2**20
+#: requests in flight: a drive's queue is deeper, but eight of 2 MiB keep an NVMe drive streaming
+READERS = 8
+#: False: every file is read through the page cache (the read-ahead's path)
+ENABLED = True
+
+#: one read: (file descriptor opened with O_DIRECT, file offset, destination address, bytes)
+Job = tuple[int, int, int, int]
+
+#: descriptors opened with O_DIRECT, by file
+DESCRIPTORS = DescriptorCache(flags=getattr(os, "O_DIRECT", 0))
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=DESCRIPTORS._after_fork)
+_refused: weakref.WeakSet = weakref.WeakSet()  # files whose file system refused O_DIRECT
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the readers)
+_pool_lock = threading.Lock()
+_scratch = threading.local()
+
+
+def usable(file) -> bool:
+    """Whether ``file`` (a :class:`~.disk.DataFile`) is read past the page cache: the first ask
+    opens it so (and keeps the descriptor in the cache); a file system that refuses says so once."""
+    if not ENABLED or not hasattr(os, "O_DIRECT") or file in _refused:
+        return False
+    try:
+        with DESCRIPTORS.reading(file):
+            return True
+    except OSError:  # EINVAL: the file system does not do direct I/O
+        _refused.add(file)
+        return False
+
+
+def reading(file) -> contextlib.AbstractContextManager[int]:
+    """A descriptor of ``file`` reading past the page cache, open until the block ends (only for
+    a file :func:`usable` said yes to)."""
+    return DESCRIPTORS.reading(file)
+
+
+def read(jobs: Sequence[Job]) -> None:
+    """Do every job, its pieces spread over the reader threads; returns once all have landed,
+    raising the first failure (``EOFError`` for a file shorter than a job needs)."""
+    pieces = [(fd, offset + done, address + done, min(PIECE_BYTES, nbytes - done))
+              for fd, offset, address, nbytes in jobs for done in range(0, nbytes, PIECE_BYTES)]
+    if len(pieces) == 1:
+        _read_piece(pieces[0])
+        return
+    for _ in _readers().map(_read_piece, pieces):
+        pass
+
+
+def _readers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():  # a forked child has none of its parent's threads
+            _pool = (os.getpid(), ThreadPoolExecutor(READERS, thread_name_prefix="offload-core-read"))
+        return _pool[1]
+
+
+def _read_piece(piece: Job) -> None:
+    """The aligned range covering ``piece`` into this thread's scratch buffer, then its bytes into place."""
+    fd, offset, address, nbytes = piece
+    begin = offset - offset % ALIGN
+    end = -(-(offset + nbytes) // ALIGN) * ALIGN
+    scratch, base = _scratch_buffer()
+    view = memoryview(scratch)[: end - begin]
+    got = 0
+    try:
+        while got < offset + nbytes - begin:
+            n = os.preadv(fd, [view[got:]], begin + got)
+            if n <= 0:
+                raise EOFError(f"file ends {offset + nbytes - begin - got} bytes short of a tensor at offset {offset}")
+            got += n
+    finally:
+        view.release()
+    ctypes.memmove(address, base + offset - begin, nbytes)  # a foreign call: the GIL is released
+
+
+def _scratch_buffer() -> tuple[mmap.mmap, int]:
+    """This thread's aligned scratch buffer (an anonymous mapping: page-aligned) and its address."""
+    if getattr(_scratch, "buffer", None) is None:
+        buffer = mmap.mmap(-1, PIECE_BYTES + 2 * ALIGN)
+        _scratch.buffer = (buffer, ctypes.addressof(ctypes.c_char.from_buffer(buffer)))
+    return _scratch.buffer
