@@ -1,16 +1,16 @@
 """Other libraries' hooks on a model: which ones offload runs under, and which it refuses.
 
-Hooks that manage the weights themselves cannot share a model with offloading: they move or
-re-create the very tensors offloading binds to its buffers. accelerate's offload hooks and
-diffusers' group offloading move them; diffusers' layerwise casting replaces every weight with a
-re-cast copy on each call. Everything else diffusers attaches to a model (its caches such as the
-first-block cache, guidance hooks) only changes what the forward computes, and runs on top of
-offload unchanged, whether it was attached before or after ``enable_offload``: the offload work
-happens around each module call, outside the forward those hooks wrap. docs/compatibility.md
-lists what is tested.
+Hooks that manage the weights' placement themselves cannot share a model with offloading: they move
+the very tensors offloading binds to its buffers. accelerate's offload hooks and diffusers' group
+offloading do. diffusers' layerwise casting changes the weights' dtype around each layer's forward:
+offloading streams the narrow weights and takes its casts over (casting.py). Everything else
+diffusers attaches to a model (its caches such as the first-block cache, guidance hooks) only
+changes what the forward computes, and runs on top of offload unchanged, whether it was attached
+before or after ``enable_offload``: the offload work happens around each module call, outside the
+forward those hooks wrap. docs/compatibility.md lists what is tested.
 
-Weight-managing hooks are refused at ``enable_offload``; diffusers' methods that attach them
-(``enable_layerwise_casting``, ``enable_group_offload``) are refused on an offloaded model too.
+Placement-managing hooks are refused at ``enable_offload``; diffusers' method that attaches them
+(``enable_group_offload``) is refused on an offloaded model too.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ from torch import nn
 from .errors import OffloadConfigError
 
 
-#: diffusers hook names (``HookRegistry`` keys) that manage the weights, and what to call them
+#: diffusers hook names (``HookRegistry`` keys) that manage the weights' placement, and what to call them
 DIFFUSERS_WEIGHT_HOOKS = {
     "group_offloading": "diffusers' group offloading",
     "layer_execution_tracker": "diffusers' group offloading",
     "lazy_prefetch_group_offloading": "diffusers' group offloading",
-    "layerwise_casting": "diffusers' layerwise casting (enable_layerwise_casting re-creates the weights on every call)",
-    "peft_autocast_disable": "diffusers' layerwise casting (enable_layerwise_casting re-creates the weights on every call)",
 }
 
 
@@ -44,13 +42,13 @@ def weight_hooks(roots: Iterable[nn.Module]) -> str | None:
     return None
 
 
-#: diffusers model methods that attach weight-managing hooks
-WEIGHT_HOOK_METHODS = ("enable_layerwise_casting", "enable_group_offload")
+#: diffusers model methods that attach placement-managing hooks
+WEIGHT_HOOK_METHODS = ("enable_group_offload",)
 
 
 def refuse_weight_hook_methods(roots: Iterable[nn.Module]) -> Callable[[], None]:
     """Make the roots' :data:`WEIGHT_HOOK_METHODS` raise while offloading is enabled (they would
-    re-create or move the weights offloading streams); returns the undo."""
+    move the weights offloading streams); returns the undo."""
     shadowed = []
     for root in roots:
         for name in WEIGHT_HOOK_METHODS:
