@@ -238,29 +238,24 @@ def repack(handle: Any, part: Any, apply: Callable[[], None]) -> None:
 
 
 # -- casting attached after enable, by the function ----------------------------------------------
-def _casting_hook_code() -> tuple[Any, Any] | None:
-    """The code of ``LayerwiseCastingHook.pre_forward`` (None while diffusers' hooks are not
-    imported: then no casting hook exists)."""
-    module = sys.modules.get("diffusers.hooks.layerwise_casting")
-    cls = getattr(module, "LayerwiseCastingHook", None)
-    return cls.pre_forward.__code__ if cls is not None else None
-
-
 def _take_over_at_first_use(handle: Any, part: Any, module: nn.Module, fn: Callable) -> bool:
     """A rule of ``changes.on_apply``: the ``module.to(dtype=compute)`` of a casting hook not taken
     over yet (attached after enable, by ``apply_layerwise_casting``), as the layer's forward
-    begins. The hook is taken over and casts the layer as it will from now on; True when so."""
-    code = _casting_hook_code()
-    if code is None:
+    begins. The hook is taken over and casts the layer as it will from now on; True when so.
+    The hook's own ``initialize_hook`` (its cast to the storage dtype, before diffusers registers
+    it) is not this: that ``_apply`` re-packs as any change of dtype does."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.hooks.get(CASTING_HOOK) if registry is not None else None
+    if hook is None or _taken(hook) is not None:
         return False
+    code = type(hook).pre_forward.__code__
     frame = sys._getframe(1)
-    for _ in range(6):  # on_apply, _apply, Module.to, then the hook's pre_forward
+    for _ in range(6):  # any(), on_apply, _apply, Module.to, then the hook's pre_forward
         frame = frame.f_back
         if frame is None:
             return False
         if frame.f_code is code:
-            hook = frame.f_locals.get("self")
-            if frame.f_locals.get("module") is not module or hook.fn_ref is None:
+            if frame.f_locals.get("self") is not hook or frame.f_locals.get("module") is not module:
                 return False
             take_over(hook)
             hook.fn_ref.pre_forward(module)

@@ -237,7 +237,9 @@ class SpillFolder:
     def write(self, unit) -> DiskImage:
         """Write ``unit``'s home image (one tensor per dtype, regions at their offsets) straight
         from its source tensors, and return where each region now lies. Regions read from a
-        checkpoint are not rewritten: the image points at the checkpoint."""
+        checkpoint in their own dtype are not rewritten: the image points at the checkpoint; one
+        stored narrower than its checkpoint (``storage_dtype=``) is written as stored, converted
+        region by region, so that the disk tier reads the narrow bytes."""
         if self.path is None:
             os.makedirs(self.root, exist_ok=True)
             self.path = tempfile.mkdtemp(prefix="offload-core-", dir=self.root)
@@ -246,7 +248,7 @@ class SpillFolder:
             logger.info("spilling blocks to %s (removed by disable() or when the process exits)", self.path)
         self._count += 1
         path = os.path.join(self.path, f"{self._count:05d}-{unit.name}.safetensors")
-        written = [r for r in unit.regions if r.reader is None and r.numel]
+        written = [r for r in unit.regions if not _in_checkpoint(r) and r.numel]
         dtypes = sorted({r.dtype for r in written}, key=lambda d: (-d.itemsize, str(d)))
         header, offset = {}, 0
         for dtype in dtypes:
@@ -262,7 +264,11 @@ class SpillFolder:
             data = 8 + len(text)
             for r in written:
                 base = data + header[str(r.dtype).removeprefix("torch.")]["data_offsets"][0]
-                span = r.source.as_strided((r.numel,), (1,), r.first)
+                if r.reader is None:
+                    span = r.source.as_strided((r.numel,), (1,), r.first)
+                else:  # a checkpoint slice of another dtype, converted as it is read
+                    span = torch.empty(r.numel, dtype=r.dtype)
+                    r.reader.read(0, r.numel, span)
                 _pwrite(fd, _as_bytes(span), base + r.start * r.dtype.itemsize)
             os.ftruncate(fd, data + offset)
         finally:
@@ -273,7 +279,7 @@ class SpillFolder:
             whole = file.tensors[str(r.dtype).removeprefix("torch.")]
             return FileSlice(file, whole.offset + r.start * r.dtype.itemsize, r.dtype, (r.numel,))
 
-        return _image(unit, written)
+        return _image(unit, written, _in_checkpoint)
 
     def remove(self) -> None:
         if self.path is not None:
@@ -283,17 +289,25 @@ class SpillFolder:
 
 
 def checkpoint_image(unit) -> DiskImage:
-    """The image of a unit read from a checkpoint: its regions' slices, and the few regions no
-    file holds (buffers computed at construction) kept in memory."""
-    return _image(unit, lambda r: MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)))
+    """The image of a unit read from a checkpoint: its regions' slices (converted to the home's
+    dtype as they are read, where it differs), and the few regions no file holds (buffers
+    computed at construction) kept in memory."""
+    return _image(unit, lambda r: MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)),
+                  lambda r: r.reader is not None)
 
 
-def _image(unit, fallback) -> DiskImage:
-    """A unit's image: each region read from its checkpoint slice, else from ``fallback(region)``."""
+def _in_checkpoint(region) -> bool:
+    """A region read from its checkpoint slice in the slice's own dtype."""
+    return region.reader is not None and getattr(region.reader, "dtype", region.dtype) == region.dtype
+
+
+def _image(unit, fallback, from_reader: Callable) -> DiskImage:
+    """A unit's image: each region ``from_reader`` accepts read from its checkpoint slice, the
+    others from ``fallback(region)``."""
     image = DiskImage()
     for r in unit.regions:
         if r.numel:
-            image.add(r.dtype, r.start, r.numel, r.reader if r.reader is not None else fallback(r))
+            image.add(r.dtype, r.start, r.numel, r.reader if from_reader(r) else fallback(r))
     return image
 
 
