@@ -362,7 +362,7 @@ def _check_refused(strategy: str, backend, verdict: str, attach: Callable[[nn.Mo
             with pytest.raises(offload_core.OffloadConfigError, match="handle.disable"):
                 attach_after(model)
             assert_equal(run_steps(model, inputs, steps=1), expected, f"{strategy} after the refused call")
-        assert not {"enable_layerwise_casting", "enable_group_offload"} & model.__dict__.keys(), "refusal left after disable"
+        assert "enable_group_offload" not in model.__dict__, "refusal left after disable"
 
 
 def _bf16_flux2() -> tuple[nn.Module, dict]:

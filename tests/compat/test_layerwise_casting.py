@@ -219,7 +219,8 @@ def test_storage_dtype_must_be_a_floating_dtype_narrower_than_the_weights(dtype,
 
 
 def test_storage_dtype_float8_e5m2_and_fp16_storage_of_fp32_weights():
-    for name, weights, storage in (("wan-t2v", torch.bfloat16, torch.float8_e5m2), ("flux2", torch.float32, torch.float16)):
+    for name, weights, storage in (("wan-t2v", torch.bfloat16, torch.float8_e5m2),
+                                   ("flux2", torch.float32, torch.float16)):
         model, inputs = build_transformer(name)
         model = model.to(weights)
         inputs = {k: v.to(weights) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
