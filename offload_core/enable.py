@@ -38,6 +38,7 @@ from .strategies import streaming_part
 from .transaction import Transaction
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
+from .strategies.phases import PhaseSwitch, phase_switch
 from .strategies.resident import ResidentModules
 
 logger = logging.getLogger(__name__)
@@ -90,10 +91,21 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         for install in installs:
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
-        handle.open(parts, placement, installs)
+        handle.open(parts, placement, installs, _switch(parts, plan))
         txn.on_rollback(functools.partial(changes.unregister, handle))
         changes.register(handle)
     return handle
+
+
+def _switch(parts: list, plan) -> PhaseSwitch | None:
+    """The phase switch of a plan whose components park (see strategies/phases.py); each part
+    that runs in a phase tells it when it begins."""
+    if not any(p.parks for p in plan.components):
+        return None
+    switch = phase_switch(parts, plan)
+    for part in parts:
+        part.switch = switch
+    return switch
 
 
 def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
@@ -141,8 +153,10 @@ def _pipeline_parts(target: Inventory, config: OffloadConfig, backend: DeviceBac
     those without blocks and keeps the rest resident."""
     modules = target.components()
     if config.strategy == "model":
-        limit = fitted.plan.budget if fitted is not None else None
-        return [ModelLevelOffload(target.swap_groups(), backend, device_limit=limit)]
+        if fitted is None:
+            return [ModelLevelOffload(target.swap_groups(), backend)]
+        reserved = {c.name: c.activation_bytes for c in fitted.plan.components}
+        return [ModelLevelOffload(target.swap_groups(), backend, device_limit=fitted.plan.budget, reserved=reserved)]
     modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
     layout = layerwise_layout(target, config, modes)
     parts: list = []
@@ -150,6 +164,7 @@ def _pipeline_parts(target: Inventory, config: OffloadConfig, backend: DeviceBac
         parts.append(streaming_part(module, blocks, config, backend, fitted.kept(name) if fitted is not None else ()))
         parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
         parts[-1].once_per_call = target.kinds[name] != "dit"
+        parts[-1].parks = fitted is not None and fitted.parks(name)
     if layout.staged:
         parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))
     if layout.resident:

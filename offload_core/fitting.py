@@ -26,6 +26,8 @@ from .device.backend import DeviceBackend
 from .errors import OffloadConfigError
 from .pipelines import Inventory, pipeline_inventory
 from .planning import Plan, describe, make_plan
+from .planning.components import CallShape
+from .planning.phases import guidance_batch, pipeline_phases
 from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
 from .planning.modules import component_from_split, components_from_modules
 
@@ -44,22 +46,28 @@ class Fit:
     def kept(self, name: str) -> tuple[int, ...]:
         return self.plan.component(name).resident_blocks
 
+    def parks(self, name: str) -> bool:
+        return self.plan.component(name).parks
+
 
 def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit | None:
     """The plan of ``target`` under ``config``'s ``device_memory`` (the device's free memory when
     only ``resident_blocks`` is given, and at most that), or None when neither is set."""
     if config.device_budget.auto and config.resident_blocks is None:
         return None
-    components, groups = plan_inputs(target, config.blocks)
+    inputs = plan_inputs(target, config.blocks)
+    components = inputs.components
     if config.activation_memory is not None:
-        components = [c.with_measurements(activation_bytes=config.activation_memory) for c in components]
+        components = [c.with_measurements(activation_bytes=config.activation_memory, activation_from="given")
+                      for c in components]
     free, total = backend.mem_get_info()
     plan = make_plan(
         components, free if config.device_budget.auto else config.device_memory, device_total=total,
-        device_free=free, groups=groups, strategy=config.strategy,
+        device_free=free, groups=inputs.groups, strategy=config.strategy,
         resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
         prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
-        pinned_memory=config.pinned_memory,
+        pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
+        steps=inputs.steps,
     )
     if plan.asked_budget > plan.budget:
         warnings.warn(plan.notes[0], UserWarning, stacklevel=4)
@@ -85,15 +93,19 @@ def describe_parts(target: Inventory, config: OffloadConfig, backend: DeviceBack
                            for c in g.components})
         else:
             layout.update({name: (RESIDENT, ()) for name, _ in part.members})
+    inputs = plan_inputs(target, config.blocks)
+    measured = {c.name: c for c in inputs.components}
     components = [
-        component_from_split(name, module, target.kinds[name], split[name].resident, split[name].units)
-        if name in split else components_from_modules([(name, module)], target.kinds, config.blocks)[0]
+        component_from_split(name, module, target.kinds[name], split[name].resident, split[name].block_units)
+        .with_measurements(activation_bytes=measured[name].activation_bytes,
+                           activation_from=measured[name].activation_from)
+        if name in split else measured[name]
         for name, module in target.components()
     ]
-    groups = _group_names(target) if target.pipeline else None
-    return describe(components, layout, config.strategy, device_total=backend.mem_get_info()[1], groups=groups,
+    return describe(components, layout, config.strategy, device_total=backend.mem_get_info()[1], groups=inputs.groups,
                     prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
-                    pinned_memory=config.pinned_memory)
+                    pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
+                    steps=inputs.steps)
 
 
 def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, backend: DeviceBackend
@@ -117,20 +129,40 @@ def out_of_memory(exc: BaseException, plan: Plan | None, strategy: str | None, b
                                   f"under {what}")
 
 
-def plan_inputs(target: Inventory, blocks: Any = None) -> tuple[list, list[list[str]] | None]:
-    """The planner's components of ``target`` and its model-level swap groups (None: a module):
-    what enable and ``offload-core plan`` both plan from."""
-    components = components_from_modules(target.components(), target.kinds, blocks)
-    return components, _group_names(target) if target.pipeline else None
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What a plan of a target is made from: its components, its model-level swap groups (None: a
+    module), the phases of a call (none for a module: one component, nothing to switch), where
+    they come from, and the denoising steps of a call."""
+
+    components: list
+    groups: list[list[str]] | None
+    phases: tuple = ()
+    phases_source: str | None = None
+    steps: int = 1
 
 
-def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None
-                         ) -> tuple[list, list[list[str]]]:
+def plan_inputs(target: Inventory, blocks: Any = None) -> PlanInputs:
+    """The planner's inputs of ``target`` as enable plans it: the call's shape is not known yet,
+    so activations are the planner's estimate until the first call measures them."""
+    if not target.pipeline:
+        return PlanInputs(components_from_modules(target.components(), target.kinds, blocks), None)
+    return pipeline_plan_inputs(target.target, target.components(), blocks, cls_name=type(target.target).__name__)
+
+
+def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None, *,
+                         cls_name: str | None = None, shape: CallShape | None = None,
+                         steps: int | None = None, guidance: bool | None = None) -> PlanInputs:
     """:func:`plan_inputs` of a pipeline's ``(name, module)`` pairs (with ``pipe`` None, each
-    component's kind read from its name); none is no error here, the planner says there is
+    component's kind read from its name) of class ``cls_name``, activations estimated at ``shape``,
+    calls of ``steps`` steps (default: the pipeline's usual) with or without classifier-free
+    ``guidance`` (None: as its usual call); none is no error here, the planner says there is
     nothing to plan."""
     target = pipeline_inventory(pipe, modules)
-    return components_from_modules(modules, target.kinds, blocks), _group_names(target)
+    phases, source, usual_steps = pipeline_phases(cls_name, [(name, target.kinds[name]) for name, _ in modules],
+                                                  guidance)
+    components = components_from_modules(modules, target.kinds, blocks, shape, guidance_batch(cls_name, guidance))
+    return PlanInputs(components, _group_names(target), phases, source, steps or usual_steps)
 
 
 def _group_names(target: Inventory) -> list[list[str]]:

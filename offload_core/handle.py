@@ -36,19 +36,23 @@ class OffloadHandle:
         self.backend = backend
         self.lock = threading.RLock()
         self._baseline = baseline  # device bytes other users of the backend held before enable
+        self._peak = 0  # the backend's peak before its counter was last restarted (restart_peak)
         self.parts: list = []
+        self.switch: Any = None  # the parts' phase switch (strategies/phases.py), when some park
         self.placement: Any = None  # where the weights' host homes are (hostmem.placement)
         self._placements: list = []  # more, made when a part was packed again (see place())
         self._installs: list[Install] = []
         self.enabled = False
 
-    def open(self, parts: Sequence[Any], placement: Any, installs: Sequence["Install"]) -> None:
+    def open(self, parts: Sequence[Any], placement: Any, installs: Sequence["Install"], switch: Any = None) -> None:
         """The last step of ``enable``: the handle takes its enabled ``parts``, the ``placement``
-        of their homes and the ``installs`` put on the target (installed already), and is
-        enabled. ``disable()`` undoes the installs in reverse order after the parts."""
+        of their homes, the ``installs`` put on the target (installed already) and the phase
+        ``switch`` of its parts (None: nothing parks), and is enabled. ``disable()`` undoes the
+        installs in reverse order after the parts."""
         self.parts = list(parts)
         self.placement = placement
         self._installs = list(installs)
+        self.switch = switch
         self.enabled = True
 
     @property
@@ -56,10 +60,14 @@ class OffloadHandle:
         """What was decided (``print(handle.plan)``): per component resident, streamed, staged or
         swapped, its resident blocks, the device and host bytes (pinned, pageable, disk) it is
         expected to take and the bytes copied per forward, with the activation bytes each
-        streamed component's first call measured. The planner's plan under a device budget;
+        streamed or swapped component's first call measured, and the device peaks they make; once a
+        pipeline call ran, the phases that call had (``observed_phases``). The planner's plan under a device budget;
         without one, the plan of what the strategy flag set up (``budget`` None)."""
-        measured = {p.label: p.activation_bytes for p in self.parts if getattr(p, "activation_bytes", None) is not None}
-        return self._plan.measured(measured)
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        plan = self._plan.measured(measured)
+        if self.switch is not None and self.switch.observed is not None:
+            plan = plan.observed(*self.switch.observed)
+        return plan
 
     @property
     def device_weight_bytes(self) -> int:
@@ -75,19 +83,27 @@ class OffloadHandle:
         (weights read from disk), ``bounce_bytes`` (the ring), ``staged_bytes`` (bytes copied
         through the ring so far), ``disk_read_bytes`` and ``disk_read_seconds`` (bytes read from
         checkpoint or spill files so far, and the stager's time in those reads); ``host_bytes``
-        is the weights held in RAM.
+        is the weights held in RAM. ``switch_h2d_bytes``: of ``h2d_bytes``, what parked components
+        loaded back when their phase began (``handle.plan``'s phases).
         """
-        totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0, "retired_slot_bytes": 0}
+        totals = {"h2d_bytes": 0, "h2d_copies": 0, "prefetch_misses": 0, "loads": 0, "retired_slot_bytes": 0,
+                  "switch_h2d_bytes": 0}
         for part in self.parts:
             for key, value in part.counters.as_dict().items():
                 totals[key] = totals.get(key, 0) + value
-        totals["device_peak_bytes"] = max(self.backend.max_memory_allocated() - self._baseline, 0)
+        totals["device_peak_bytes"] = max(max(self._peak, self.backend.max_memory_allocated()) - self._baseline, 0)
         totals["device_weight_bytes"] = self.device_weight_bytes
         for placement in (self.placement, *self._placements):
             for key, value in placement.stats().items():
                 totals[key] = totals.get(key, 0) + value
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    def restart_peak(self) -> None:
+        """The backend's peak counter starts again from what is allocated now, so that a part can
+        measure what one call takes (its first: activations); the peak before is kept here."""
+        self._peak = max(self._peak, self.backend.max_memory_allocated())
+        self.backend.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Timeline]:
@@ -115,6 +131,8 @@ class OffloadHandle:
         with self.lock, torch.inference_mode(False):
             if not self.enabled:
                 return
+            if self.switch is not None:
+                self.switch.close()  # first: a part disabled is parked by nobody
             for part in reversed(self.parts):
                 part.disable()
             while self._installs:
@@ -127,7 +145,7 @@ class OffloadHandle:
             # no reference cycle left (part -> handle, install -> handle): what the strategies
             # still hold goes now, not at the next garbage collection
             for part in self.parts:
-                part.handle = None
+                part.handle = part.switch = None
         trimmer = Trimmer()
         trimmer.add(sum(p.host_bytes for p in self.parts))  # the homes just freed, device buffers on CPU backends
         trimmer.flush()

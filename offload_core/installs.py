@@ -91,9 +91,13 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
             staged = [p for p in parts if isinstance(p, ModelLevelOffload)]
             for part in staged:
                 part.begin_call()
+            if handle.switch is not None:
+                handle.switch.begin_call()
             try:
                 return cls.__call__(self, *args, **kwargs)
             finally:
+                if handle.switch is not None:
+                    handle.switch.end_call(_steps(self))
                 for part in staged:
                     part.end_call()
 
@@ -107,6 +111,12 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
         **{name: _refuse_offload_method(name, handle) for name in PIPELINE_OFFLOAD_METHODS if hasattr(cls, name)},
     }
     return type(cls.__name__, (cls,), namespace)
+
+
+def _steps(pipe: Any) -> int:
+    """The denoising steps the pipeline's last call made: its scheduler's timesteps."""
+    timesteps = getattr(getattr(pipe, "scheduler", None), "timesteps", None)
+    return len(timesteps) if timesteps is not None else 0
 
 
 class PipelineClass:

@@ -10,10 +10,12 @@ all), and a ``--model`` folder is loaded into RAM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from typing import Any
 
+from ..planning.predict import DEFAULT_DISK_BANDWIDTH
 from .common import UsageError, budget_type
 
 #: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
@@ -52,6 +54,12 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def _resident(text: str) -> int | str:
     if text == "auto":
         return text
@@ -83,8 +91,18 @@ def add_plan(subparsers: Any) -> None:
     parser.add_argument("--bandwidth", type=_bandwidth, metavar="GB/S",
                         help=f"host-to-device copy bandwidth in GB/s (default {DEFAULT_BANDWIDTH / 1e9:.0f}), "
                         "or 'measure' (timed on this machine's backend)")
+    parser.add_argument("--disk-bandwidth", type=_bandwidth, metavar="GB/S",
+                        help=f"read rate of the drive blocks on disk come from, in GB/s (default "
+                        f"{DEFAULT_DISK_BANDWIDTH / 1e9:.0f}), or 'measure' (read back a file written to the "
+                        "temporary folder, evicted from the page cache first)")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
+    shape = parser.add_argument_group("the call's shape (activation headroom is estimated from it and the configs)")
+    shape.add_argument("--height", type=_count, metavar="PX", help="image or video height (default: the pipeline's)")
+    shape.add_argument("--width", type=_count, metavar="PX", help="image or video width (default: the pipeline's)")
+    shape.add_argument("--frames", type=_count, metavar="N", help="video frames (default: the pipeline's; 1 for images)")
+    shape.add_argument("--batch", type=_count, default=1, metavar="N", help="images or videos per prompt (default 1)")
+    shape.add_argument("--steps", type=_count, metavar="N", help="denoising steps (default: the pipeline's)")
     parser.add_argument("--activation-memory", type=budget_type(None), metavar="SIZE",
                         help="activation memory of each component's forward (default: an estimate)")
     parser.add_argument("--strategy", choices=("auto", "model", "layerwise"), default="auto",
@@ -110,30 +128,59 @@ def pipeline_names() -> dict[str, str]:
 
 
 def _components(args: argparse.Namespace, bandwidth: float):
-    """The plan inputs of the pipeline the flags name (copies at ``bandwidth`` bytes per second),
-    and its model-level swap groups."""
+    """The plan inputs of the pipeline the flags name (copies at ``bandwidth`` bytes per second):
+    its components, model-level swap groups, phases (with where they come from and the steps of a
+    call) and the call's shape."""
     from ..fitting import pipeline_plan_inputs
     from ..pipelines import pipeline_modules
+    from ..planning.phases import REAL_CLASSES, guided
 
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
         from ..planning.realsize import build_modules
 
         pipe, modules = None, build_modules(args.pipeline)  # None: kinds from the component names
+        cls_name, call = REAL_CLASSES[args.pipeline], {}
     else:
         from .run.loading import load, pipeline_class
 
-        load_args = argparse.Namespace(model=args.model, pipeline=args.pipeline or DEFAULT_TINY)
+        load_args = argparse.Namespace(model=args.model, pipeline=args.pipeline or DEFAULT_TINY,
+                                       host_memory=args.host_memory)
         pipeline_class(load_args)  # checks a --model folder before loading it
-        pipe = load(load_args).pipe
+        target = load(load_args)
+        pipe, call = target.pipe, target.defaults
         modules = pipeline_modules(pipe)
-    components, groups = pipeline_plan_inputs(pipe, modules)
+        cls_name = type(pipe).__name__
+    inputs = pipeline_plan_inputs(pipe, modules, cls_name=cls_name, shape=_shape(args, cls_name, call),
+                                  steps=args.steps or call.get("num_inference_steps"), guidance=guided(call))
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
         from ..config import size
 
-        measured["activation_bytes"] = size(args.activation_memory)
-    return [c.with_measurements(**measured) for c in components], groups
+        measured.update(activation_bytes=size(args.activation_memory), activation_from="given")
+    return dataclasses.replace(inputs, components=[c.with_measurements(**measured) for c in inputs.components])
+
+
+def _shape(args: argparse.Namespace, cls_name: str, call: dict):
+    """The call's shape: the flags, else the loaded pipeline's own call, else its class's usual one."""
+    from ..planning.components import CallShape
+    from ..planning.phases import default_shape
+
+    height, width, frames = default_shape(cls_name)
+    return CallShape(args.height or call.get("height") or height, args.width or call.get("width") or width,
+                     args.frames or call.get("num_frames") or frames, args.batch,
+                     call.get("max_sequence_length") or CallShape.text_tokens)
+
+
+def _disk_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
+    """Bytes per second the drive reads, and where the figure comes from."""
+    if args.disk_bandwidth == "measure":
+        from ..bench.disk import drive_read_bandwidth
+
+        return drive_read_bandwidth(), "measured: a file read back from the temporary folder"
+    if args.disk_bandwidth:
+        return args.disk_bandwidth * 1e9, "--disk-bandwidth"
+    return DEFAULT_DISK_BANDWIDTH, "default: a PCIe 4.0 NVMe drive"
 
 
 def _copy_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
@@ -185,7 +232,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.prefetch_depth < 1:
         raise UsageError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
     from ..errors import OffloadConfigError
-    from ..planning import device_bytes, make_plan
+    from ..planning import Rates, device_bytes, make_plan
 
     free, total = device_memory(args.backend)
     try:
@@ -193,14 +240,16 @@ def run_plan(args: argparse.Namespace) -> int:
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None
     bandwidth, bandwidth_source = _copy_bandwidth(args)
-    components, groups = _components(args, bandwidth)
+    inputs = _components(args, bandwidth)
+    disk, disk_source = _disk_bandwidth(args)
     try:
         plan = make_plan(
-            components, budget, device_total=total, device_free=free, groups=groups,
+            inputs.components, budget, device_total=total, device_free=free, groups=inputs.groups,
             strategy=None if args.strategy == "auto" else args.strategy,
             resident_blocks=args.resident_blocks, prefetch_depth=args.prefetch_depth,
             host_memory=args.host_memory, pinned_memory=args.pinned_memory,
-            bandwidth_source=bandwidth_source,
+            bandwidth_source=bandwidth_source, phases=inputs.phases, phases_source=inputs.phases_source,
+            steps=inputs.steps, rates=Rates.of(inputs.components, disk, disk_source),
         )
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from None

@@ -9,10 +9,11 @@ packed (so a refused plan leaves the model untouched):
 * ``STAGED``: ordinary memory, copied through the bounce ring (see :mod:`.staging`);
 * ``DISK``: no home in RAM; read from a safetensors file into the bounce ring when needed.
 
-Policy. ``host_memory`` bounds the weights held in RAM: units that are not streamed every step
-(resident weights, model-level components) always stay in RAM, streamed blocks follow in order,
-those read every denoising step before a text encoder's (read once per pipeline call), and the
-blocks that no longer fit go to disk. ``pinned_memory`` bounds page-locked memory: the bounce ring
+Policy. ``host_memory`` bounds the weights held in RAM: units that are not blocks (resident weights,
+model-level components) always stay in RAM; blocks follow in order of how often they are read:
+those streamed every denoising step, then a text encoder's (streamed once per pipeline call), then
+the blocks kept on the device while their component runs (read once per phase switch: a second
+copy in RAM would only speed that up); the blocks that no longer fit go to disk. ``pinned_memory`` bounds page-locked memory: the bounce ring
 first (when anything is staged), then units in order of how often they are copied: the blocks
 streamed every step, then a text encoder's blocks and swapped components, then weights copied once. This module decides; the
 allocation itself stays with the strategies (``pack_units``) and the backend.
@@ -55,11 +56,14 @@ class Tier(enum.Enum):
 
 
 #: how a part uses a unit: streamed every denoising step, streamed once per pipeline call (a text
-#: encoder's layers), swapped in once per call, or copied once at enable
-STREAM, PROMPT, SWAP, ONCE = "stream", "prompt", "swap", "once"
-#: the roles of streamed blocks: the only units that may go to disk
-STREAMED = (STREAM, PROMPT)
-_PIN_ORDER = {STREAM: 0, PROMPT: 1, SWAP: 1, ONCE: 2}
+#: encoder's layers), swapped in once per call, copied once at enable, or a block kept on the device
+#: while its component's phase runs (read once per phase switch)
+STREAM, PROMPT, SWAP, ONCE, SWITCH = "stream", "prompt", "swap", "once", "switch"
+#: the roles of blocks, streamed or kept: the only units that may go to disk, and the order in which
+#: they get RAM (what is read most often first)
+STREAMED = (STREAM, PROMPT, SWITCH)
+_RAM_ORDER = {STREAM: 0, PROMPT: 1, SWITCH: 2}
+_PIN_ORDER = {STREAM: 0, PROMPT: 1, SWAP: 1, SWITCH: 2, ONCE: 2}
 
 
 @dataclasses.dataclass
@@ -96,6 +100,9 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))  # what the ring takes in a pinned slab
     # registration pins a buffer of any size chunk by chunk; an allocator, no more than a chunk at once
     chunk = None if Capability.HOST_REGISTER in backend.capabilities else backend.pinned_chunk_bytes
+    # what is read once per switch may go to disk only where it can be read back from there
+    units = [h if h.role != SWITCH or h.unit.from_checkpoint or config.offload_folder is not None
+             else dataclasses.replace(h, role=ONCE) for h in units]
     tiers = _assign(units, pin, host, pinned or 0, reserve=0, chunk=chunk)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
         tiers = _assign(units, pin, host, pinned or 0, reserve=ring, chunk=chunk)
@@ -153,9 +160,10 @@ def _assign(units: list[HostUnit], pin: bool, host: int | None, pinned: int, res
     tiers: dict[int, Tier] = {}
     room = None if host is None else host - reserve - sum(h.nbytes for h in units if h.role not in STREAMED)
     in_ram = []
-    # RAM goes to the blocks read every step before those read once per call (a sorted copy:
-    # stable, so each component's blocks keep their order)
-    for h in sorted(units, key=lambda h: h.role == PROMPT):
+    # RAM goes to the blocks read every step, then to those read once per call, then to the kept
+    # blocks read once per phase switch (a sorted copy: stable, so each component's blocks keep
+    # their order)
+    for h in sorted(units, key=lambda h: _RAM_ORDER.get(h.role, 0)):
         if h.role in STREAMED and room is not None:
             if h.nbytes > room:
                 tiers[id(h.unit)] = Tier.DISK
@@ -380,10 +388,11 @@ class Placement:
         self._copied.synchronize()
         self.blocking_copy_bytes += src.nbytes
 
-    def staging_block(self, blocks, i: int) -> None:
-        """The stager starts staging block ``i`` of ``blocks`` (run order): read ahead after it."""
+    def staging_block(self, images, i: int) -> None:
+        """The stager starts staging block ``i`` of ``images`` (the blocks' disk images in run
+        order): read ahead after it."""
         if self.read_ahead is not None:
-            self.read_ahead.staging(blocks, i)
+            self.read_ahead.staging(images, i)
 
     def run(self, task: Callable[[], None]) -> Ticket | None:
         """Run ``task`` (a load: waits, copies, a ready event) now, or hand it to the stager."""

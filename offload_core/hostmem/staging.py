@@ -126,11 +126,11 @@ class ReadAhead:
                                         daemon=True)
         self._thread.start()
 
-    def staging(self, blocks: Sequence, i: int) -> None:
-        """The stager starts staging block ``i`` of ``blocks`` (a part's block plans in run order,
-        each with its ``image``, None for a block in RAM)."""
-        if blocks is not self._blocks:
-            self._blocks = blocks
+    def staging(self, images: Sequence, i: int) -> None:
+        """The stager starts staging block ``i`` of ``images`` (a part's blocks' disk images in run
+        order, None for a block in RAM: the images alone, so that nothing here holds device memory)."""
+        if images is not self._blocks:
+            self._blocks = images
             self._ahead.clear()
         ahead = self._ahead
         if any(j == i for j, _ in ahead):
@@ -138,12 +138,12 @@ class ReadAhead:
                 pass
         else:  # a pass starts, or a block runs out of order: what was asked for is stale
             ahead.clear()
-            if blocks[i].image is not None:
-                self._requests.put(blocks[i].image)
-        n, asked = len(blocks), sum(size for _, size in ahead)
+            if images[i] is not None:
+                self._requests.put(images[i])
+        n, asked = len(images), sum(size for _, size in ahead)
         j = (ahead[-1][0] if ahead else i) + 1
         while j % n != i:
-            image = blocks[j % n].image
+            image = images[j % n]
             if image is not None:
                 size = image.file_bytes
                 if ahead and asked + size > self.window:

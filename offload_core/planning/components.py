@@ -15,6 +15,23 @@ KINDS = ("dit", "text_encoder", "vae", "other")
 
 
 @dataclasses.dataclass(frozen=True)
+class CallShape:
+    """The shape of the call a plan is made for: the image or video size (None: the pipeline's
+    default), the batch (images per prompt), and the text tokens an encoder reads."""
+
+    height: int | None = None
+    width: int | None = None
+    frames: int = 1
+    batch: int = 1
+    text_tokens: int = 512
+
+    def describe(self) -> str:
+        frames = f" x {self.frames} frames" if self.frames > 1 else ""
+        batch = f", batch {self.batch}" if self.batch > 1 else ""
+        return f"{self.width}x{self.height}{frames}{batch}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Component:
     """One weight-holding component of a pipeline (or a bare model, as one component).
 
@@ -27,6 +44,7 @@ class Component:
     the plan then predicts less (see :mod:`.plan`). ``unit_bytes``: the bytes of the whole
     component packed as one unit, which is how it is kept resident, staged or swapped (its
     alignment padding differs from the resident part's and the blocks' added up); None: that sum.
+    ``activation_from``: where ``activation_bytes`` comes from (see :attr:`activation_source`).
     """
 
     name: str
@@ -37,6 +55,7 @@ class Component:
     copy_bandwidth: float | None = None
     block_compute_s: float | tuple[float, ...] | None = None
     unit_bytes: int | None = None
+    activation_from: str = "given"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,7 +82,9 @@ class Component:
 
     @property
     def activation_source(self) -> str:
-        return "given" if self.activation_bytes is not None else "estimate"
+        """"given", "config" (estimated from the model's config and the call's shape), "measured",
+        or "estimate" (the fallback of :attr:`activation`)."""
+        return self.activation_from if self.activation_bytes is not None else "estimate"
 
     @property
     def streamable(self) -> bool:

@@ -19,7 +19,8 @@ from ..discovery import find_blocks
 from ..errors import BlockDiscoveryError, UnsupportedTensorError
 from ..weights import WeightUnit, split_units
 from ..weights.owners import collect_tensors
-from .components import Component
+from .activations import estimate, latent_factors
+from .components import CallShape, Component
 
 
 def _tensors(module: nn.Module, recurse: bool = True) -> dict[int, int]:
@@ -75,10 +76,30 @@ def component_from_split(name: str, module: nn.Module, kind: str, resident: Weig
 
 
 def components_from_modules(modules: Sequence[tuple[str, nn.Module]], kinds: Mapping[str, str],
-                            blocks: Iterable[str] | None = None) -> list[Component]:
+                            blocks: Iterable[str] | None = None, shape: CallShape | None = None,
+                            guidance_batch: int = 1) -> list[Component]:
     """The components of a pipeline's ``(name, module)`` pairs, in that order, each of its kind in
     ``kinds`` ("dit", "text_encoder", "vae", "other": ``offload_core.pipelines.component_kind``);
-    ``blocks`` overrides the DiTs' block discovery, as ``enable_offload(blocks=...)`` does. This
+    ``blocks`` overrides the DiTs' block discovery, as ``enable_offload(blocks=...)`` does. With a
+    call ``shape`` (and ``guidance_batch``: the batch guidance adds to each DiT forward), each
+    component's activation headroom is estimated from its config (:mod:`.activations`). This
     module does not import ``offload_core.pipelines``, so the enable path can call it."""
-    return [component_from_module(name, module, kinds[name], blocks if kinds[name] == "dit" else None)
-            for name, module in modules]
+    vae = next((module for name, module in modules if kinds[name] == "vae"), None)
+    factors = latent_factors(vae)
+    components = []
+    for name, module in modules:
+        attrs = blocks if kinds[name] == "dit" else None
+        component = component_from_module(name, module, kinds[name], attrs)
+        found = [block for _, block in _blocks_or_none(module, attrs)]
+        estimated = estimate(kinds[name], module, found, shape, factors, guidance_batch)
+        if estimated is not None:
+            component = component.with_measurements(activation_bytes=estimated, activation_from="config")
+        components.append(component)
+    return components
+
+
+def _blocks_or_none(module: nn.Module, attrs: Iterable[str] | None) -> list[tuple[str, nn.Module]]:
+    try:
+        return find_blocks(module, attrs)
+    except BlockDiscoveryError:
+        return []

@@ -27,6 +27,7 @@ class Counters:
     prefetch_misses: int = 0
     loads: int = 0
     retired_slot_bytes: int = 0  # device memory of slots left to tensors that still view them
+    switch_h2d_bytes: int = 0  # of h2d_bytes: parked weights loaded back as their phase began
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -50,7 +50,7 @@ from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
 from ..weights.placeholders import placeholders
 from .common import allocate_device, pack_units
-from .transport import RankCopy
+from .transport import RankCopy, show_placeholders_on_disk
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class ShardedGather(RankCopy):
         outside their forward the blocks show placeholders. The undo log keeps the original
         tensors until enable succeeds, so a failure can put them back untouched."""
         at = self.at
-        pack_units([at.resident], at.placement, txn, "resident weights")
+        pack_units([at.resident, *at.kept], at.placement, txn, "resident weights")
+        show_placeholders_on_disk(at.kept)
         self.shards, self.fingerprints = [], []
         for unit in tqdm(at.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None,
                          leave=False):

@@ -59,6 +59,7 @@ its copy at the start of each forward cannot overlap (the enable log says so).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -74,11 +75,13 @@ from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Homes
+from ..hostmem.placement import SWITCH, HostUnit
 from ..weights.placeholders import check_placeholders
 from .autograd import SavedSlots, backward_running, refuse_function_transforms
 from .calls import calls_running
-from .common import allocate_device, copy_unit, default_placement, device_copy, unpack_units
-from .part import Part, adopt_foreign, blocks_now, changed_during_call, write_back
+from .common import default_placement, device_copy, unpack_units
+from .held import HeldWeights
+from .part import Part, adopt_foreign, blocks_now, changed_during_call
 from .ring import BlockPlan, SlotRing, kept_views, slot_numel
 from .transport import CopyTransport, Served
 
@@ -125,8 +128,9 @@ class LayerwiseOffload(Part):
         self.plans: list[BlockPlan] = []
         self.homes: Homes | None = None  # what every streamed block shows at home, checked before each pass
         self.copy_stream = None
-        self.resident_device: dict[torch.dtype, torch.Tensor] = {}
-        self.resident_views: list[torch.Tensor] = []
+        self.held: HeldWeights | None = None  # the resident weights and kept blocks on the device, made by enable
+        self._images: tuple = ()  # the streamed blocks' disk images (None: in RAM), in run order
+        self.parks = False  # it gives up the device while other components' phases run (set before enable)
         self.saved = SavedSlots(self)
         self.epoch = 0  # counts enables: autograd's references to slots are valid within one
         self.activation_bytes: int | None = None  # device memory a forward took beyond the weights, once measured
@@ -135,15 +139,25 @@ class LayerwiseOffload(Part):
 
     def _plan(self, blocks: list[tuple[str, nn.Module]]) -> None:
         kept = set(self.kept_names)
-        self.kept = [block for name, block in blocks if name in kept]
+        kept_blocks = [(name, block) for name, block in blocks if name in kept]
+        self.kept = [block for _, block in kept_blocks]
         streamed = [(name, block) for name, block in blocks if name not in kept]
         self.all_names = [name for name, _ in blocks]
         self.block_names = [name for name, _ in streamed]
         self.blocks = [block for _, block in streamed]
         self.depth = min(self.prefetch_depth, len(streamed) - 1)
-        self.resident, self.units = split_units(self.model, streamed)  # kept blocks join the resident weights
+        # a kept block is a unit of its own: its home may be elsewhere than the resident weights'
+        # (read once per phase switch, it needs no second copy in RAM), and it parks with them
+        self.resident, units = split_units(self.model, streamed + kept_blocks)
+        self.units, self.kept_units = units[: len(streamed)], units[len(streamed):]
         self.num_slots = self.depth + 1
         self.slot_shape = self.transport.slot_shape(slot_numel(self.units))
+
+    @property
+    def block_units(self) -> list:
+        """Every block's unit, streamed or kept, in the model's order."""
+        by_name = dict(zip([*self.block_names, *self.kept_names], [*self.units, *self.kept_units]))
+        return [by_name[name] for name in self.all_names]
 
     def _replan(self) -> None:
         found = blocks_now(self.model, self.all_names)  # by name, or found again after a shortened list
@@ -151,8 +165,12 @@ class LayerwiseOffload(Part):
         self._plan(found)
 
     def host_units(self) -> list:
-        """The units whose homes the placement policy decides: blocks are streamed every step."""
-        return self.transport.host_units(self.resident, self.units)
+        """The units whose homes the placement policy decides: blocks are streamed every step; kept
+        blocks, and the resident weights of a part that parks, are read once per phase switch."""
+        units = self.transport.host_units(self.resident, self.units)
+        if self.parks:
+            units[0] = dataclasses.replace(units[0], role=SWITCH)
+        return units + [HostUnit(u, SWITCH, u.nbytes) for u in self.kept_units]
 
     def describe(self) -> str:
         return type(self.model).__name__
@@ -167,7 +185,8 @@ class LayerwiseOffload(Part):
     # -- sizes ----------------------------------------------------------------------------
     @property
     def resident_bytes(self) -> int:
-        return self.resident.nbytes
+        """Its resident weights and kept blocks: what it holds on the device besides its slots."""
+        return self.resident.nbytes + sum(u.nbytes for u in self.kept_units)
 
     @property
     def slot_bytes(self) -> int:
@@ -181,7 +200,7 @@ class LayerwiseOffload(Part):
 
     @property
     def host_bytes(self) -> int:
-        return self.resident.nbytes + self.transport.host_bytes(self.units)
+        return self.resident_bytes + self.transport.host_bytes(self.units)
 
     @property
     def slots(self) -> list[dict[torch.dtype, torch.Tensor]]:
@@ -189,48 +208,130 @@ class LayerwiseOffload(Part):
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
-        backend = self.backend
         default_placement(self, txn)
-        self.copy_stream = self.transport.new_stream(backend)
+        self.copy_stream = self.transport.new_stream(self.backend)
+        self.held = HeldWeights([self.resident, *self.kept_units], self.parks)
         txn.on_rollback(self._release)  # before the first allocation: one that fails frees the others at once
-        self.ring = SlotRing(backend, self.slot_shape, self.num_slots, functools.partial(_slot_label, weakref.ref(self)))
-        self.transport.serve(Served(
-            backend, self.placement, self.copy_stream, self.ring, self.model, self.blocks, self.block_names,
-            self.resident, self.units, self.describe(), self.name, self.landed))
-        self.transport.allocate()
-        resident_device = allocate_device(backend, self.resident.numel, f"resident weights of {self.name}")
+        # a part that parks starts parked: its phase has not begun, and another's may hold the device
+        self._allocate() if not self.parks else self._serve(None)
         self._queued = True  # from here copies may be in flight: a rollback waits for them before releasing
         txn.on_rollback(self.quiesce)
         self.transport.pack(txn)
-        # The new buffers may reuse memory that compute issued earlier still reads (a caching
-        # allocator hands freed blocks to the next allocation at once): copy after that compute.
-        backend.wait_stream(self.copy_stream, backend.current_stream())
-        self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters))
-        done = backend.new_event()
-        done.record(self.copy_stream)
-        done.synchronize()
-        self.resident_device = resident_device
-        self.resident_views = self.resident.region_views(resident_device)
-        txn.on_rollback(lambda: self.resident.bind(self.resident.host_views))
-        self.resident.bind(self.resident_views)
+        if not self.parks:
+            txn.on_rollback(self._unbind_held)
+            self._fill()
         self.epoch += 1
-        self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
-        self.homes = Homes([plan.binding for plan in self.plans])
-        self.saved.index(self.ring.slots)
-        # the ring's own references to each slot, counted at rest: more, later, means that
-        # something outside the ring still holds the slot (see ring.py)
-        self.ring.settle()
         # each undo registered before its step: an interrupt inside the step is undone too
         txn.on_rollback(self._remove_hooks)
         self._instrument()
         txn.on_rollback(lambda: setattr(self, "enabled", False))
         self.enabled = True
         logger.info(
-            "%s offload of %s: %d blocks streamed, %d kept resident, %d slots of %.1f MB, %.1f MB resident%s",
+            "%s offload of %s: %d blocks streamed, %d kept resident, %d slots of %.1f MB, %.1f MB resident%s%s",
             self.strategy, type(self.model).__name__, len(self.units), len(self.kept), self.num_slots,
             self.slot_bytes / 2**20, self.resident_bytes / 2**20,
             "; one block in one slot: its copy cannot overlap compute" if len(self.units) == 1 else "",
+            "; it parks while other components' phases run" if self.parks else "",
         )
+
+    def _allocate(self) -> None:
+        """The device memory the part holds while it is not parked: its slot ring (and what the
+        transport needs beside it), its resident weights and kept blocks."""
+        backend = self.backend
+        self.ring = SlotRing(backend, self.slot_shape, self.num_slots, functools.partial(_slot_label, weakref.ref(self)))
+        self._serve(self.ring)
+        self.transport.allocate()
+        self.held.allocate(backend, self.name)
+
+    def _serve(self, ring: SlotRing | None) -> None:
+        self.transport.serve(Served(
+            self.backend, self.placement, self.copy_stream, ring, self.model, self.blocks, self.block_names,
+            self.resident, self.units, self.describe(), self.name, self.landed, self.kept_units))
+
+    def _fill(self) -> None:
+        """Copy the resident weights and kept blocks into the device memory :meth:`_allocate`
+        made, bind them, and plan the blocks' loads into the new slots."""
+        backend = self.backend
+        # The new buffers may reuse memory that compute issued earlier still reads (a caching
+        # allocator hands freed blocks to the next allocation at once): copy after that compute.
+        backend.wait_stream(self.copy_stream, backend.current_stream())
+        self.held.fill(self.placement, self.copy_stream, self.counters)
+        done = backend.new_event()
+        done.record(self.copy_stream)
+        done.synchronize()
+        self.held.bind()
+        self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
+        self.homes = Homes([plan.binding for plan in self.plans])
+        self._images = tuple(plan.image for plan in self.plans)  # what the read-ahead is told about
+        self.saved.index(self.ring.slots)
+        # the ring's own references to each slot, counted at rest: more, later, means that
+        # something outside the ring still holds the slot (see ring.py)
+        self.ring.settle()
+
+    def _unbind_held(self) -> None:
+        """Undo of :meth:`_fill`'s binding: the held units show their homes again."""
+        for unit in self.held.units:
+            unit.bind(unit.host_views)
+
+    # -- phases (see phases.py) ----------------------------------------------------------------
+    @property
+    def parked(self) -> bool:
+        return self.enabled and self.ring is None
+
+    def park(self) -> None:
+        """Another component's phase begins: give up the device (slots, resident weights, kept
+        blocks); their homes are the truth until the part runs again. Outside any pass, and not
+        while a backward may still read what a forward saved (until that backward, or the part's
+        next forward)."""
+        with self.lock:
+            if not self.enabled or self.ring is None or self._passes or self._bound >= 0 or self.saved.recorded:
+                return
+            logger.debug("%s parks: its phase is over", self.describe())
+            self.quiesce()
+            self.ring = None  # parked from here: an interrupt below is finished by the next unpark
+            self._send_held_home()
+            self._drop_device()
+            self._serve(None)
+
+    def _send_held_home(self) -> None:
+        if self.held.unbind_home(self.backend):
+            self.dirty = True  # a tensor of another layout was kept: re-pack before the next use
+
+    def unpark(self) -> None:
+        """The part runs again: its device memory back, its resident weights and kept blocks loaded."""
+        logger.debug("%s loads its resident weights and kept blocks back", self.describe())
+        if self.held.bindings:  # a park an interrupt stopped half-way
+            self._send_held_home()
+        try:
+            self._allocate()
+            self._queued = True
+            self._fill()
+            self.counters.switch_h2d_bytes += self.held.nbytes
+        except BaseException:
+            self.quiesce()
+            if self.held.bindings:
+                self._send_held_home()
+            self._drop_device()  # parked again: the next use retries
+            raise
+
+    def measured_activations(self) -> dict[str, int]:
+        return {self.label: self.activation_bytes} if self.activation_bytes is not None else {}
+
+    def yields(self) -> list[str]:
+        return [self.label] if self.parks else []
+
+    def give_way(self, component: str) -> None:
+        self.park()
+
+    def _enter(self) -> None:
+        """Before the part runs (a pass, or a block called on its own): when it is parked, the
+        phase switch parks whoever the plan gives up for it, then the part loads itself back."""
+        if self.switch is not None:
+            self.switch.entering(self.label)
+        if self.ring is None:
+            self.unpark()
+            if self.switch is not None:
+                self.switch.loaded_back(self.label)
 
     def _block_plan(self, i: int, ready, ticket=None) -> BlockPlan:
         """Block ``i``'s transfers into its slot and its binding to the slot's views."""
@@ -261,7 +362,7 @@ class LayerwiseOffload(Part):
 
     def truth(self) -> list:
         """(unit, views its owners show, buffers holding its true values) per unit."""
-        return [(self.resident, self.resident_views, self.resident_device), *self.transport.truth()]
+        return [*self.held.truth(), *self.transport.truth()]
 
     def disable(self) -> None:
         """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
@@ -273,16 +374,15 @@ class LayerwiseOffload(Part):
             self._remove_hooks()
             if not self.enabled:
                 return
-            if self.ring is not None:  # else a disable interrupted after releasing it: nothing in flight
+            if self.ring is not None:  # else parked, or a disable interrupted after releasing it: nothing in flight
                 self.quiesce()
             self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
-            if self.resident.host:
-                adopt_foreign(self.backend, self.resident, self.resident_views)  # the user's same-shape tensors
-                write_back(self.backend, [
-                    (self.resident.host[dtype], buf) for dtype, buf in self.resident_device.items()
-                ])
-            # each block from the views it shows at home
-            unpack_units([(self.resident, self.resident_views), *self.units], self.placement)
+            if self.held.bindings:  # a part that parks goes home as it parks
+                self._send_held_home()
+            held = [(unit, views) for unit, views, _ in self.held.truth()]
+            self.held.copy_home(self.backend)  # on the device, their truth
+            # the held units from the views they show, each block from the views it shows at home
+            unpack_units([*held, *self.units], self.placement)
             self._release()
             self.enabled = False
 
@@ -307,15 +407,21 @@ class LayerwiseOffload(Part):
                 self.quiesce()
 
     def _release(self) -> None:
+        self._drop_device()
+        self.transport.release()
+
+    def _drop_device(self) -> None:
+        """Forget every device buffer the part holds (the slots, the held weights) and what refers
+        to them: the blocks' plans, their gradient hooks (bound to a plan's ready event), the
+        backward's slot index."""
         self.ring = None
         self.plans = []
         self.homes = None
-        self.transport.release()
         while self._grad_hooks:
             self._grad_hooks.popitem()[1].remove()
         self.saved.index([])
-        self.resident_device = {}
-        self.resident_views = []
+        if self.held is not None:
+            self.held.free()
         self._queued = False
         self._preloaded = []
 
@@ -326,7 +432,7 @@ class LayerwiseOffload(Part):
             self.placement.drain()  # loads handed to the stager are on the stream first
             self.copy_stream.synchronize()
             self.landed()
-        if forget:
+        if forget and self.ring is not None:
             self.ring.forget()
 
     def landed(self) -> None:
@@ -454,7 +560,7 @@ class LayerwiseOffload(Part):
     def _stage_load(self, plan: BlockPlan) -> None:
         """A load on the stager thread: the blocks on disk after this one are read ahead while
         it is staged (see ``hostmem.staging.ReadAhead``)."""
-        self.placement.staging_block(self.plans, plan.index)
+        self.placement.staging_block(self._images, plan.index)
         self._queue_load(plan)
 
     def _queue_load(self, plan: BlockPlan) -> None:
@@ -476,6 +582,8 @@ class LayerwiseOffload(Part):
         self._passes += 1
         if self._passes > 1:
             return
+        if self.switch is not None or self.ring is None:
+            self._enter()
         if self.saved.forget_backward():  # one that failed never reached its end
             self.end_backward()
         if self.saved.recorded:  # the slots kept for a backward are not trusted by a forward
@@ -487,7 +595,7 @@ class LayerwiseOffload(Part):
             self.quiesce(forget=False)
         self._starting = True  # loads start at the first block: after the model's own pre-hooks
         if self.activation_bytes is None:  # the first pass: what its compute takes beyond the weights
-            self._measure_from = self.backend.memory_allocated()
+            self._measure_from = self.peak_from_here()
 
     def _start_pass(self) -> None:
         self._starting = False
@@ -506,6 +614,8 @@ class LayerwiseOffload(Part):
         block after it. Its compute hides copies: the pass starts here if it has not, and the
         streamed blocks after it are queued as far as the ring allows (their slots' previous
         occupants ran already)."""
+        if self._passes == 0 and self.ring is None:  # a kept block called on its own while the part is parked
+            self._enter()
         if self._starting:
             self._start_pass()
         if self._passes > 0:
@@ -513,7 +623,9 @@ class LayerwiseOffload(Part):
 
     def _end_pass(self, failed: bool) -> None:
         self._passes = max(self._passes - 1, 0)  # a _begin_pass interrupted before its count: not below 0
-        if self._passes or not self.enabled:  # not enabled: a re-pack in this call failed, its RepackError says so
+        # not enabled: a re-pack in this call failed, its RepackError says so; no ring: loading the part back
+        # failed (out of memory), the next call tries again
+        if self._passes or not self.enabled or self.ring is None:
             return
         self._starting = False
         try:
@@ -526,7 +638,7 @@ class LayerwiseOffload(Part):
             backward = not failed and self.saved.recorded
             self.quiesce(forget=not backward)
         if not failed and self.activation_bytes is None:
-            # an upper bound: the peak since enable counts, and it held the weights already
+            # the peak since the pass began, which held the weights already
             self.activation_bytes = max(self.backend.max_memory_allocated() - self._measure_from, 0)
         if not failed and not backward and self._frozen:
             self._load_first()
@@ -594,6 +706,8 @@ class LayerwiseOffload(Part):
     def _before_block(self, i: int) -> None:
         if self._bound >= 0 and self._passes == 0:  # a block call an interrupt tore, outside any pass
             self._repair(0)
+        if self._passes == 0 and self.ring is None:  # called on its own while the part is parked
+            self._enter()
         if self._bound >= 0:
             raise RuntimeError(
                 f"block {self.block_names[i]} was called inside the forward of block "
@@ -665,7 +779,7 @@ class LayerwiseOffload(Part):
 
     # -- autograd (see autograd.py) ------------------------------------------------------------
     def occupant(self, slot: int) -> int:
-        return self.ring.occupant(slot)
+        return self.ring.occupant(slot) if self.ring is not None else -1
 
     def substituted(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a parameter the running block binds to a device copy of data given it

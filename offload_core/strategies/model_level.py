@@ -29,6 +29,7 @@ from torch import nn
 
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
+from ..planning.predict import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import WeightUnit
@@ -42,8 +43,6 @@ from .ring import kept_views, viewed
 
 logger = logging.getLogger(__name__)
 
-#: share of the device's total memory kept free of prefetched weights, for activations
-RESERVE_FRACTION = 0.1
 
 
 @dataclasses.dataclass
@@ -79,10 +78,13 @@ class ModelLevelOffload(Part):
         backend: DeviceBackend,
         prefetch: bool = True,
         device_limit: int | None = None,
+        reserved: dict[str, int] | None = None,
     ) -> None:
         super().__init__(backend)
         self.prefetch = prefetch
         self.device_limit = device_limit  # a device budget: prefetches stay within it, whatever the device has
+        # a budget's activation headroom per component: what a group's compute is taken to need until measured
+        self.reserved = dict(reserved or {})
         self._spec = [(name, list(members)) for name, members in groups]
         self._plan()
         # the group that usually runs next: the declared order first, then what was observed within
@@ -268,9 +270,26 @@ class ModelLevelOffload(Part):
     def _release(self) -> None:
         self.release_all()
 
+    def measured_activations(self) -> dict[str, int]:
+        return {c.name: used for index, used in self._activation_bytes.items() for c in self.groups[index].components}
+
+    # -- phases (phases.py) -----------------------------------------------------------------------
+    def yields(self) -> list[str]:
+        """Staged components (loaded around their use, no prefetch) leave the device when
+        another phase begins, not only when the call ends."""
+        return [] if self.prefetch else [c.name for g in self.groups for c in g.components]
+
+    def give_way(self, component: str) -> None:
+        active = self._active
+        if active is not None and self._depth == 0 and any(c.name == component for c in self.groups[active].components):
+            self.release_all()
+
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
+        if self.switch is not None:
+            for c in self.groups[index].components:
+                self.switch.entering(c.name)
         self._stop_measuring()
         if self.timeline is not None:  # the active group's compute has all been issued
             self.timeline.end_compute(self.backend.current_stream())
@@ -358,8 +377,11 @@ class ModelLevelOffload(Part):
         if index == self._active or group.state != "host":
             return
         needed = self._activation_bytes.get(self._active)
-        if needed is None:  # the active group's first call: how much its compute takes is not known yet
-            return
+        if needed is None:  # the active group's first call: what the budget's plan reserved, if anything
+            reserved = [self.reserved[c.name] for c in self.groups[self._active].components if c.name in self.reserved]
+            if not reserved:
+                return
+            needed = max(reserved)
         free, total = self.backend.mem_get_info()
         if self.device_limit is not None:
             free, total = min(free, self.device_limit - self.backend.memory_allocated()), self.device_limit
@@ -375,7 +397,7 @@ class ModelLevelOffload(Part):
         that what its compute takes on top (activations, a VAE decode's buffers) is known before
         anything is prefetched beside it."""
         if index not in self._activation_bytes:
-            self._measuring = (index, self.backend.memory_allocated())
+            self._measuring = (index, self.peak_from_here())
 
     def _stop_measuring(self) -> None:
         """The measured group stops being active: all its compute has been issued, so the peak

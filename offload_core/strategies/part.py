@@ -50,6 +50,7 @@ class Part:
         # its blocks run once per pipeline call (a text encoder's), not every denoising step: the
         # placement gives RAM to the others' blocks first (hostmem.placement)
         self.once_per_call = False
+        self.switch = None  # the handle's phase switch (phases.py), told when this part's components begin
 
     def join(self, handle: Any) -> None:
         """Before ``enable``: the part serves ``handle``, sharing its lock, making plain copies
@@ -74,6 +75,28 @@ class Part:
 
     def _instrument(self) -> None:
         raise NotImplementedError
+
+    def peak_from_here(self) -> int:
+        """Start measuring what a call takes on the device: the backend's peak counter starts
+        again from now (the handle keeps the peak before it, for ``stats()``); returns the device
+        memory allocated now."""
+        if self.handle is not None:
+            self.handle.restart_peak()
+        else:
+            self.backend.reset_peak_memory_stats()
+        return self.backend.memory_allocated()
+
+    def measured_activations(self) -> dict[str, int]:
+        """Device bytes each of its components' first call took beyond the weights (none measured)."""
+        return {}
+
+    # -- phases (phases.py) -----------------------------------------------------------------------
+    def yields(self) -> list[str]:
+        """The components of this part that give the device up while other phases run (none)."""
+        return []
+
+    def give_way(self, component: str) -> None:
+        """Another component begins: ``component`` (one of :meth:`yields`) gives the device up."""
 
     def _wrap(self, module: nn.Module, before, after, device: torch.device | None = None) -> None:
         """Wrap ``module``'s calls (see :class:`CallWrapper`), under the handle's lock; copies of the

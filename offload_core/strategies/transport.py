@@ -53,6 +53,7 @@ class Served:
     what: str  # the model, for messages
     name: str  # the part, for buffer labels
     landed: Callable[[], None]  # the part's: every load queued so far has landed
+    kept: list = dataclasses.field(default_factory=list)  # one WeightUnit per kept block (held whole, never streamed)
 
 
 class CopyTransport:
@@ -89,11 +90,8 @@ class CopyTransport:
     def pack(self, txn) -> None:
         """Give every unit its host home (the whole unit, one buffer per dtype)."""
         at = self.at
-        pack_units([at.resident, *at.units], at.placement, txn, type(at.model).__name__)
-        for unit in at.units:  # a home on disk has no host memory to show outside the forward
-            if unit.image is not None:
-                unit.host_views = placeholders(unit)
-                unit.bind(unit.host_views)
+        pack_units([at.resident, *at.kept, *at.units], at.placement, txn, type(at.model).__name__)
+        show_placeholders_on_disk([at.resident, *at.kept, *at.units])
 
     def allocate(self) -> None:
         """Device memory beyond the slots, once the ring exists."""
@@ -241,13 +239,21 @@ class RankCopy(CopyTransport):
     def layout(self) -> tuple:
         """What every rank must have packed alike (see distributed.Agreement)."""
         at = self.at
-        units = [at.resident, *at.units]
+        units = [at.resident, *at.kept, *at.units]
         sizes = tuple(tuple(sorted((str(d), n) for d, n in u.numel.items())) for u in units)
         return (self.strategy, self.sharded, self.ranks.world, tuple(at.block_names), sizes,
                 tuple(self.fingerprints))
 
     def agreed(self, serial: int) -> None:
         """Every rank enabled alike; ``serial`` numbers this part the same on every rank."""
+
+
+def show_placeholders_on_disk(units) -> None:
+    """A unit whose home is on disk has no host memory to show while it is not on the device."""
+    for unit in units:
+        if unit.image is not None:
+            unit.host_views = placeholders(unit)
+            unit.bind(unit.host_views)
 
 
 def _show_home(unit, module, prefix: str, keep_vars: bool) -> None:

@@ -175,6 +175,18 @@ class Binding(Home):
                 owner.module._buffers[owner.name] = view
             self._buffer_versions = [v._version for v in self.buffers_device]
 
+    def shown(self, home: list[torch.Tensor], device: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What each of the unit's entries shows on the device (``device``, the views this binding
+        was made with, aligned with ``home``): its view, or a buffer's own alias of it."""
+        aliases = {id(h): d for h, d in zip(self.buffers_home, self.buffers_device)}
+        return [aliases.get(id(h), d) for h, d in zip(home, device)]
+
+    def unwatch(self) -> None:
+        """Tell the checkers of ``BIND_HOOKS`` the parameters no longer show the device views
+        (their unit is given up without going home: ``disable`` copies every value home itself)."""
+        for hook in BIND_HOOKS:
+            hook(self.params, None)
+
     def to_home(self, write_back: WriteBack) -> bool:
         """Show the home views again, first copying home (``write_back`` of (home, device view)
         pairs) whatever changed on the device.
@@ -182,8 +194,7 @@ class Binding(Home):
         Returns True when a buffer was replaced, or a parameter given data, of another shape or
         dtype: that tensor is left in its module (it is the truth) and the unit must be re-packed."""
         params = self.params
-        for hook in BIND_HOOKS:
-            hook(params, None)
+        self.unwatch()
         changed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.versions() != self._versions:  # rare: a forward edited a weight in place
             changed = [
