@@ -249,18 +249,20 @@ def test_storage_dtype_on_a_pipeline_with_a_device_budget(name):
         getattr(reference.pipe, dit).enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
     expected = reference.run()
     tiny = build_pipeline(name)
-    components = [c.with_measurements(activation_bytes=ACTIVATION)
-                  for c in pipeline_plan_inputs(tiny.pipe, pipeline_modules(tiny.pipe))[0]]
-    floor = make_plan(components, 2**40, strategy="layerwise").min_budget
+    planned = pipeline_plan_inputs(tiny.pipe, pipeline_modules(tiny.pipe), cls_name=type(tiny.pipe).__name__)
+    components = [c.with_measurements(activation_bytes=ACTIVATION) for c in planned.components]
+    floor = make_plan(components, 2**40, strategy="layerwise", phases=planned.phases, steps=planned.steps).min_budget
     budget = floor + (sum(c.total_bytes for c in components) - floor) // 4  # some blocks kept, the others streamed
-    handle = offload_core.enable_offload(tiny.pipe, device_memory=budget, activation_memory=ACTIVATION,
-                                         storage_dtype=FP8, backend=chaos_backend())
-    assert torch.equal(tiny.run(), expected), f"{name} ({handle.strategy})"
-    for dit in PIPELINES[name]:
-        stored = [p.dtype for m, _ in casting_hooks([getattr(tiny.pipe, dit)]) for p in m.parameters()]
-        assert stored and set(stored) == {FP8}, f"{dit} is not stored in float8"
-    handle.disable()
-    assert torch.equal(tiny.run(), expected), f"{name} after disable"
+    for flag in ({}, {"enable_layerwise_offload": True}):  # the planner's choice (model-level here), layerwise
+        handle = offload_core.enable_offload(tiny.pipe, device_memory=budget, activation_memory=ACTIVATION,
+                                             storage_dtype=FP8, backend=chaos_backend(), **flag)
+        assert torch.equal(tiny.run(), expected), f"{name} ({handle.strategy})"
+        for dit in PIPELINES[name]:
+            stored = [p.dtype for m, _ in casting_hooks([getattr(tiny.pipe, dit)]) for p in m.parameters()]
+            assert stored and set(stored) == {FP8}, f"{dit} is not stored in float8"
+        handle.disable()
+        assert torch.equal(tiny.run(), expected), f"{name} after disable"
+        tiny = build_pipeline(name)
 
 
 WORLD = 2
