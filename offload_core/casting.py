@@ -39,6 +39,7 @@ from torch import nn
 from . import changes
 from .errors import OffloadConfigError, OffloadedModelError
 from .strategies.distributed import agreement
+from .weights.binding import CAST_COPIES
 
 #: the name diffusers registers its casting hook under (``HookRegistry.hooks``)
 CASTING_HOOK = "layerwise_casting"
@@ -82,11 +83,12 @@ def _training_refused(param: nn.Parameter, storage: torch.dtype, *grad) -> None:
 class _Casts:
     """The pre- and post-forward that replace one ``LayerwiseCastingHook``'s while offloaded."""
 
-    __slots__ = ("hook", "saved", "refusals")
+    __slots__ = ("hook", "saved", "copies", "refusals")
 
     def __init__(self, hook: Any) -> None:
         self.hook = hook
         self.saved: list = []  # what the layer's tensors showed before its forward
+        self.copies: list[int] = []  # its entries in CAST_COPIES (a forward that raised leaves them)
         self.refusals: dict[int, Any] = {}  # id(param) -> its gradient hook refusing training
 
     def pre(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -95,6 +97,7 @@ class _Casts:
         what it shows, the shown tensor kept for :meth:`post`."""
         dtype, non_blocking = self.hook.compute_dtype, self.hook.non_blocking
         grad = torch.is_grad_enabled()
+        self._forget_copies()
         saved = []
         for m in module.modules():
             for p in m._parameters.values():
@@ -105,7 +108,10 @@ class _Casts:
                         functools.partial(_training_refused, p, self.hook.storage_dtype))
                 data = p.data
                 saved.append((p, data))
-                p.data = data.to(dtype, non_blocking=non_blocking)
+                p.data = copy = data.to(dtype, non_blocking=non_blocking)
+                if grad and copy.numel():  # saved for backward: as the weight it came from
+                    self.copies.append(copy.untyped_storage().data_ptr())
+                    CAST_COPIES[self.copies[-1]] = (copy, data)
             for name, b in m._buffers.items():
                 if b is None or b.dtype == dtype or not (b.is_floating_point() or b.is_complex()):
                     continue
@@ -118,6 +124,7 @@ class _Casts:
         """As diffusers' cast back to the storage dtype: each tensor shows again what it showed
         before the forward (the cast back of a compute-dtype copy of it gives it exactly)."""
         saved, self.saved = self.saved, []
+        self._forget_copies()
         for entry in saved:
             if len(entry) == 2:
                 entry[0].data = entry[1]
@@ -125,7 +132,12 @@ class _Casts:
                 entry[0]._buffers[entry[1]] = entry[2]
         return output
 
+    def _forget_copies(self) -> None:
+        while self.copies:
+            CAST_COPIES.pop(self.copies.pop(), None)
+
     def release(self) -> None:
+        self._forget_copies()
         while self.refusals:
             self.refusals.popitem()[1].remove()
 

@@ -1,7 +1,9 @@
 """A peft LoRA trained on a DiT stored in float8 (``storage_dtype=``, diffusers' layerwise casting
 of the base weights, the adapter's own weights in bfloat16): gradients and the adapter after
 AdamW steps ``torch.equal`` to the same model with the same casting and no offload, for layerwise
-and model-level offload, while the base weights stay float8 in the homes and on the link."""
+and model-level offload, while the base weights stay float8 in the homes and on the link. Under
+layerwise offload the graph keeps no compute-dtype copy of a streamed weight: each is saved as the
+slot view it was cast from, and cast again in backward."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 import offload_core
+from offload_core.strategies import autograd
+from offload_core.weights.binding import CAST_COPIES
 
 from denoisers import build_transformer
 from helpers import chaos_backend, first_tensor
@@ -40,7 +44,18 @@ def loss(model, inputs: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", ["flux2", "wan-t2v"])
-def test_lora_on_a_float8_dit_trains_as_without_offload(name, strategy):
+def test_lora_on_a_float8_dit_trains_as_without_offload(name, strategy, monkeypatch):
+    saved = []  # under layerwise offload, each saved copy of a slot view: what the graph keeps of it
+    pack = autograd.SavedSlots._pack
+
+    def recorded(self, t):
+        packed = pack(self, t)
+        found = CAST_COPIES.get(t.untyped_storage().data_ptr())
+        if found is not None and found[1].untyped_storage().data_ptr() in self._slot_of:
+            saved.append(type(packed).__name__)
+        return packed
+
+    monkeypatch.setattr(autograd.SavedSlots, "_pack", recorded)
     model, inputs = with_adapter(name)
     reference = copy.deepcopy(model)
     reference.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.bfloat16)
@@ -62,6 +77,9 @@ def test_lora_on_a_float8_dit_trains_as_without_offload(name, strategy):
         for _, opt in loops:
             opt.step()
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), f"adapter after step {step}"
+    if strategy == "layerwise":  # no copy of a streamed weight in the graph (resident ones stay on the device anyway)
+        assert len(saved) >= 2 * len(base) and set(saved) == {"_Recast"}, saved
+    assert not CAST_COPIES, "copies outlive their layer's forward"
     with torch.no_grad():
         assert torch.equal(first_tensor(model(**inputs)), first_tensor(reference(**inputs)))
     handle.disable()
