@@ -40,6 +40,5 @@ def test_storage_dtype_needs_offload(capsys):
 
 
 def test_an_unknown_storage_dtype_is_bad_input(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["run", "--storage-dtype", "int8"])
-    assert exit_.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+    code, _, err = run(capsys, "--storage-dtype", "int8")
+    assert code == 2 and "invalid choice: 'int8'" in err
