@@ -39,6 +39,9 @@ PROPERTIES = "tests/strategies/test_layerwise_properties.py"
 LAYERWISE_MODELS = "tests/strategies/test_layerwise_models.py"
 PIPELINES = "tests/strategies/test_pipelines.py"
 MODEL_LEVEL = "tests/strategies/test_model_level.py"
+GRAD_MODE = "tests/contract/test_grad_mode_leaks.py"
+SAVED_READ = f"{GRAD_MODE}::test_a_released_saved_weight_read_outside_backward_is_a_copy_and_leaves_nothing_on_the_device"
+CHAINED_BACKWARD = f"{GRAD_MODE}::test_model_level_releases_the_device_copy_a_live_graph_saved_at_the_next_load_and_at_disable"
 DISTRIBUTED = "tests/strategies/test_distributed.py::test_distributed_layerwise_on_two_ranks"
 CHANGES = "tests/contract/test_contract_changes.py::test_a_change_between_forwards_acts_as_without_offload"
 LORA = "tests/contract/test_contract_lora.py"
@@ -58,6 +61,7 @@ LET_GO = "tests/training/test_autograd.py::test_a_view_a_finished_transfer_lets_
 NEW_DATA_MID_PASS = ("tests/contract/test_edits_saves_and_lifetime.py::"
                      "test_a_block_hook_that_gives_the_next_block_new_data_is_seen")
 OPTIMIZER_IN_BACKWARD = "tests/training/test_training_edges.py::test_an_optimizer_stepping_each_weight_in_backward_is_exact_and_race_free"
+PHASES_I2V = "tests/planner/test_phases.py::test_each_phase_copies_loads_and_reads_what_its_plan_says[wan2.2-i2v]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,7 @@ M = "offload_core/strategies/model_level.py"
 G = "offload_core/strategies/gather.py"
 RING = "offload_core/strategies/ring.py"
 R = "offload_core/strategies/resident.py"
+H = "offload_core/strategies/held.py"
 S = "offload_core/hostmem/staging.py"
 
 MUTANTS = [
@@ -120,10 +125,9 @@ MUTANTS = [
     # -- changes copied home ------------------------------------------------------------------
     Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
     Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
-    Mutant("layerwise: the resident copy is issued (by the stager) before its done event", L,
-           "self.placement.wait(copy_unit(self.resident, resident_device, self.placement, self.copy_stream, "
-           "self.counters))", (STAGED_LAYERWISE_RESIDENT,),
-           replacement="copy_unit(self.resident, resident_device, self.placement, self.copy_stream, self.counters)"),
+    Mutant("layerwise: the resident weights' copy is issued (by the stager) before its done event", H,
+           "placement.wait(copy_unit(unit, buffers, placement, stream, counters))", (STAGED_LAYERWISE_RESIDENT,),
+           replacement="copy_unit(unit, buffers, placement, stream, counters)"),
     Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
            "self.placement.wait(ticket)", (STAGED,)),
     # -- distributed --------------------------------------------------------------------------
@@ -141,13 +145,19 @@ MUTANTS = [
     Mutant("distributed disable: host waits for the read-back", G, "reader.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------
     Mutant("model-level: disable swaps every group home, also in the middle of a call", M, "self.release_all()",
-           (CALLBACK_DISABLE,), occurrence=0, occurrences=4),
+           (CALLBACK_DISABLE,), occurrence=0, occurrences=7),
     Mutant("model-level: a pipeline call's groups leave the device when it ends", M, "self.release_all()",
-           (PIPELINES, MODEL_LEVEL, LORA), occurrence=1, occurrences=4),
+           (PIPELINES, MODEL_LEVEL, LORA), occurrence=1, occurrences=7),
     Mutant("model-level: a component called on its own leaves the device after its forward", M,
-           "self.release_all()", (MODEL_LEVEL,), occurrence=2, occurrences=4),
+           "self.release_all()", (MODEL_LEVEL,), occurrence=2, occurrences=7),
     Mutant("model-level: a child called on its own (vae.decode) leaves the device after it", M,
-           "self.release_all()", (CHILD_ALONE,), occurrence=3, occurrences=4),
+           "self.release_all()", (CHILD_ALONE,), occurrence=3, occurrences=7),
+    Mutant("model-level: a staged group leaves the device when another phase begins", M, "self.release_all()",
+           (PHASES_I2V,), occurrence=4, occurrences=7),
+    Mutant("model-level: a saved weight read outside a backward leaves its group home again", M,
+           "self.release_all()", (SAVED_READ,), occurrence=5, occurrences=7),
+    Mutant("model-level: a backward that made a group active sends it home when it ends", M,
+           "self.release_all()", (CHAINED_BACKWARD,), occurrence=6, occurrences=7),
     Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES, MODEL_LEVEL)),
     Mutant("model-level: a staged group's ticket is waited before its ready event", M,
            "self.placement.wait(ticket)", (STAGED_PIPELINE,)),

@@ -30,6 +30,7 @@ _EXPORTS = {
     "AlreadyEnabledError": ".errors",
     "BackendNotFoundError": ".errors",
     "BlockDiscoveryError": ".errors",
+    "CheckpointError": ".errors",
     "DistributedOffloadError": ".errors",
     "OffloadConfigError": ".errors",
     "OffloadedModelError": ".errors",
@@ -54,8 +55,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers see
     from .device.plugins import BackendInfo, get_backend, list_backends
     from .discovery import register_blocks
     from .errors import (
-        AlreadyEnabledError, BackendNotFoundError, BlockDiscoveryError, DistributedOffloadError, OffloadConfigError,
-        OffloadedModelError, RepackError, UnsupportedTensorError,
+        AlreadyEnabledError, BackendNotFoundError, BlockDiscoveryError, CheckpointError, DistributedOffloadError,
+        OffloadConfigError, OffloadedModelError, RepackError, UnsupportedTensorError,
     )
     from .handle import OffloadHandle
     from .pretrained import from_pretrained

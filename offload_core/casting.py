@@ -19,8 +19,8 @@ casting left it: weights in the storage dtype, hooks in place.
 Casting attached after ``enable_offload``: the method (``enable_layerwise_casting``) runs on the
 ordinary model inside one re-pack of the part that owns it (across ranks, a collective one, as
 ``handle.disable()`` is); the functional ``apply_layerwise_casting`` changes one layer's dtype at a
-time, each an ``_apply`` that re-packs as any dtype change does, and its hooks are taken over at
-their first forward (:func:`_take_over_at_first_use`, a rule of changes.py).
+time, each an ``_apply`` that re-packs as any dtype change does, and each hook is taken over as
+diffusers registers it (other_hooks.py guards ``HookRegistry.register_hook``).
 
 ``storage_dtype=`` (:func:`cast_for_storage`) is that casting applied by the library to the DiTs,
 with diffusers' default skip patterns and the weights' dtype as the compute dtype.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -163,21 +162,28 @@ def give_back(hook: Any) -> None:
 
 
 def check_casting(roots: Iterable[nn.Module], parts: Iterable[Any]) -> None:
-    """Before anything moves: the casting on ``roots`` is one offloading can run exactly. Refused
-    (``OffloadConfigError``): a compute dtype that cannot hold every storage value (diffusers' cast
-    back then changes the stored weights on every call), and a hook on a module holding streamed
-    blocks (its cast would take every block at once; diffusers casts layer by layer unless told
-    otherwise)."""
-    streamed = {id(b) for part in parts for b in getattr(part, "blocks", ())}
+    """Before anything moves: the casting on ``roots`` is one offloading can run exactly (see
+    :func:`check_hook`)."""
+    parts = list(parts)
     for module, hook in casting_hooks(roots):
-        _check_pair(hook.storage_dtype, hook.compute_dtype, type(module).__name__)
-        inner = [m for m in module.modules() if id(m) in streamed and m is not module]
-        if inner:
-            raise OffloadConfigError(
-                f"layerwise casting is attached to {type(module).__name__} as a whole, which holds the streamed "
-                f"block {type(inner[0]).__name__}: its cast would take every block at once. Cast layer by layer "
-                "(model.enable_layerwise_casting(), or apply_layerwise_casting with skip_modules_pattern='auto')"
-            )
+        check_hook(module, hook, parts)
+
+
+def check_hook(module: nn.Module, hook: Any, parts: Iterable[Any]) -> None:
+    """A casting ``hook`` on ``module`` that offloading cannot run exactly is refused
+    (``OffloadConfigError``, before it changes anything): a compute dtype that cannot hold every
+    storage value (diffusers' cast back then changes the stored weights on every call), and a hook
+    on a module holding streamed blocks of ``parts`` (its cast would take every block at once;
+    diffusers casts layer by layer unless told otherwise)."""
+    _check_pair(hook.storage_dtype, hook.compute_dtype, type(module).__name__)
+    streamed = {id(b) for part in parts for b in getattr(part, "blocks", ())}
+    inner = [m for m in module.modules() if id(m) in streamed and m is not module]
+    if inner:
+        raise OffloadConfigError(
+            f"layerwise casting is attached to {type(module).__name__} as a whole, which holds the streamed "
+            f"block {type(inner[0]).__name__}: its cast would take every block at once. Cast layer by layer "
+            "(model.enable_layerwise_casting(), or apply_layerwise_casting with skip_modules_pattern='auto')"
+        )
 
 
 def _check_pair(storage: torch.dtype, compute: torch.dtype, where: str) -> None:
@@ -247,35 +253,6 @@ def repack(handle: Any, part: Any, apply: Callable[[], None]) -> None:
     with agreement(handle.config) as agreed:
         agreed.parts = [part]
         part.repack(apply, collective=True)
-
-
-# -- casting attached after enable, by the function ----------------------------------------------
-def _take_over_at_first_use(handle: Any, part: Any, module: nn.Module, fn: Callable) -> bool:
-    """A rule of ``changes.on_apply``: the ``module.to(dtype=compute)`` of a casting hook not taken
-    over yet (attached after enable, by ``apply_layerwise_casting``), as the layer's forward
-    begins. The hook is taken over and casts the layer as it will from now on; True when so.
-    The hook's own ``initialize_hook`` (its cast to the storage dtype, before diffusers registers
-    it) is not this: that ``_apply`` re-packs as any change of dtype does."""
-    registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.hooks.get(CASTING_HOOK) if registry is not None else None
-    if hook is None or _taken(hook) is not None:
-        return False
-    code = type(hook).pre_forward.__code__
-    frame = sys._getframe(1)
-    for _ in range(6):  # any(), on_apply, _apply, Module.to, then the hook's pre_forward
-        frame = frame.f_back
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            if frame.f_locals.get("self") is not hook or frame.f_locals.get("module") is not module:
-                return False
-            take_over(hook)
-            hook.fn_ref.pre_forward(module)
-            return True
-    return False
-
-
-changes.APPLY_RULES.append(_take_over_at_first_use)
 
 
 # -- storage_dtype= ------------------------------------------------------------------------------

@@ -49,10 +49,6 @@ _keys: dict[int, tuple[list[int], list[int]]] = {}
 _repacking: dict[int, int] = {}
 _installed = False
 _original_apply = nn.Module._apply
-#: rules consulted first by :func:`on_apply`, as ``rule(handle, part, module, fn)``: one that
-#: recognises the call (another library's hook converting a layer it manages) handles it and
-#: returns True; the layers above register them (casting.py: diffusers' layerwise casting)
-APPLY_RULES: list[Callable[[Any, Any, nn.Module, Callable], bool]] = []
 
 
 # -- ownership ------------------------------------------------------------------------------
@@ -193,8 +189,6 @@ def on_apply(handle: Any, part: Any, module: nn.Module, fn: Callable, recurse: b
     with handle.lock:
         if _is_repacking(handle) or not part.enabled:
             return _original_apply(module, fn, recurse)
-        if any(rule(handle, part, module, fn) for rule in APPLY_RULES):
-            return module
         if _method_of(fn) == "Module.share_memory":
             raise OffloadedModelError(
                 f"{type(module).__name__}.share_memory(): while offloaded, its weights live in offload-core's host "

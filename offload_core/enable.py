@@ -77,7 +77,8 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         check_casting(target.roots, parts)
         # without a budget, the plan of what the strategy flag set up
         plan = fitted.plan if fitted is not None else describe_parts(target, config, backend, parts)
-        handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan)
+        handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan,
+                               replan=fitted.replan if fitted is not None else None)
         placement = plan_placement(parts, config, backend)
         placement.attach(parts, txn)
         for part in parts:

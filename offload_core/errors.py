@@ -8,6 +8,14 @@ class OffloadConfigError(ValueError):
     """An offload option is invalid; the message names the option and the accepted values."""
 
 
+class CheckpointError(OffloadConfigError):
+    """A checkpoint ``offload_core.from_pretrained`` refuses before anything is built from it or
+    enabled: a safetensors header that breaks the format's rules, a shard index or folder entry
+    naming a file outside the model folder, a config naming something that is not a model class.
+    The message names the file and, where one tensor is at fault, the tensor. An
+    :class:`~offload_core.OffloadConfigError`, as every invalid input is."""
+
+
 class BackendNotFoundError(OffloadConfigError, LookupError):
     """A backend name that no plugin registered (or no backend available to auto-detection).
     An :class:`~offload_core.OffloadConfigError`, as every invalid option is."""

@@ -39,6 +39,7 @@ class Fit:
 
     plan: Plan
     config: OffloadConfig
+    replan: Any = None  # measured activations (component -> bytes) -> the plan made with them
 
     def mode(self, name: str) -> str:
         return self.plan.component(name).mode
@@ -61,20 +62,39 @@ def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit
         components = [c.with_measurements(activation_bytes=config.activation_memory, activation_from="given")
                       for c in components]
     free, total = backend.mem_get_info()
-    plan = make_plan(
-        components, free if config.device_budget.auto else config.device_memory, device_total=total,
-        device_free=free, groups=inputs.groups, strategy=config.strategy,
-        resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
-        prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
-        pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
-        steps=inputs.steps,
-    )
+    options = dict(device_total=total, device_free=free, groups=inputs.groups,
+                   resident_blocks="auto" if config.resident_blocks is None else config.resident_blocks,
+                   prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
+                   pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
+                   steps=inputs.steps)
+    budget = free if config.device_budget.auto else config.device_memory
+    plan = make_plan(components, budget, strategy=config.strategy, **options)
     if plan.asked_budget > plan.budget:
         warnings.warn(plan.notes[0], UserWarning, stacklevel=4)
     logger.info("device plan for %s:\n%s", type(target.target).__name__, plan.render())
     flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
-    return Fit(plan, chosen)
+
+    def replan(measured: dict[str, int], block_seconds: dict[str, float], copy_bandwidth: float | None) -> Plan:
+        """The plan of the same budget and layout with the activations a first call measured (an
+        activation given by ``activation_memory=`` is kept), its blocks' compute times and the
+        rate its copies ran at: only the kept blocks of the components that park are sized (and
+        placed among the streamed ones) again."""
+        again = [c if c.activation_from == "given" and c.activation_bytes is not None or c.name not in measured
+                 else c.with_measurements(activation_bytes=measured[c.name], activation_from="measured")
+                 for c in components]
+        again = [c.with_measurements(block_compute_s=block_seconds[c.name],
+                                     copy_bandwidth=c.copy_bandwidth or copy_bandwidth) if c.name in block_seconds else c
+                 for c in again]
+        again = make_plan(again, plan.budget, strategy=plan.strategy, relayout=plan.components,
+                          **{**options, "device_free": None})
+        return dataclasses.replace(again, chosen_by=plan.chosen_by, min_budget=plan.min_budget,
+                                   asked_budget=plan.asked_budget, notes=plan.notes)
+
+    # a layout that can change between calls: layerwise parts that park (their kept blocks are loaded
+    # at each switch anyway)
+    return Fit(plan, chosen, replan if plan.strategy == "layerwise" and any(c.parks for c in plan.components)
+               else None)
 
 
 def describe_parts(target: Inventory, config: OffloadConfig, backend: DeviceBackend, parts: Sequence[Any]) -> Plan:
@@ -147,7 +167,7 @@ def plan_inputs(target: Inventory, blocks: Any = None) -> PlanInputs:
     so activations are the planner's estimate until the first call measures them."""
     if not target.pipeline:
         return PlanInputs(components_from_modules(target.components(), target.kinds, blocks), None)
-    return pipeline_plan_inputs(target.target, target.components(), blocks, cls_name=type(target.target).__name__)
+    return _pipeline_inputs(target, blocks, type(target.target).__name__)
 
 
 def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None, *,
@@ -158,7 +178,12 @@ def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks
     calls of ``steps`` steps (default: the pipeline's usual) with or without classifier-free
     ``guidance`` (None: as its usual call); none is no error here, the planner says there is
     nothing to plan."""
-    target = pipeline_inventory(pipe, modules)
+    return _pipeline_inputs(pipeline_inventory(pipe, modules), blocks, cls_name, shape, steps, guidance)
+
+
+def _pipeline_inputs(target: Inventory, blocks: Any, cls_name: str | None, shape: CallShape | None = None,
+                     steps: int | None = None, guidance: bool | None = None) -> PlanInputs:
+    modules = list(target.modules)
     phases, source, usual_steps = pipeline_phases(cls_name, [(name, target.kinds[name]) for name, _ in modules],
                                                   guidance)
     components = components_from_modules(modules, target.kinds, blocks, shape, guidance_batch(cls_name, guidance))

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from . import changes
-from .device.backend import DeviceBackend
-from .hostmem.machine import Trimmer
+from .device.backend import Capability, DeviceBackend
+from .hostmem.machine import Trimmer, size_text as _size
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -28,10 +28,13 @@ class OffloadHandle:
     its blocks or components, pipeline calls, ``disable()``, copies. A second thread calling the
     same offloaded model waits for the first call to finish."""
 
-    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None) -> None:
+    def __init__(self, target: Any, config: Any, backend: DeviceBackend, baseline: int = 0, plan: Any = None,
+                 replan: Any = None) -> None:
         self.target = target
         self.config = config
         self._plan = plan
+        # measured activations -> the plan made with them, once: after the first pipeline call
+        self._replan = replan
         self.strategy = plan.strategy if plan is not None else config.strategy
         self.backend = backend
         self.lock = threading.RLock()
@@ -98,6 +101,54 @@ class OffloadHandle:
                 totals[key] = totals.get(key, 0) + value
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
+
+    @contextlib.contextmanager
+    def measured_call(self) -> Iterator[None]:
+        """Around a pipeline call. Until the budget has been planned again from a first call, the
+        call is traced (where the backend times device work and no trace of the user's is on), so
+        that each streamed block's compute time is known; when it ends, :meth:`call_ended`."""
+        timeline = None
+        timed = Capability.TIMING in self.backend.capabilities
+        if self._replan is not None and timed and all(p.timeline is None for p in self.parts):
+            timeline = Timeline(self.backend)
+            for part in self.parts:
+                part.timeline = timeline
+        try:
+            yield
+        finally:
+            if timeline is not None:
+                for part in self.parts:
+                    part.timeline = None
+                timeline.close()
+            self.call_ended(timeline)
+
+    def call_ended(self, timeline: Timeline | None = None) -> None:
+        """A pipeline call ended. After the first, the budget is planned again with the activations
+        it measured (and the blocks' compute times ``timeline`` shows), and the streamed
+        components whose kept blocks change take the new layout as they next begin (one log line
+        says what changed and why)."""
+        if self._replan is None:
+            return
+        replan, self._replan = self._replan, None
+        measured = {name: used for p in self.parts for name, used in p.measured_activations().items()}
+        if not measured:
+            return
+        timed = timings(timeline) if timeline is not None else ({}, None)
+        new = replan(measured, *timed)
+        changes = []
+        for part in self.parts:
+            label = getattr(part, "label", None)
+            if not getattr(part, "parks", False) or label not in {c.name for c in new.components}:
+                continue
+            before, after = self._plan.component(label), new.component(label)
+            if after.mode == before.mode and after.resident_blocks != before.resident_blocks:
+                part.relayout(after.resident_blocks)
+                block = f", a block computing in {timed[0][label] * 1e3:.3g} ms" if label in timed[0] else ""
+                changes.append(f"{label} keeps {len(after.resident_blocks)} of {after.n_blocks} blocks (was "
+                               f"{len(before.resident_blocks)}): activations measured {_size(measured.get(label, 0))}, "
+                               f"{_size(before.activation_bytes)} planned{block}")
+        self._plan = new
+        logger.info("re-planned after the first call: %s", "; ".join(changes) if changes else "no layout changes")
 
     def restart_peak(self) -> None:
         """The backend's peak counter starts again from what is allocated now, so that a part can
@@ -215,6 +266,20 @@ class OffloadHandle:
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"<OffloadHandle {self.strategy} on {type(self.target).__name__} via {self.backend.name}: {state}>"
+
+
+def timings(timeline: Timeline) -> tuple[dict[str, float], float | None]:
+    """From a traced call: per streamed component, the median compute time of its blocks (spans
+    named "<component>.<block>"), and the host-to-device bytes per second its copies ran at."""
+    times: dict[str, list[float]] = {}
+    copied = seconds = 0.0
+    for span in timeline.spans():
+        if span.kind == "compute" and "." in span.name:
+            times.setdefault(span.name.split(".", 1)[0], []).append(span.seconds)
+        elif span.kind == "copy":
+            copied, seconds = copied + span.nbytes, seconds + span.seconds
+    rate = copied / seconds if copied and seconds > 0 else None
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}, rate
 
 
 class Install(Protocol):

@@ -1,5 +1,6 @@
 """What ``enable`` puts on the target itself, beside the parts' call wrappers: the handle mark
-(with diffusers' weight-hook methods refused) and, for a pipeline, a same-named subclass. Each is
+(with other libraries' weight-managing hooks refused from then on) and, for a pipeline, a
+same-named subclass. Each is
 an :class:`~offload_core.handle.Install`: taken off while a plain copy is made and by
 ``disable()``.
 
@@ -12,39 +13,36 @@ offloading methods are refused, and every call ends by swapping staged component
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
 from .errors import OffloadConfigError, OffloadedModelError
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
-from .other_hooks import refuse_weight_hook_methods
+from .other_hooks import guard_registrations
 from .pipelines import pipeline_modules
 from .strategies.model_level import ModelLevelOffload
 from .strategies.part import CopyGuard
 
 
 class Mark:
-    """The install that marks the target as offloaded by ``handle`` (``HANDLE_ATTRIBUTE``) and
-    makes diffusers' weight-hook methods of its roots raise meanwhile. Taken off while a plain
-    copy is made, so the copy is not "enabled"."""
+    """The install that marks the target as offloaded by ``handle`` (``HANDLE_ATTRIBUTE``). Taken
+    off while a plain copy is made, so the copy is not "enabled". Installing it also makes sure
+    diffusers' and accelerate's hook registration refuses the hooks that would move or re-cast
+    the weights of a model an enabled handle owns (``other_hooks.guard_registrations``, process-wide:
+    nothing to take off, a guard lets every module no handle owns through)."""
 
     def __init__(self, target: Any, roots: list[nn.Module], handle: OffloadHandle) -> None:
         self.target = target
         self.roots = roots
         self.handle = handle
-        self._undo_refusal: Callable[[], None] | None = None
 
     def install(self) -> None:
+        guard_registrations()
         setattr(self.target, HANDLE_ATTRIBUTE, self.handle)
-        if self._undo_refusal is None:
-            self._undo_refusal = refuse_weight_hook_methods(self.roots)
 
     def uninstall(self) -> None:
         self.target.__dict__.pop(HANDLE_ATTRIBUTE, None)
-        if self._undo_refusal is not None:
-            self._undo_refusal()
-            self._undo_refusal = None
 
 
 #: call arguments through which user code runs between denoising steps (and may change weights)
@@ -93,13 +91,14 @@ def _pipeline_subclass(cls: type, handle: OffloadHandle, parts: list, enabled: d
                 part.begin_call()
             if handle.switch is not None:
                 handle.switch.begin_call()
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
-                if handle.switch is not None:
-                    handle.switch.end_call(_steps(self))
-                for part in staged:
-                    part.end_call()
+            with handle.measured_call():
+                try:
+                    return cls.__call__(self, *args, **kwargs)
+                finally:
+                    if handle.switch is not None:
+                        handle.switch.end_call(_steps(self))
+                    for part in staged:
+                        part.end_call()
 
     namespace = {
         "__call__": __call__,

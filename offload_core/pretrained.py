@@ -13,8 +13,16 @@ models without safetensors weights) is loaded by diffusers as usual and packed a
 Built diffusers models follow diffusers' loading rules, so that the result equals diffusers'
 ``from_pretrained``: the default dtype during construction, ``torch_dtype`` for floating
 checkpoint tensors except the class's ``_keep_in_fp32_modules``, the model's own dtype otherwise,
-initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A model the rules
-cannot cover (missing weights, mismatched shapes) is left to diffusers, which reports it.
+initialisers skipped, key fixes of single-file checkpoints, ``eval()`` mode. A checkpoint
+lacking a weight of the model, or holding one of another shape, is refused (diffusers cannot load
+it either: it leaves a missing weight on the meta device and refuses a shape), except under a
+quantization config, where diffusers' quantizer decides; a model diffusers loads and leaves with
+a weight on the meta device is refused too.
+
+Nothing from the folder is trusted before it is checked: every safetensors header (see
+:mod:`.hostmem.safetensors_header`), every path the folder names (:mod:`.model_folder`), every
+class a config names; each refusal is a :class:`~offload_core.errors.CheckpointError` raised
+before anything is built or enabled.
 ``transformers`` models follow transformers' rules by running its own ``from_pretrained`` with
 only the reading of the checkpoint replaced (:mod:`.pretrained_transformers`).
 """
@@ -23,8 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import inspect
-import json
 import logging
 import os
 from typing import Any, Callable, Iterator
@@ -36,17 +44,22 @@ from .api import enable_offload, given_options, resolve_config
 from .config import OffloadConfig
 from .device.backend import DeviceBackend
 from .enable import enable
-from .errors import OffloadConfigError
+from .errors import CheckpointError, OffloadConfigError
 from .handle import OffloadHandle
 from .hostmem.machine import auto_host_budget
+from .model_folder import ModelFolder
 from .pipelines import inventory
 from .hostmem.disk import FileSlice, read_index
+from .hostmem.safetensors_header import read_header
 from .weights.checkpoint import attach_slices
+from .weights.owners import SOURCE_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+TRANSFORMERS_WEIGHTS_NAME = "model.safetensors"
+TRANSFORMERS_INDEX_NAME = "model.safetensors.index.json"
 
 
 def _with_offload_options(func: Callable[..., OffloadHandle]) -> Callable[..., OffloadHandle]:
@@ -73,26 +86,29 @@ def from_pretrained(
     or model.
 
     ``torch_dtype`` is diffusers': a ``torch.dtype``, or for a pipeline a dict of component name
-    (or ``"default"``) to dtype. For a pipeline, ``replaced_components``: a keyword naming one of
+    (or ``"default"``) to dtype; or ``"auto"``, each model in the dtype its checkpoint is stored in. For a pipeline, ``replaced_components``: a keyword naming one of
     its components replaces that component, as in diffusers (``text_encoder=None`` loads no text
     encoder: pass ``prompt_embeds`` to the pipeline); any other name is refused. With
     ``host_memory`` left to "auto", weights may use up to 90 % of the memory available when
     loading starts; the blocks beyond it stay on disk and are read from the checkpoint when they
-    run. See ``docs/bigger-than-ram.md``.
+    run. A checkpoint that breaks the safetensors format's rules, names a file outside the folder
+    or a class that is not a model is refused with a :class:`~offload_core.CheckpointError`. See
+    ``docs/bigger-than-ram.md``.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
     passed = replaced_components  # the options too: the signature names them, the call brings them here
     options = given_options({**defaults, **passed}, {k: v for k, v in passed.items() if k not in defaults})
-    folder = os.fspath(path)
+    folder = ModelFolder(path)
     index = _model_index(folder)
     replaced = {k: options.pop(k) for k in list(options) if k not in defaults and index is not None and k in index}
     config = resolve_config(None, options)
-    if torch_dtype is not None and not isinstance(torch_dtype, (torch.dtype, dict)):
-        raise OffloadConfigError(f"torch_dtype must be a torch.dtype (or, for a pipeline, a dict), got {torch_dtype!r}")
+    if torch_dtype is not None and torch_dtype != "auto" and not isinstance(torch_dtype, (torch.dtype, dict)):
+        raise OffloadConfigError(f"torch_dtype must be a torch.dtype, 'auto' (or, for a pipeline, a dict), got "
+                                 f"{torch_dtype!r}")
     kind = "pipeline" if index is not None else "module"
-    if kind == "module" and not os.path.isfile(os.path.join(folder, "config.json")):
+    if kind == "module" and not folder.has("config.json"):
         raise FileNotFoundError(
-            f"{folder} is not a local diffusers folder: it has neither model_index.json (a pipeline) nor "
+            f"{folder.path} is not a local diffusers folder: it has neither model_index.json (a pipeline) nor "
             "config.json (a model)"
         )
     if kind == "module" and isinstance(torch_dtype, dict):
@@ -100,27 +116,60 @@ def from_pretrained(
     config.warn_ignored()
     if config.strategy is not None:  # else the device budget picks it, and enable checks then
         config.check_applies(kind)
-    if config.strategy == "layerwise" and config.host_budget.auto:
-        config = dataclasses.replace(config, host_memory=auto_host_budget())
-    target = _load_pipeline(folder, index, torch_dtype, replaced) if index is not None else _load_model(folder, torch_dtype)
-    return enable(inventory(target), config)
+    if config.host_budget.auto:
+        config = dataclasses.replace(config, host_memory=host_limit(config.strategy))
+    return enable(inventory(_load(folder, index, torch_dtype, replaced)), config)
 
 
-def _model_index(folder: str) -> dict | None:
-    path = os.path.join(folder, "model_index.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def host_limit(strategy: str | None) -> Any:
+    """The ``host_memory`` a checkpoint is loaded under when none is given: with layerwise offload,
+    or a device budget that may pick it, the automatic host limit (blocks beyond it stay in the
+    checkpoint); model-level offload keeps every weight in RAM (None)."""
+    return auto_host_budget() if strategy in ("layerwise", None) else None
 
 
-def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[str, Any]) -> Any:
+def load(path: str | os.PathLike, torch_dtype: Any = None, **replaced_components: Any) -> Any:
+    """The pipeline or model of a local folder, each model built on the meta device with its
+    checkpoint slices attached, nothing read yet (:func:`from_pretrained` without the offload,
+    which ``offload-core plan --model`` measures and ``run --model`` enables). ``torch_dtype``:
+    as :func:`from_pretrained`'s."""
+    folder = ModelFolder(path)
+    return _load(folder, _model_index(folder), torch_dtype, replaced_components)
+
+
+def _model_index(folder: ModelFolder) -> dict | None:
+    return folder.read_json("model_index.json") if folder.has("model_index.json") else None
+
+
+def _load(folder: ModelFolder, index: dict | None, torch_dtype: Any, replaced: dict[str, Any]) -> Any:
+    if index is not None:
+        return _load_pipeline(folder, index, torch_dtype, replaced)
+    return _load_model(folder, checkpoint_dtype(folder) if torch_dtype == "auto" else torch_dtype)
+
+
+def checkpoint_dtype(folder: ModelFolder | str | os.PathLike) -> torch.dtype | None:
+    """The floating dtype most of a model folder's checkpoint bytes are in (None: no safetensors
+    weights, or nothing floating): what ``torch_dtype="auto"`` loads it in. The files are those
+    its loader reads (a diffusers model's, else a transformers model's), confined and checked."""
+    folder = folder if isinstance(folder, ModelFolder) else ModelFolder(folder)
+    found = folder.weight_files(WEIGHTS_INDEX_NAME, WEIGHTS_NAME) or \
+        folder.weight_files(TRANSFORMERS_INDEX_NAME, TRANSFORMERS_WEIGHTS_NAME)
+    sizes: dict[torch.dtype, int] = {}
+    for item in read_index(found[0]).values() if found else ():
+        if item.dtype.is_floating_point:
+            sizes[item.dtype] = sizes.get(item.dtype, 0) + item.nbytes
+    return max(sizes, key=sizes.get) if sizes else None
+
+
+def _load_pipeline(folder: ModelFolder, index: dict, torch_dtype: Any, replaced: dict[str, Any]) -> Any:
     import diffusers
 
-    pipeline_cls = getattr(diffusers, index.get("_class_name", ""), None)
-    if pipeline_cls is None:
-        raise ValueError(f"{folder}/model_index.json names pipeline class {index.get('_class_name')!r}, "
-                         "which diffusers does not have")
+    where = os.path.join(folder.path, "model_index.json")
+    pipeline_cls = _named_class(diffusers, index.get("_class_name"), diffusers.DiffusionPipeline, where,
+                                "a diffusers pipeline class")
+    if torch_dtype == "auto":  # each component in its checkpoint's dtype; the rest as diffusers' default
+        torch_dtype = {name: dtype for name in index if not name.startswith("_")
+                       if (dtype := checkpoint_dtype(folder.subfolder(name, where))) is not None}
     prebuilt = dict(replaced)
     for name, spec in index.items():
         if name in replaced or name.startswith("_") or not isinstance(spec, (list, tuple)) or len(spec) != 2 \
@@ -128,92 +177,118 @@ def _load_pipeline(folder: str, index: dict, torch_dtype: Any, replaced: dict[st
             continue
         dtype = torch_dtype.get(name, torch_dtype.get("default", torch.float32)) if isinstance(torch_dtype, dict) \
             else torch_dtype
-        model = _build(spec[0], spec[1], os.path.join(folder, name), dtype)
+        model = _build(spec[0], spec[1], folder.subfolder(name, where), dtype, f"{where} ({name})")
         if model is not None:
             prebuilt[name] = model
     logger.info("%s: %s built by offload-core from the checkpoint; diffusers loads the rest",
                 pipeline_cls.__name__, ", ".join(n for n in prebuilt if n not in replaced) or "no component")
-    return pipeline_cls.from_pretrained(folder, dtype=torch_dtype, **prebuilt)
+    pipeline = pipeline_cls.from_pretrained(folder.path, dtype=torch_dtype, **prebuilt)
+    for name, component in pipeline.components.items():
+        if isinstance(component, nn.Module) and name not in prebuilt:
+            _check_loaded(component, os.path.join(folder.path, name))
+    return pipeline
 
 
-def _build(library: str, class_name: str, folder: str, dtype: torch.dtype | None) -> nn.Module | None:
+def _build(library: str, class_name: object, folder: ModelFolder, dtype: torch.dtype | None,
+           named_by: str) -> nn.Module | None:
     """A pipeline component built with its checkpoint tensors attached as file slices (a
     transformers model that the rules do not cover is read by transformers, see
-    :mod:`.pretrained_transformers`), or None for what diffusers loads itself."""
+    :mod:`.pretrained_transformers`), or None for what diffusers loads itself (a scheduler, a
+    tokenizer: any class of the library with a ``from_pretrained``, which diffusers calls)."""
+    module = importlib.import_module(library)
+    cls = _named_class(module, class_name, object, named_by, f"a {library} class that loads with from_pretrained")
+    if not callable(getattr(cls, "from_pretrained", None)):
+        raise CheckpointError(f"{named_by} names {library}.{class_name}, which has no from_pretrained to load it")
     if library == "transformers":
         import transformers
 
-        cls = getattr(transformers, class_name or "", None)
-        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        if not issubclass(cls, transformers.PreTrainedModel):
             return None  # tokenizers, processors
         return _load_transformers(cls, folder, dtype)
     import diffusers
 
-    cls = getattr(diffusers, class_name or "", None)
-    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+    if not issubclass(cls, diffusers.ModelMixin):
         return None
     return build_on_meta(cls, folder, dtype)
 
 
-def _load_model(folder: str, torch_dtype: torch.dtype | None) -> nn.Module:
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+def _load_model(folder: ModelFolder, torch_dtype: torch.dtype | None) -> nn.Module:
+    config = folder.read_json("config.json")
+    where = os.path.join(folder.path, "config.json")
     if "_class_name" in config:
         import diffusers
 
-        cls = getattr(diffusers, config["_class_name"], None)
-        if cls is None:
-            raise ValueError(f"{folder}/config.json names model class {config['_class_name']!r}, "
-                             "which diffusers does not have")
+        cls = _named_class(diffusers, config["_class_name"], diffusers.ModelMixin, where, "a diffusers model class")
         model = build_on_meta(cls, folder, torch_dtype)
-        return model if model is not None else cls.from_pretrained(folder, dtype=torch_dtype)
-    architectures = config.get("architectures") or []
+        if model is None:
+            model = _check_loaded(cls.from_pretrained(folder.path, dtype=torch_dtype), folder.path)
+        return model
     import transformers
 
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    if cls is None:
-        raise ValueError(f"{folder}/config.json names neither a diffusers class (_class_name) nor a "
-                         f"transformers one (architectures: {architectures})")
+    architectures = config.get("architectures") or []
+    if not (isinstance(architectures, list) and architectures):
+        raise CheckpointError(f"{where} names neither a diffusers class (_class_name) nor a transformers one "
+                              f"(architectures: {architectures!r})")
+    cls = _named_class(transformers, architectures[0], transformers.PreTrainedModel, where,
+                       "a transformers model class")
     return _load_transformers(cls, folder, torch_dtype)
 
 
-def _load_transformers(cls: type, folder: str, dtype: torch.dtype | None) -> nn.Module:
+def _named_class(module: Any, name: object, base: type, named_by: str, what: str) -> type:
+    """The class ``name`` of ``module``, a subclass of ``base``; anything else (a function, a
+    class of another kind, a name the module lacks) is refused before it is called."""
+    found = getattr(module, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(found, type) and issubclass(found, base)):
+        kind = "nothing" if found is None else ("a function" if callable(found) and not isinstance(found, type)
+                                                else repr(found))
+        raise CheckpointError(f"{named_by} names {name!r}, which in {module.__name__} is {kind}, not {what}")
+    return found
+
+
+def _check_loaded(model: nn.Module, folder: str) -> nn.Module:
+    """A model its library loaded (checkpoint slices apart): refused if the library left a tensor
+    on the meta device (a weight the checkpoint lacks), which nothing could compute with."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_meta and getattr(t, SOURCE_ATTRIBUTE, None) is None:
+            raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r}, which {type(model).__name__} "
+                                  "needs (its library left it on the meta device)")
+    return model
+
+
+def _load_transformers(cls: type, folder: ModelFolder, dtype: torch.dtype | None) -> nn.Module:
     """A transformers model with its checkpoint tensors attached as file slices, or, under a
     transformers whose loading internals :mod:`.pretrained_transformers` does not know (it reads
-    them from transformers 5's ``core_model_loading``), loaded by transformers as usual."""
+    them from transformers 5's ``core_model_loading``), loaded by transformers as usual. Its
+    config, shard index and safetensors headers are checked first, before transformers reads
+    any of them."""
+    folder.file("config.json", folder.path)
+    found = folder.weight_files(TRANSFORMERS_INDEX_NAME, TRANSFORMERS_WEIGHTS_NAME)
+    for path in found[0] if found is not None else ():
+        read_header(path)
     try:
         from .pretrained_transformers import load_from_checkpoint
     except (ImportError, KeyError) as exc:
         logger.info("%s: this transformers' loading internals are not the ones offload-core stands in for (%r); "
-                    "transformers reads the checkpoint into memory", folder, exc)
-        return cls.from_pretrained(folder, dtype=dtype)
-    return load_from_checkpoint(cls, folder, dtype)
+                    "transformers reads the checkpoint into memory", folder.path, exc)
+        return _check_loaded(cls.from_pretrained(folder.path, dtype=dtype), folder.path)
+    return _check_loaded(load_from_checkpoint(cls, folder.path, dtype), folder.path)
 
 
-def _weight_files(folder: str) -> tuple[list[str], bool] | None:
-    """The safetensors files of a diffusers model folder, and whether they are shards."""
-    index = os.path.join(folder, WEIGHTS_INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, name) for name in files], True
-    single = os.path.join(folder, WEIGHTS_NAME)
-    return ([single], False) if os.path.isfile(single) else None
-
-
-def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn.Module | None:
+def build_on_meta(cls: type, folder: ModelFolder | str, torch_dtype: torch.dtype | None) -> nn.Module | None:
     """A ``cls`` model whose checkpoint tensors are meta tensors carrying their file slices, or
-    None when diffusers' own loader must handle the folder (no safetensors weights, weights
-    missing from the checkpoint, mismatched shapes)."""
-    found = _weight_files(folder)
+    None when diffusers' own loader must handle the folder (no safetensors weights, a quantized
+    checkpoint's keys and shapes). Every checkpoint header is checked, and every file confined to
+    the folder, before the model is built."""
+    folder = folder if isinstance(folder, ModelFolder) else ModelFolder(folder)
+    found = folder.weight_files(WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
     if torch_dtype is not None and torch_dtype.itemsize == 1:
         return None  # diffusers casts to 8-bit floats after loading, in its own way
     if found is None:
-        logger.info("%s: no safetensors weights; diffusers loads it", folder)
+        logger.info("%s: no safetensors weights; diffusers loads it", folder.path)
         return None
     files, sharded = found
     slices = read_index(files)
-    config = cls.load_config(folder)
+    config = cls.load_config(folder.file("config.json", folder.path))
     with _empty_construction(cls, torch_dtype):
         model = cls.from_config(config)
     if not sharded:
@@ -223,10 +298,20 @@ def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn
         return None  # enable_offload packs modules with parameters only: nothing would read the buffers
     missing = [key for key, t in state.items() if key not in slices and t.is_meta]
     mismatched = [key for key, t in state.items() if key in slices and tuple(slices[key].shape) != tuple(t.shape)]
-    if missing or mismatched:
-        logger.warning("%s: %d weights missing from the checkpoint and %d of another shape (%s); diffusers "
-                       "loads it", folder, len(missing), len(mismatched), ", ".join((missing + mismatched)[:4]))
+    if (missing or mismatched) and "quantization_config" in config:
+        logger.warning("%s: %d weights missing from the checkpoint and %d of another shape (%s), under a "
+                       "quantization config; diffusers loads it", folder.path, len(missing), len(mismatched),
+                       ", ".join((missing + mismatched)[:4]))
         return None
+    # diffusers cannot load these either (it leaves a missing weight on the meta device, refuses a
+    # shape), and its key fixes are the ones applied above
+    if missing:
+        raise CheckpointError(f"{', '.join(sorted(files))}: no tensor {missing[0]!r}, which {cls.__name__} needs "
+                              f"({len(missing)} weights missing)")
+    if mismatched:
+        key = mismatched[0]
+        raise CheckpointError(f"{slices[key].file.path}: tensor {key!r} has shape {list(slices[key].shape)}, but "
+                              f"{cls.__name__} as configured needs {list(state[key].shape)}")
     keep_fp32 = cls._keep_in_fp32_modules or []
     keep_fp32 = [keep_fp32] if isinstance(keep_fp32, str) else list(keep_fp32)
 
@@ -238,7 +323,7 @@ def build_on_meta(cls: type, folder: str, torch_dtype: torch.dtype | None) -> nn
     attach_slices(model, {key: slices[key] for key in state if key in slices}, dtype_of,
                   lambda t, dtype: t.requires_grad)
     model.eval()
-    model.register_to_config(_name_or_path=folder)
+    model.register_to_config(_name_or_path=folder.path)
     return model
 
 

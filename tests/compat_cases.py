@@ -418,10 +418,16 @@ def layerwise_casting(strategy: str, backend, verdict: str) -> None:
 
 
 def group_offloading(strategy: str, backend, verdict: str) -> None:
+    from diffusers.hooks import apply_group_offloading
+
     def group(m: nn.Module) -> None:
         m.enable_group_offload(torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
 
+    def function(m: nn.Module) -> None:
+        apply_group_offloading(m, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+
     _check_refused(strategy, backend, verdict, group, "group offloading", attach_after=group)
+    _check_refused(strategy, backend, verdict, function, "group offloading", attach_after=function)
 
 
 def accelerate_offload(strategy: str, backend, verdict: str) -> None:

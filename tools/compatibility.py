@@ -88,9 +88,10 @@ ROWS: tuple[Row, ...] = (
         "`disable()`): the weights are stored, pinned and copied in float8 and cast on the device as diffusers "
         "casts them; `disable()` leaves the casting in place. The function `apply_layerwise_casting` after enable "
         "re-packs once per layer it casts, and is refused across ranks ([float8.md](float8.md))"),
-    Row("group_offloading", HOOKS, "diffusers `enable_group_offload(...)`",
+    Row("group_offloading", HOOKS, "diffusers `enable_group_offload(...)` or `apply_group_offloading(model, ...)`",
         REFUSED, REFUSED, REFUSED,
-        "two offloaders would move the same weights: refused at enable, and the method raises on an offloaded model"),
+        "two offloaders would move the same weights: refused at enable, and on an offloaded model the method and "
+        "the function raise before any weight moves"),
     Row("accelerate_offload", HOOKS, "accelerate `cpu_offload(model)`",
         REFUSED, REFUSED, REFUSED, "refused at enable, as every accelerate hook"),
     Row("input_gradients", TRAINING, "`loss.backward()` through a frozen model (guidance, inversion)",

@@ -32,7 +32,7 @@ from typing import NamedTuple
 #: other_hooks) and plugins/dist/memory_accounting (now in device/) are older names, so that an
 #: older tree can be walked with the same table.
 LAYERS = {
-    "api": 0, "pretrained": 0, "pretrained_transformers": 0,
+    "api": 0, "pretrained": 0, "pretrained_transformers": 0, "model_folder": 0,
     "enable": 1, "fitting": 1,
     "handle": 2, "installs": 2,
     "pipelines": 3, "other_hooks": 3, "casting": 3, "foreign": 3,

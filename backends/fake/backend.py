@@ -59,12 +59,15 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def _poison(t: torch.Tensor) -> None:
     """Fill a copy destination with a value no correct computation produces."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    else:
-        t.fill_(torch.iinfo(t.dtype).max)
+    try:
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.fill_(torch.iinfo(t.dtype).max)
+    except (TypeError, RuntimeError):  # dtypes without arithmetic (bits, packed 4-bit floats): every bit set
+        t.view(torch.uint8).fill_(0xFF)
 
 
 class FakeBackend(DeviceBackend):

@@ -58,8 +58,6 @@ def write_weights(folder: str, model: Any, weights_name: str, max_shard_size: in
     from huggingface_hub import split_torch_state_dict_into_shards
     from tqdm.auto import tqdm
 
-    from ..hostmem.disk import CODES
-
     state, seen = {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:
@@ -80,7 +78,7 @@ def write_weights(folder: str, model: Any, weights_name: str, max_shard_size: in
             header, offset = {"__metadata__": {"format": "pt"}}, 0
             for name in names:
                 size = state[name].numel() * 2
-                header[name] = {"dtype": CODES[torch.bfloat16], "shape": list(state[name].shape),
+                header[name] = {"dtype": "BF16", "shape": list(state[name].shape),
                                 "data_offsets": [offset, offset + size]}
                 offset += size
             text = json.dumps(header).encode()

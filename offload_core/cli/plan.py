@@ -97,11 +97,13 @@ def add_plan(subparsers: Any) -> None:
                         "temporary folder, evicted from the page cache first)")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
-    shape = parser.add_argument_group("the call's shape (activation headroom is estimated from it and the configs)")
+    shape = parser.add_argument_group(
+        "the call's shape: with any of these, activation headroom is estimated from it and each component's "
+        "config (without, from the largest block, as enable_offload estimates it before a first call measures)")
     shape.add_argument("--height", type=_count, metavar="PX", help="image or video height (default: the pipeline's)")
     shape.add_argument("--width", type=_count, metavar="PX", help="image or video width (default: the pipeline's)")
     shape.add_argument("--frames", type=_count, metavar="N", help="video frames (default: the pipeline's; 1 for images)")
-    shape.add_argument("--batch", type=_count, default=1, metavar="N", help="images or videos per prompt (default 1)")
+    shape.add_argument("--batch", type=_count, metavar="N", help="images or videos per prompt (default 1)")
     shape.add_argument("--steps", type=_count, metavar="N", help="denoising steps (default: the pipeline's)")
     parser.add_argument("--activation-memory", type=budget_type(None), metavar="SIZE",
                         help="activation memory of each component's forward (default: an estimate)")
@@ -133,7 +135,7 @@ def _components(args: argparse.Namespace, bandwidth: float):
     call) and the call's shape."""
     from ..fitting import pipeline_plan_inputs
     from ..pipelines import pipeline_modules
-    from ..planning.phases import REAL_CLASSES, guided
+    from ..planning.phases import REAL_CLASSES
 
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
         from ..planning.realsize import build_modules
@@ -151,7 +153,7 @@ def _components(args: argparse.Namespace, bandwidth: float):
         modules = pipeline_modules(pipe)
         cls_name = type(pipe).__name__
     inputs = pipeline_plan_inputs(pipe, modules, cls_name=cls_name, shape=_shape(args, cls_name, call),
-                                  steps=args.steps or call.get("num_inference_steps"), guidance=guided(call))
+                                  steps=args.steps)
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
@@ -162,13 +164,17 @@ def _components(args: argparse.Namespace, bandwidth: float):
 
 
 def _shape(args: argparse.Namespace, cls_name: str, call: dict):
-    """The call's shape: the flags, else the loaded pipeline's own call, else its class's usual one."""
+    """The call's shape when the flags give one (what they leave out: the loaded pipeline's own
+    call, else its class's usual one); None without any, and the activations are the estimate
+    ``enable_offload`` plans with too."""
     from ..planning.components import CallShape
     from ..planning.phases import default_shape
 
+    if not any((args.height, args.width, args.frames, args.batch)):
+        return None
     height, width, frames = default_shape(cls_name)
     return CallShape(args.height or call.get("height") or height, args.width or call.get("width") or width,
-                     args.frames or call.get("num_frames") or frames, args.batch,
+                     args.frames or call.get("num_frames") or frames, args.batch or 1,
                      call.get("max_sequence_length") or CallShape.text_tokens)
 
 

@@ -42,7 +42,8 @@ from ..device.backend import Capability
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .machine import auto_pinned_budget, physical_memory, size_text as _size
-from .disk import SpillFolder, checkpoint_image
+from .disk import FileSlice, checkpoint_image
+from .spill import SpillFolder
 from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_chunk_bytes
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class Placement:
             planned += [chunk_bytes] * BOUNCE_BUFFERS
         self.slabs = SlabAllocator(backend, planned) if pin_memory else None
         self._spill = SpillFolder(folder) if folder is not None else None
+        self._files: set = set()  # checkpoint and spill files the units are read from: closed with the placement
         self.ring: BounceRing | None = None
         self.stager: Stager | None = None
         self.read_ahead: ReadAhead | None = None
@@ -219,6 +221,7 @@ class Placement:
     def allocator(self, unit) -> Callable[[int, torch.dtype], torch.Tensor]:
         """How to allocate ``unit``'s home (pinned or pageable)."""
         self._homed.add(id(unit))
+        self._files.update(r.reader.file for r in unit.regions if isinstance(r.reader, FileSlice))
         if self._tiers[id(unit)] is not Tier.PINNED:
             return _pageable
         return functools.partial(self._pinned_home, unit)
@@ -316,7 +319,9 @@ class Placement:
             part.placement = self
 
     def close(self) -> None:
-        """Stop the stager, release the ring once its last copies have run, remove spilled files."""
+        """Stop the stager, release the ring once its last copies have run, close the descriptors
+        of the checkpoint and spill files units were read from (now, not when the last tensor
+        naming them is collected) and remove spilled files."""
         if self.stager is not None:
             self.stager.close()
             self.stager = None
@@ -327,6 +332,9 @@ class Placement:
             for event in self.ring.read_done:
                 event.synchronize()
             self.ring = None
+        for file in self._files:
+            file.close()
+        self._files.clear()
         if self._spill is not None:
             self._spill.remove()
         if self.slabs is not None:
@@ -337,9 +345,17 @@ class Placement:
         """Give ``unit``'s tensors ordinary host memory again (``bound``: the views its owners show,
         see ``WeightUnit.unpack``). When that frees the last home in a pinned slab, the slab goes
         back to the system at once (the host cache is emptied), so ``disable`` returns pinned
-        memory slab by slab."""
+        memory slab by slab. A home on disk whose file can no longer be read is given up
+        (``WeightUnit.lose``), with an error logged, so that ``disable`` always finishes."""
         before = self.slabs.live_slabs if self.slabs is not None else 0
-        unit.unpack(bound)
+        try:
+            unit.unpack(bound)
+        except (OSError, EOFError) as exc:  # a file of its home on disk is gone or damaged
+            if unit.image is None:
+                raise
+            logger.error("%s: its weights could not be read back from %s (%s); they are left on the meta device",
+                         unit.name, ", ".join(sorted(f.path for f in unit.image.files())), exc)
+            unit.lose()
         if self.slabs is not None and self.slabs.live_slabs < before:
             self.backend.empty_host_cache()
 
@@ -347,6 +363,7 @@ class Placement:
         """Give ``unit`` its home on disk: the checkpoint it comes from, or files in the spill
         folder written straight from its tensors."""
         image = self._spill.write(unit) if self._spill is not None else checkpoint_image(unit)
+        self._files.update(image.files())
         unit.spill(image)
 
     # -- loads ----------------------------------------------------------------------------

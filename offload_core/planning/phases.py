@@ -10,7 +10,8 @@ Phases come from the pipeline's structure where it is known (:data:`KNOWN`: the 
 experts run in turn, or whose guidance is two DiT calls per step), else from a generic rule over the
 component kinds (encoders, then every DiT together, then the decoders: DiTs of an unknown pipeline
 are assumed to run together, the safe side, since parking one that runs again in the same step
-would reload it every forward). A call's real order, seen by the strategies, replaces them
+would reload it every forward; other components, such as a controlnet, with the encoders and with
+the DiTs; its VAE both at the start, encoding an image, and at the end). A call's real order, seen by the strategies, replaces them
 (:func:`observed`). Plain data and arithmetic: no torch.
 """
 
@@ -102,20 +103,24 @@ def pipeline_phases(cls_name: str | None, components: Sequence[tuple[str, str]],
     calls = known.guidance_calls if guided else 1
     batch = known.guidance_batch if guided else 1
     kinds = dict(components)
-    encoders = tuple(n for n in names if kinds[n] in ("text_encoder", "other"))
+    encoders = tuple(n for n in names if kinds[n] == "text_encoder")
+    others = tuple(n for n in names if kinds[n] == "other")  # controlnets, adapters, image encoders: anywhere
     dits = [n for n in names if kinds[n] == "dit"]
     vaes = tuple(n for n in names if kinds[n] == "vae")
     phases: list[Phase] = []
-    first = encoders + (vaes if known.vae_encodes else ())
+    # a pipeline not known may encode an image with its VAE before denoising (img2img, inpainting,
+    # control images): taken to, the safe side
+    first = encoders + others + (vaes if known.vae_encodes or source == GENERIC else ())
     if first:
         phases.append(Phase("encode", first, forwards_per_call=known.encoder_calls if guided else 1))
     experts = [(n, share) for n, share in known.experts if n in dits]
     if experts and len(experts) == len(dits):
         total = sum(share for _, share in experts)
         for name, share in experts:
-            phases.append(Phase(f"denoise {name}", (name,), forwards_per_step=calls, share=share / total, batch=batch))
+            phases.append(Phase(f"denoise {name}", (name, *others), forwards_per_step=calls, share=share / total,
+                                batch=batch))
     elif dits:
-        phases.append(Phase("denoise", tuple(dits), forwards_per_step=calls, batch=batch))
+        phases.append(Phase("denoise", (*dits, *others), forwards_per_step=calls, batch=batch))
     if vaes:
         phases.append(Phase("decode", vaes))
     return tuple(phases), source, known.steps

@@ -11,6 +11,7 @@ import math
 from typing import Any, Sequence
 
 from ..config import STRATEGIES
+from .peaks import group_peak, phase_peak
 
 #: what a component does under the plan
 RESIDENT = "resident"  # on the device for the whole run
@@ -269,10 +270,7 @@ class Plan:
     def _peak(self, phase: "PhasePlan | None") -> int:
         """The device at its fullest in ``phase`` (None: a plan without phases, where every
         component holds its weights all along and runs in turn), by the planner's own rules."""
-        from .phases import Phase
-        from .predict import group_peak, phase_peak
-
-        running = phase or Phase("run", tuple(c.name for c in self.components))
+        running = phase.components if phase is not None else [c.name for c in self.components]
         if self.strategy == "model":
             groups = self.groups or tuple((c.name,) for c in self.components)
             return group_peak({c.name: (c.weight_bytes, c.activation_bytes) for c in self.components}, groups,

@@ -34,7 +34,8 @@ from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .phases import Phase
 from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, ComponentPlan, Plan, size
-from .predict import Rates, group_peak, phase_peak, phase_plans
+from .peaks import group_peak, phase_peak
+from .predict import Rates, phase_plans
 from .timing import choose_resident, simulate
 
 #: the strategies a plan can be asked to size, coarsest first
@@ -106,7 +107,7 @@ def _phase_peak(states: Sequence[_State], phase: Phase, depth: int) -> int:
     """The device at its fullest in ``phase`` (:func:`.predict.phase_peak`)."""
     return phase_peak(((s.component.name, s.held(depth),
                         s.component.activation + (s.component.total_bytes if s.mode == STAGED else 0), s.parks)
-                       for s in states), phase)
+                       for s in states), phase.components)
 
 
 def _layerwise_peak(states: Sequence[_State], phases: Sequence[Phase], depth: int) -> int:
@@ -220,13 +221,29 @@ def _layerwise(components: Sequence[Component], phases: Sequence[Phase], budget:
                 if _layerwise_peak(trial, phases, depth) > budget:
                     s.mode = STAGED
         seconds = _call_seconds(trial, phases, depth, rates, steps, host_memory, pinned_memory)
-        if best is None or seconds < best[0] - 1e-12:
+        if best is None or seconds < best[0] * (1 - 1e-9):  # a tie (relative: any unit) keeps the earlier
             best = (seconds, trial)
     if best is None:
         raise OffloadConfigError(
             f"resident_blocks={resident_blocks} needs {size(refusal, up=True)} of device memory, "
             f"over the budget of {size(budget)}: lower it, or use resident_blocks='auto'")
     return best[1], floor
+
+
+def _resized(components: Sequence[Component], phases: Sequence[Phase], budget: int, depth: int, steps: int,
+             before: Sequence[ComponentPlan]) -> list[_State]:
+    """The layout of ``before`` (a plan that runs) with the kept blocks of its components that park
+    sized again (a re-plan with measured activations): every other component keeps its mode and
+    blocks, since its homes and parts were made for them."""
+    planned = {p.name: p for p in before}
+    states = []
+    for c in components:
+        p = planned[c.name]
+        resizes = p.mode == STREAMED and p.parks
+        states.append(_State(c, p.mode, () if resizes else p.resident_blocks, parks=p.parks))
+    _grow(states, phases, budget, depth, steps,
+          fixed={id(s) for s in states if not (s.mode == STREAMED and s.parks)})
+    return states
 
 
 def _call_seconds(states: Sequence[_State], phases: Sequence[Phase], depth: int, rates: Rates, steps: int,
@@ -311,6 +328,7 @@ def make_plan(
     phases_source: str | None = None,
     steps: int = 1,
     rates: Rates | None = None,
+    relayout: Sequence[ComponentPlan] | None = None,
 ) -> Plan:
     """The plan of ``components`` under ``device_memory`` (bytes, "16GiB", or a fraction of
     ``device_total``). ``device_free``: the device's usable memory now (``backend.mem_get_info()[0]``),
@@ -325,7 +343,9 @@ def make_plan(
     from ``phases_source``): when each component runs, over calls of ``steps`` denoising steps;
     without them every component holds its weights all along. ``rates``: the copy and disk
     bandwidths the predicted times use (default: the components' own copy bandwidth, no disk figure);
-    ``bandwidth_source`` says where the copy bandwidth came from, for the text."""
+    ``bandwidth_source`` says where the copy bandwidth came from, for the text. ``relayout``: the
+    components of a layerwise plan that runs, whose layout stays but for the kept blocks of those
+    that park, sized again (see :func:`_resized`)."""
     _check_options(components, strategy, resident_blocks, prefetch_depth)
     asked = device_bytes(device_memory, device_total)
     budget = asked if device_free is None else min(asked, device_free)
@@ -340,12 +360,18 @@ def make_plan(
     resident_need, model_need = _resident_peak(components), _model_peak(components, groups)
     chosen = strategy
     if chosen is None:
-        if resident_need <= budget:
+        # resident and model-level offload keep every weight in RAM too: not beyond a host budget
+        in_ram = _host_bytes(host_memory) is None or sum(c.total_bytes for c in components) <= _host_bytes(host_memory)
+        if resident_need <= budget and in_ram:
             chosen = "resident"
-        elif model_need <= budget:
+        elif model_need <= budget and in_ram:
             chosen = "model"
         else:
             chosen = layered
+            if model_need <= budget:
+                notes.append(f"model-level offload would fit the device, but keeps all {size(sum(c.total_bytes for c in components))} "
+                             f"of weights in RAM, over host_memory={size(_host_bytes(host_memory))}: layerwise streams "
+                             "what RAM cannot hold from disk")
         if chosen in ("resident", "model") and resident_blocks != "auto":
             notes.append(f"resident_blocks={resident_blocks} unused: the budget allows {chosen} placement")
     world = world_size if chosen == "distributed" else 1
@@ -365,8 +391,11 @@ def make_plan(
                          _layerwise(components, phased, 0, prefetch_depth, "auto", world_size, rates, steps,
                                     host_memory, pinned_memory)[1])
     else:
-        states, floor = _layerwise(components, phased, budget, prefetch_depth, resident_blocks, world, rates, steps,
-                                   host_memory, pinned_memory)
+        if relayout is not None:  # the layout that runs, its parked components' kept blocks sized again
+            states, floor = _resized(components, phased, budget, prefetch_depth, steps, relayout), 0
+        else:
+            states, floor = _layerwise(components, phased, budget, prefetch_depth, resident_blocks, world, rates,
+                                       steps, host_memory, pinned_memory)
         smallest = floor if strategy is not None else min(floor, model_need)
         if floor > budget:
             raise OffloadConfigError(
@@ -388,7 +417,7 @@ def make_plan(
 
 def _model_phase_peak(components: Sequence[Component], groups: Sequence[Sequence[str]], phase: Phase,
                       budget: int | None = None) -> int:
-    return group_peak({c.name: (c.total_bytes, c.activation) for c in components}, groups, phase, budget)
+    return group_peak({c.name: (c.total_bytes, c.activation) for c in components}, groups, phase.components, budget)
 
 
 def describe(
@@ -466,6 +495,10 @@ def _finish(components: Sequence[Component], parts: list[ComponentPlan], notes: 
                 notes=tuple(notes), phases=phased, steps=steps if phases else None,
                 disk_bandwidth=rates.disk if phases else None, disk_bandwidth_source=rates.disk_source if phases else None,
                 host_budget=host_budget, host_budget_source=host_source, **plan)
+
+
+def _host_bytes(host_memory: object) -> int | None:
+    return _host_budget(host_memory)[0]
 
 
 def _host_budget(host_memory: object) -> tuple[int | None, str | None]:

@@ -22,9 +22,6 @@ from .timing import simulate
 #: what a drive reads per second when the plan is not told (--disk-bandwidth): about what a PCIe 4.0
 #: NVMe drive sustains for large sequential reads
 DEFAULT_DISK_BANDWIDTH = 3e9
-#: model-level offload prefetches the next group only with this share of the device (of the budget)
-#: left free beside both groups, or the active group's activations if more
-PREFETCH_RESERVE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,41 +50,6 @@ class Rates:
         if self.h2d is None:
             return None
         return (nbytes - disk_bytes) / self.h2d + disk_bytes / min(self.h2d, self.disk)
-
-
-def phase_peak(holders, phase: Phase) -> int:
-    """The device at its fullest in ``phase``: what every holder keeps then (the running ones,
-    and those that do not park), plus the most any one running component adds: components run one
-    at a time. ``holders``: ``(name, held, transient, parks)`` per component, ``transient`` being
-    what it adds while it runs (its activations, and its weights when it is loaded around its use)."""
-    running = set(phase.components)
-    held = transient = 0
-    for name, holds, adds, parks in holders:
-        if name in running:
-            held += holds
-            transient = max(transient, adds)
-        elif not parks:
-            held += holds
-    return held + transient
-
-
-def group_peak(sizes, groups, phase: Phase, budget: int | None = None) -> int:
-    """Model-level in ``phase``: the group of each running component in turn, with its activations,
-    and the next group (in ``groups``' order) beside it where model-level offload would prefetch it:
-    within ``budget``, with :data:`PREFETCH_RESERVE` of it (or the group's activations) left free.
-    ``sizes``: name -> (weights, activations)."""
-    running = set(phase.components)
-    peak = 0
-    for k, group in enumerate(groups):
-        if not running & set(group):
-            continue
-        weights, activations = sum(sizes[n][0] for n in group), max(sizes[n][1] for n in group)
-        peak = max(peak, weights + activations)
-        if budget is not None and k + 1 < len(groups):
-            following = sum(sizes[n][0] for n in groups[k + 1])
-            if weights + following + max(PREFETCH_RESERVE * budget, activations) <= budget:
-                peak = max(peak, weights + following + activations)
-    return peak
 
 
 def forward_seconds(part: ComponentPlan, component: Component, depth: int, rates: Rates) -> float | None:

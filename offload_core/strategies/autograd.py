@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch._C import _autograd
@@ -81,6 +81,17 @@ def refuse_function_transforms(what: str) -> None:
         )
 
 
+def at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward running on this thread ends (an autograd engine callback,
+    which runs only if the backward succeeds); False outside a backward (a saved tensor read
+    through ``grad_fn._saved_*``)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
+
+
 def _pop(hooks: Any, pack: Callable) -> None:
     """Leave the saved-tensor ``hooks`` context whose pack hook is ``pack``, if it is still the
     innermost one: an exit interrupted after it popped them, and repeated, pops nobody else's."""
@@ -125,7 +136,10 @@ class _Kept:
 
 
 def _keep(t: torch.Tensor) -> _Kept:
-    return _Kept(t, t._version)
+    """``t`` detached (same memory and version counter): kept with its ``grad_fn``, a tensor the
+    graph's own node produced would hold that node, a cycle through C++ that no garbage collection
+    frees, and the whole graph would outlive its output (torch's ``saved_tensors_hooks`` warns of it)."""
+    return _Kept(t.detach(), t._version)
 
 
 def _keep_alias(t: torch.Tensor) -> _Kept:
@@ -134,6 +148,24 @@ def _keep_alias(t: torch.Tensor) -> _Kept:
     shares its version counter, so that a weight changed in place before backward is refused as
     without offload."""
     return _Kept(t.detach(), t._version)
+
+
+def _parameter_of(t: torch.Tensor, owners: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> Any:
+    """The parameter whose version a saved ``t`` that views a device copy shares: ``t`` itself, the
+    parameter it is a view of, or (a ``detach()``, sharing the version counter too) the one of
+    ``owners`` (parameter, its device view) whose view holds ``t``'s first element; None for a
+    buffer. A substituted parameter's view (another copy) never holds it."""
+    if isinstance(t, torch.nn.Parameter):
+        return t
+    if isinstance(t._base, torch.nn.Parameter):
+        return t._base
+    key, offset = storage_key(t), t.storage_offset()
+    for param, view in owners:
+        if view.dtype == t.dtype and view.numel() and storage_key(view) == key:
+            start = view.storage_offset()
+            if start <= offset < start + sum((n - 1) * abs(st) for n, st in zip(view.shape, view.stride())) + 1:
+                return param
+    return None
 
 
 def _check_version(t: torch.Tensor, version: int) -> None:
@@ -236,7 +268,7 @@ class SavedSlots:
             where = None
         if where is None or t.dtype != where[1]:
             if where is not None:  # a slot view reinterpreted as another dtype: keep a copy of it
-                return _keep(t.clone())
+                return _keep(t.detach().clone())
             recast = self._recast(t)
             if recast is not None:
                 return recast
@@ -255,9 +287,8 @@ class SavedSlots:
             self._trim()
         base = strategy.ring.slots[slot][dtype]
         offset = t.storage_offset() - base.storage_offset()
-        param = t if isinstance(t, torch.nn.Parameter) else t._base
-        if not isinstance(param, torch.nn.Parameter):  # a detached view: the parameter whose memory it is
-            param = self._param_at(strategy, block, dtype, offset)
+        binding = strategy.plans[block].binding
+        param = _parameter_of(t, zip(binding.params, binding.params_device))
         owner = (weakref.ref(param), param._version) if param is not None else (None, 0)
         return SlotRef(strategy.epoch, block, dtype, offset, t.shape, t.stride(), *owner)
 
@@ -272,19 +303,6 @@ class SavedSlots:
                 or source.untyped_storage().data_ptr() not in self._slot_of:
             return None
         return _Recast(self._pack(source), copy.dtype, t.shape, t.stride(), t.storage_offset())
-
-    def _param_at(self, strategy, block: int, dtype: torch.dtype, offset: int) -> Any:
-        """The parameter of ``block`` whose slot view holds element ``offset`` of the slot's
-        ``dtype`` buffer (a ``detach()`` shares its version counter), or None (a buffer)."""
-        binding = strategy.plans[block].binding
-        base = strategy.ring.slots[block % strategy.num_slots][dtype]
-        for param, view in zip(binding.params, binding.params_device):
-            if view.dtype == dtype and view.numel() and storage_key(view) == storage_key(base):  # (not a substitute)
-                start = view.storage_offset() - base.storage_offset()
-                extent = sum((n - 1) * abs(st) for n, st in zip(view.shape, view.stride())) + 1
-                if start <= offset < start + extent:
-                    return param
-        return None
 
     def _trim(self) -> None:
         """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
@@ -343,9 +361,7 @@ class SavedSlots:
 
     def _begin_backward(self, task: Any) -> bool:
         """Returns False outside a backward (a saved tensor read through ``grad_fn._saved_*``)."""
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
-        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        if not at_backward_end(functools.partial(self._end_backward, task)):
             return False
         self._in_backward, self._task = True, task
         self._checked.clear()
@@ -412,32 +428,117 @@ def _view(strategy, packed: SlotRef) -> torch.Tensor:
     return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
 
 
+@dataclasses.dataclass(eq=False)
+class DeviceCopy:
+    """One load of a model-level component onto the device, as the weights autograd saved from it
+    see it: ``buffers`` (per dtype) until the component is loaded again or offload disabled, then
+    None (released), so that a graph kept without a backward holds no device copy beyond the
+    latest. ``part`` (held weakly) reads a released copy's weights again: ``saved_buffers(copy)``."""
+
+    part: Any  # weakref.ref to the model-level part
+    name: str  # the component
+    epoch: int  # the enable that packed it: a re-pack lays the component out anew
+    buffers: dict[torch.dtype, torch.Tensor] | None
+
+    def release(self) -> None:
+        self.buffers = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedWeight:
+    """A saved parameter (or a part of a quantized one) that viewed a component's device copy:
+    where in the copy's buffer of ``dtype``, and the parameter's version when it was saved."""
+
+    copy: DeviceCopy
+    dtype: torch.dtype
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    param: Any  # weakref.ref to the parameter
+    version: int
+
+
 class SavedParameters:
     """Autograd saves a parameter it needs for backward as the parameter itself, and reads whatever
     the parameter shows when backward runs. Model-level offload sends a component home when its
     forward ends, so that backward would read the host copy (on an accelerator, the wrong device).
-    Inside this context a saved parameter is replaced by a detached alias of what it shows now (the
-    device copy), which keeps that memory alive until backward, as a resident model would, and
-    shares the parameter's version counter, so that a weight changed in place before backward is
-    refused as without offload; other saved tensors go to the hooks that were active around it."""
+    Inside this context a saved tensor that views one of ``copies`` (the active components'
+    :class:`DeviceCopy`: a weight, ``weight.t()``) becomes a reference into that copy, checked
+    against its parameter's version as autograd checks it without offload: backward reads the copy
+    while it is held (no reload for the usual forward-then-backward), and once the component's next
+    load or ``disable()`` released it, its part makes the component active again
+    (``saved_buffers``). A saved buffer of the copy is kept as a copy of its own (a graph kept
+    without a backward holds its bytes only, not the component's). Other saved tensors go to the
+    hooks that were active around it; none is kept with its ``grad_fn`` (a cycle through the graph,
+    which no garbage collection frees). ``bindings``: the active components' bindings, which say
+    which parameter a detached view of the copy belongs to."""
 
-    def __init__(self) -> None:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_alias)
+    def __init__(self, copies: list[DeviceCopy], bindings: list) -> None:
+        self._copies = {
+            buffer.untyped_storage().data_ptr(): (copy, dtype, buffer.storage_offset())
+            for copy in copies
+            for dtype, buffer in (copy.buffers or {}).items()
+            if buffer.numel()
+        }
+        self._bindings = bindings
+        self._outer: Any = None
+        self._hooks: Any = None
 
     def __enter__(self) -> "SavedParameters":
         self._outer = _outer_hooks(False)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _pop(self._hooks, self._pack)
+        if self._hooks is not None:
+            _pop(self._hooks, self._pack)
+            self._hooks = None  # it holds the bound pack hook: a cycle, freed only by a garbage collection
+        # the graph holds the pack hook, hence this object, as long as it lives: not the device copies
+        self._copies, self._bindings = {}, []
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, torch.nn.Parameter):
-            return _keep_alias(t)
-        outer = self._outer
-        return _keep(t) if outer is None else _Outer(outer[0](t), outer[1])
+        if is_traceable_wrapper_subclass(t):  # a quantized weight: its parts view the copy
+            names, context = t.__tensor_flatten__()
+            parts = {name: self._pack(getattr(t, name)) for name in names}
+            return _Wrapped(type(t), context, t.shape, t.stride(), parts)
+        try:
+            where = self._copies.get(t.untyped_storage().data_ptr())
+        except RuntimeError:  # no storage: not a view of a device copy
+            where = None
+        if where is None:
+            if isinstance(t, torch.nn.Parameter):  # another component's weight, at home
+                return _keep_alias(t)
+            outer = self._outer
+            return _keep(t) if outer is None else _Outer(outer[0](t), outer[1])
+        copy, dtype, start = where
+        owners = ((p, v) for b in self._bindings for p, v in zip(b.params, b.params_device))
+        param = _parameter_of(t, owners) if t.dtype == dtype else None
+        if param is None:  # a buffer, or a view reinterpreted as another dtype
+            return _keep(t.detach().clone())
+        offset = t.storage_offset() - start
+        return _SavedWeight(copy, dtype, offset, t.shape, t.stride(), weakref.ref(param), param._version)
 
 
-def _unpack_alias(packed: Any) -> torch.Tensor:
-    return packed.unpack(packed.packed) if type(packed) is _Outer else _unkept(packed)
+def _unpack_saved(packed: Any) -> torch.Tensor:
+    if type(packed) is _Outer:
+        return packed.unpack(packed.packed)
+    if type(packed) is _Wrapped:
+        parts = {name: _unpack_saved(part) for name, part in packed.parts.items()}
+        return packed.cls.__tensor_unflatten__(parts, packed.context, packed.shape, packed.stride)
+    if type(packed) is not _SavedWeight:
+        return _unkept(packed)
+    param = packed.param()
+    if param is not None:
+        _check_version(param, packed.version)
+    buffers = packed.copy.buffers
+    if buffers is None:
+        part = packed.copy.part()
+        if part is None:
+            raise RuntimeError(
+                "this backward reads weights of a model-level offloaded component whose offload is gone "
+                "(the model was dropped): run backward before dropping the model"
+            )
+        buffers = part.saved_buffers(packed.copy)
+    base = buffers[packed.dtype]
+    return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)

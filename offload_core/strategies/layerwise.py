@@ -130,6 +130,7 @@ class LayerwiseOffload(Part):
         self.copy_stream = None
         self.held: HeldWeights | None = None  # the resident weights and kept blocks on the device, made by enable
         self._images: tuple = ()  # the streamed blocks' disk images (None: in RAM), in run order
+        self._relayout: tuple[int, ...] | None = None  # the kept blocks a re-plan chose, taken as the part next begins
         self.parks = False  # it gives up the device while other components' phases run (set before enable)
         self.saved = SavedSlots(self)
         self.epoch = 0  # counts enables: autograd's references to slots are valid within one
@@ -316,6 +317,34 @@ class LayerwiseOffload(Part):
 
     def measured_activations(self) -> dict[str, int]:
         return {self.label: self.activation_bytes} if self.activation_bytes is not None else {}
+
+    def relayout(self, kept: Sequence[int]) -> None:
+        """Keep blocks ``kept`` (indices) from the next time the part begins (a re-plan). Only a
+        part that parks: it loads its kept blocks at each switch anyway, and their homes stay."""
+        self._relayout = tuple(kept)
+
+    def _apply_layout(self) -> None:
+        """The kept blocks a re-plan chose, taken between calls: the part parks (if a backward may
+        still come, later), its blocks are sorted into kept and streamed anew (each keeps its unit
+        and its home), the block wrappers follow, and it loads back as it begins."""
+        self.park()
+        if self.ring is not None:
+            return
+        by_name = dict(zip(self.all_names, self.block_units))
+        self.kept_names = [self.all_names[i] for i in self._relayout]
+        self._relayout = None
+        kept = set(self.kept_names)
+        streamed = [name for name in self.all_names if name not in kept]
+        self.kept = [self.model.get_submodule(name) for name in self.kept_names]
+        self.blocks, self.block_names = [self.model.get_submodule(name) for name in streamed], streamed
+        self.units, self.kept_units = [by_name[n] for n in streamed], [by_name[n] for n in self.kept_names]
+        self.depth = min(self.prefetch_depth, len(streamed) - 1)
+        self.num_slots = self.depth + 1
+        self.slot_shape = self.transport.slot_shape(slot_numel(self.units))
+        self.held = HeldWeights([self.resident, *self.kept_units], self.parks)
+        self._serve(None)
+        self._remove_hooks()  # the wrappers name blocks by their place among the streamed ones
+        self._instrument()
 
     def yields(self) -> list[str]:
         return [self.label] if self.parks else []
@@ -579,6 +608,8 @@ class LayerwiseOffload(Part):
         refuse_function_transforms(self.describe())
         if self._passes or self._bound >= 0:  # rare: a nested pass, or one an interrupt tore
             self._repair(calls_running([self.model]) - 1)
+        if self._relayout is not None and not self._passes:
+            self._apply_layout()
         self._passes += 1
         if self._passes > 1:
             return

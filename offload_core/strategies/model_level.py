@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Sequence
 
 import torch
@@ -29,13 +30,13 @@ from torch import nn
 
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
-from ..planning.predict import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
+from ..planning.peaks import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
-from .autograd import SavedParameters, refuse_function_transforms
+from .autograd import DeviceCopy, SavedParameters, at_backward_end, refuse_function_transforms
 from .common import allocate_device, default_placement, pack_units, unpack_units
 from .calls import calls_running, compile_disabled
 from .part import Part, write_back
@@ -53,6 +54,8 @@ class Component:
     device: dict[torch.dtype, torch.Tensor] | None = None
     binding: Binding | None = None
     home: Home | None = None
+    # its latest device copy as weights autograd saved reference it (weakly: alive while a graph is)
+    copy: weakref.ref[DeviceCopy] | None = None
 
 
 @dataclasses.dataclass
@@ -97,6 +100,7 @@ class ModelLevelOffload(Part):
         self.peak_weight_bytes = 0
         self._activation_bytes: dict[int, int] = {}  # group -> device bytes its calls took beyond its weights
         self._measuring: tuple[int, int] | None = None  # (group, memory allocated when it became active)
+        self.epoch = 0  # counts enables: a released device copy is read again within one
         _swaps_run_eagerly()
 
     def _plan(self) -> None:
@@ -152,6 +156,7 @@ class ModelLevelOffload(Part):
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
+        self.epoch += 1
         default_placement(self, txn)
         units = [c.unit for g in self.groups for c in g.components]
         pack_units(units, self.placement, txn, "components")
@@ -192,6 +197,7 @@ class ModelLevelOffload(Part):
             components = [c for g in self.groups for c in g.components]
             for c in components:
                 c.home = None  # it references the home, which goes as soon as its unit is unpacked
+                _release_copy(c)  # a graph kept without a backward holds no device memory past disable
             unpack_units([c.unit for c in components], self.placement)
             self.enabled = False
 
@@ -226,10 +232,25 @@ class ModelLevelOffload(Part):
             self._repair(calls_running(self.modules()) - 1)
         self._depth += 1
         self._before_use(index)
-        saving = SavedParameters() if torch.is_grad_enabled() else None
+        saving = None
+        if torch.is_grad_enabled():
+            components = self.groups[index].components
+            saving = SavedParameters(self._device_copies(index), [c.binding for c in components])
         self._saving.append(saving)  # before its hooks are pushed: an interrupt then is undone by _exit
         if saving is not None:
             saving.__enter__()
+
+    def _device_copies(self, index: int) -> list[DeviceCopy]:
+        """The device copies of group ``index`` (active) as the weights a recording forward saves
+        reference them: one per load, shared by every graph recorded while it lasts."""
+        copies = []
+        for c in self.groups[index].components:
+            copy = c.copy() if c.copy is not None else None
+            if copy is None:
+                copy = DeviceCopy(weakref.ref(self), c.name, self.epoch, c.device)
+                c.copy = weakref.ref(copy)
+            copies.append(copy)
+        return copies
 
     def _exit(self, failed: bool) -> None:
         self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
@@ -300,6 +321,8 @@ class ModelLevelOffload(Part):
         group = self.groups[index]
         if group.state != "host" and any(c.binding is None for c in group.components):
             self._swap_out(group)  # one an interrupt tore (its components home, its state not yet)
+        if group.state == "loading" and not all(c.home.at_home() for c in group.components):
+            self._swap_out(group)  # prefetched before a tensor was given new data: its copy is stale
         if group.state == "host":
             self._reconcile(group)
             group = self.groups[index]  # re-packing makes new groups
@@ -326,7 +349,11 @@ class ModelLevelOffload(Part):
     def _load(self, group: Group) -> None:
         """Allocate the group's device buffers and queue its copies (one per dtype per component),
         after all compute issued so far: the device buffers freed before may be reused. An
-        allocation failure (out of memory) leaves the group on the host, ready to try again."""
+        allocation failure (out of memory) leaves the group on the host, ready to try again. The
+        components' previous device copies, which graphs kept without a backward may still
+        reference, are released first (``saved_buffers`` reads them again if a backward comes)."""
+        for c in group.components:
+            _release_copy(c)
         buffers = [
             allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             for c in group.components
@@ -343,6 +370,41 @@ class ModelLevelOffload(Part):
         group.ticket = self.placement.run(functools.partial(self._queue_load, group, freed, transfers))
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
+
+    def saved_buffers(self, copy: DeviceCopy) -> dict[torch.dtype, torch.Tensor]:
+        """A backward reads weights it saved from ``copy``, which was released (the component was
+        loaded again since, or ``disable()`` ran): the component's group becomes active again, as
+        for a forward, and its current device copy is read (the saved weights' versions say they
+        did not change since). A group this made active goes home when the backward ends (outside
+        a pipeline call); read outside a backward, the weights are a copy and the group goes home
+        at once."""
+        with self.lock:
+            self._check_layout(copy)
+            index = next(i for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name)
+            swapped, outside_calls = self._active != index, self._depth == 0 and self._calls == 0
+            self._before_use(index)
+            self._check_layout(copy)  # a structure changed since the forward re-packs on the way in
+            component = next(c for c in self.groups[index].components if c.name == copy.name)
+            if not swapped or not outside_calls or at_backward_end(self._after_backward):
+                return component.device
+            buffers = {dtype: b.clone() for dtype, b in component.device.items()}
+            self.release_all()
+            return buffers
+
+    def _check_layout(self, copy: DeviceCopy) -> None:
+        if not self.enabled or copy.epoch != self.epoch:
+            raise RuntimeError(
+                f"this backward reads weights of {copy.name}, but its model-level offload was disabled or re-packed "
+                "(a structural change) since the forward that saved them: run backward before handle.disable() "
+                "or before changing the model's structure"
+            )
+
+    def _after_backward(self) -> None:
+        """A backward that made groups active to read saved weights ended: they go home, unless a
+        call began meanwhile."""
+        with self.lock:
+            if self.enabled and self._depth == 0 and self._calls == 0:
+                self.release_all()
 
     def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
@@ -442,6 +504,13 @@ class ModelLevelOffload(Part):
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
         write_back(self.backend, pairs)
+
+
+def _release_copy(c: Component) -> None:
+    copy = c.copy() if c.copy is not None else None
+    if copy is not None:
+        copy.release()
+    c.copy = None
 
 
 @functools.cache

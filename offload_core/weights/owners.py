@@ -49,7 +49,8 @@ class Owner:
         current = self.get()
         if self.param is None:
             return current is view
-        return current is self.param and current.is_set_to(view)
+        # a parameter still on the meta device (a checkpoint slice not read yet) shows no real view
+        return current is self.param and current.device == view.device and current.is_set_to(view)
 
     def replace(self, tensor: torch.Tensor) -> None:
         """Install ``tensor`` itself (a new parameter object, which the unit manages from now on):

@@ -2,7 +2,8 @@
 shard of it on this rank) show outside the block's forward.
 
 A placeholder has the shape and dtype of its tensor, and every element is the poison of its dtype
-(NaN; integers: their maximum; booleans: True) through one element of memory (all strides 0), so a
+(NaN; integers: their maximum; booleans: True; every bit set for the dtypes without arithmetic,
+bits and packed 4-bit floats) through one element of memory (all strides 0), so a
 block on disk costs no RAM at rest. Computing with one gives NaN on a CPU and a device-mismatch
 error on an accelerator, never another block's weights.
 
@@ -17,6 +18,7 @@ back and raises the same error.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -37,17 +39,38 @@ _DATA = torch.Tensor.data
 
 
 def poison(dtype: torch.dtype) -> float | int | bool:
-    """What every element of a placeholder of ``dtype`` holds."""
+    """What every element of a placeholder of ``dtype`` holds (a dtype without arithmetic, see
+    :func:`_fills`, has every bit set instead)."""
     if dtype.is_floating_point or dtype.is_complex:
         return float("nan")
     return True if dtype == torch.bool else torch.iinfo(dtype).max
+
+
+@functools.cache
+def _fills(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be filled with its poison: not the bits dtypes nor the
+    packed 4-bit floats, which have no arithmetic."""
+    try:
+        torch.empty(1, dtype=dtype).fill_(poison(dtype))
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def _fill_poison(t: torch.Tensor) -> None:
+    if _fills(t.dtype):
+        t.fill_(poison(t.dtype))
+    else:
+        t.reshape(-1).view(torch.uint8).fill_(0xFF)
 
 
 def placeholders(unit) -> list[torch.Tensor]:
     """A placeholder for each of ``unit``'s entries (its owners are bound to them). The parts of
     a quantized weight (entries without owners) stay plain tensors: their wrapper is rebuilt
     around them, and its own dispatch decides what a write does."""
-    shared = {dtype: torch.full((), poison(dtype), dtype=dtype) for dtype in unit.numel}
+    shared = {dtype: torch.empty((), dtype=dtype) for dtype in unit.numel}
+    for element in shared.values():
+        _fill_poison(element)
     views = [shared[e.dtype].expand(e.size) for e in unit.entries]
     return [v.as_subclass(PlaceholderTensor) if e.owners else v for e, v in zip(unit.entries, views)]
 
@@ -146,11 +169,13 @@ def check_placeholders(views: Iterable[torch.Tensor], what: str) -> None:
             return
         with torch.no_grad():
             for element in written:
-                element.fill_(poison(element.dtype))
+                _fill_poison(element)
     raise OffloadedModelError(f"{what} {_REFUSAL}; the write was undone. {_FIX}")
 
 
 def _poisoned(element: torch.Tensor) -> bool:
+    if not _fills(element.dtype):
+        return bool((element.reshape(-1).view(torch.uint8) == 0xFF).all())
     if element.dtype.is_floating_point or element.dtype.is_complex:
         return bool(element.isnan())
     return bool(element == poison(element.dtype))

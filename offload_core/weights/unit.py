@@ -299,6 +299,25 @@ class WeightUnit:
         self.image = None
         self.host_views = []
 
+    def lose(self) -> None:
+        """Give up a home on disk that can no longer be read (its file gone or damaged): every
+        owner gets a tensor of its shape, strides and dtype on the meta device, so that using it
+        fails loudly instead of computing with wrong values, and the unit is unpacked."""
+        for r in self.regions:
+            flat = torch.empty(r.numel, dtype=r.dtype, device="meta")
+            for index in r.entries:
+                entry = self.entries[index]
+                if entry.owners:
+                    _bind_entry(entry, flat.as_strided(entry.size, entry.stride, entry.offset - r.start))
+        for k in self.kept:
+            if k.moved:
+                for owner in k.owners:
+                    owner.rebind(k.tensor)
+                k.moved = False
+        self.host = {}
+        self.image = None
+        self.host_views = []
+
     def __repr__(self) -> str:
         return f"<WeightUnit {self.name}: {len(self.entries)} tensors, {self.nbytes} bytes>"
 

@@ -117,6 +117,17 @@ def test_the_docs_table_is_up_to_date():
     assert plan_table.regenerate(text) == text, "docs/index.md's plan table is stale: run `python tools/plan_table.py`"
 
 
+def test_the_docs_phase_plans_are_up_to_date():
+    from tools import phase_plans
+
+    generated = phase_plans.tables()
+    for page in phase_plans.PAGES:
+        text = page.read_text(encoding="utf-8")
+        assert phase_plans.MARKED.search(text), f"the marked phase plans of {page.name} were not found"
+        assert phase_plans.regenerate(text, generated) == text, \
+            f"{page.name}'s phase plans are stale: run `python tools/phase_plans.py`"
+
+
 def test_the_command_prints_the_plan_the_handle_runs(capsys):
     """``offload-core plan`` and ``enable_offload(pipe, device_memory=...)`` make the same plan of a
     pipeline: strategy, and per component its mode, kept blocks and bytes per forward."""

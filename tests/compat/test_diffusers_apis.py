@@ -107,3 +107,28 @@ def test_a_pipeline_offloaded_by_accelerate_is_refused(flux2):
     finally:
         flux2.pipe.remove_all_hooks()
     assert torch.equal(flux2.run(seed=0), flux2.expected)
+
+
+def _replace_data(pipe, component: str, scale: float) -> None:
+    """``w.data = w.data * scale`` on a few weights of ``component``: new data, no version moved."""
+    weights = [p for _, p in getattr(pipe, component).named_parameters()]
+    for w in (weights[0], weights[len(weights) // 2], weights[-1]):
+        w.data = w.data * scale
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", ["sd3", "wan2.2-t2v"])
+def test_weight_data_replaced_between_calls_is_taken_in_for_every_component(strategy, name):
+    """Each component given new data after a call (model-level prefetches a component during the
+    call before its turn, from the host as it is then) computes with it in the next call, as
+    without offload, and keeps it after disable()."""
+    ours, theirs = build_pipeline(name), build_pipeline(name)
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    assert torch.equal(ours.run(), theirs.run())
+    components = [n for n, m in ours.pipe.components.items() if isinstance(m, torch.nn.Module)]
+    for seed, component in enumerate(components, start=1):
+        for tiny in (ours, theirs):
+            _replace_data(tiny.pipe, component, 1.5)
+        assert torch.equal(ours.run(seed=seed), theirs.run(seed=seed)), f"{component} given new data"
+    handle.disable()
+    assert torch.equal(ours.run(seed=0), theirs.run(seed=0)), "after disable()"

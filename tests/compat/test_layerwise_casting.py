@@ -6,6 +6,8 @@ refusals (a cast that cannot be run exactly, full fine-tuning of a float8-stored
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -188,12 +190,14 @@ def test_a_cast_offloading_cannot_run_exactly_is_refused_untouched(storage, comp
 
 def test_casting_the_whole_model_at_once_is_refused_under_streaming():
     """A hook on the model itself (no skip pattern, no skip class) would cast every streamed block
-    at once: refused for layerwise, exact under model-level, where the whole model is on the device."""
+    at once: refused for layerwise, before enable or as it attaches after, the model untouched;
+    exact under model-level, where the whole model is on the device."""
     from diffusers.hooks import apply_layerwise_casting
 
+    whole = functools.partial(apply_layerwise_casting, storage_dtype=FP8, compute_dtype=torch.bfloat16,
+                              skip_modules_pattern=None)
     model, inputs = bf16("flux2")
-    apply_layerwise_casting(model, FP8, torch.bfloat16, skip_modules_pattern=None)
-    expected = steps(model, inputs, n=1)
+    expected = steps(whole(model) or model, inputs, n=1)
     before = snapshot(model)
     with pytest.raises(offload_core.OffloadConfigError, match="as a whole"):
         offload_core.enable_offload(model, backend=chaos_backend(), enable_layerwise_offload=True)
@@ -201,6 +205,18 @@ def test_casting_the_whole_model_at_once_is_refused_under_streaming():
     handle = offload_core.enable_offload(model, backend=chaos_backend(), enable_cpu_offload=True)
     assert_equal(steps(model, inputs, n=1), expected, "the whole model cast, model-level")
     handle.disable()
+    for strategy in STRATEGIES:  # attached after enable
+        model, _ = bf16("flux2")
+        handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+        if strategy == "layerwise":
+            before = snapshot(model)
+            with pytest.raises(offload_core.OffloadConfigError, match="as a whole"):
+                whole(model)
+            assert_same_state(before, snapshot(model))
+        else:
+            whole(model)
+            assert_equal(steps(model, inputs, n=1), expected, "the whole model cast after enable, model-level")
+        handle.disable()
 
 
 @pytest.mark.parametrize("dtype, match", [

@@ -83,3 +83,28 @@ def test_the_sweep_covers_at_least_thirty_pipeline_classes_beyond_the_supported_
     from tools.supported_models import beyond_table
 
     assert len(beyond_table([spec.cls_name for spec in SWEEP.values()])) >= 30
+
+
+def test_a_device_budget_gives_each_phase_the_device_and_equals_no_offload(tiny):
+    """Every sweep pipeline under a budget a third of the way from layerwise offload's smallest to
+    all its weights (its smallest, where streaming a tiny model takes more than all of it): the plan has phases covering every component (known, or the generic rule),
+    the call is exact within the budget, and the phases it really had are stated afterwards."""
+    from offload_core.fitting import pipeline_plan_inputs
+    from offload_core.planning import make_plan
+
+    inputs = pipeline_plan_inputs(tiny.pipe, pipeline_modules(tiny.pipe), cls_name=type(tiny.pipe).__name__)
+    floor = make_plan(inputs.components, 2**40, strategy="layerwise", phases=inputs.phases,
+                      steps=inputs.steps).min_budget
+    budget = floor + max(sum(c.total_bytes for c in inputs.components) - floor, 0) // 3
+    handle = offload_core.enable_offload(tiny.pipe, enable_layerwise_offload=True, device_memory=budget,
+                                         backend=chaos_backend(device_memory=budget))
+    try:
+        planned = {name for phase in handle.plan.phases for name in phase.components}
+        assert planned == {c.name for c in handle.plan.components}
+        assert torch.equal(tiny.run(seed=0), tiny.expected)
+        assert handle.stats()["device_peak_bytes"] <= budget
+        seen = {name for phase in handle.plan.observed_phases for name in phase.components}
+        streamed = {c.name for c in handle.plan.components if c.mode == "streamed" and c.parks}
+        assert streamed <= seen, "every component that parks is seen beginning its forwards"
+    finally:
+        handle.disable()

@@ -158,7 +158,7 @@ def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_
     the read-ahead asks in pieces of at most that (here set to one page), and together they hold
     every byte the blocks read."""
     folder, inputs, expected = checkpoint
-    monkeypatch.setattr(disk.SafetensorsFile, "advise_bytes", 4096)
+    monkeypatch.setattr(disk.DataFile, "advise_bytes", 4096)
     asked: list[tuple[int, int]] = []
     fadvise = disk.os.posix_fadvise
 

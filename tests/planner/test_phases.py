@@ -194,31 +194,197 @@ def test_wan22_capped_at_one_experts_bytes_copies_under_eight_tenths_of_an_exper
     handle.disable()
 
 
-@pytest.mark.fake_only("the fake's device capacity is set to the budget")
-def test_a_component_whose_phase_returns_in_the_same_call_stops_parking():
-    """A plan's phases that do not match the pipeline (here: both experts declared to run in turn,
-    but the call alternates them) would reload the kept blocks at every forward: after the second
-    reload in one call the component stays, and the output is still exact."""
-    from offload_core.planning import phases as phases_module
-
+def test_a_component_whose_phase_returns_in_the_same_call_stops_parking(caplog):
+    """A plan whose phases do not match the call (a step callback runs the high-noise expert again
+    during the low-noise expert's steps) would load the kept blocks back at every forward: after
+    the second load in one call the component stays on the device, and the output is exact."""
     tiny = big_expert_wan(num_layers=4)
     reference = pipeline_reference(tiny)
     expert = sum(p.numel() * p.element_size() for p in tiny.pipe.transformer.parameters())
-    handle = offload_core.enable_offload(tiny.pipe, device_memory=2 * expert, activation_memory=0,
-                                         backend=chaos_backend())
-    parts = {p.label: p for p in handle.parts if hasattr(p, "parks")}
-    assert parts["transformer"].parks
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformer, transformer_2 = tiny.pipe.transformer, tiny.pipe.transformer_2
-        latents = torch.zeros(1, 4, 2, 4, 4)
-        context = torch.zeros(1, 16, 16)
-        t = torch.tensor([500.0])
-        for _ in range(3):  # out of the planned order: the experts alternate
-            transformer(latents, t, context)
-            transformer_2(latents, t, context)
-    assert handle.switch is not None
-    assert not [y for y in handle.switch._yielding if y.component == "transformer"] or \
-        phases_module is None  # the alternating expert was taken off the switch
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=expert, activation_memory=0,
+                                         backend=chaos_backend())  # no capacity: an expert that stays fits
+    assert all(c.parks for c in handle.plan.components if c.kind == "dit")
+
+    def high_noise_again(pipe, step, timestep, tensors):
+        pipe.transformer(hidden_states=tensors["latents"], timestep=timestep.expand(1),
+                         encoder_hidden_states=tensors["prompt_embeds"], return_dict=False)
+        return {}
+
+    call = dict(callback_on_step_end=high_noise_again, callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+    with caplog.at_level("WARNING", logger="offload_core.strategies.phases"):
+        assert torch.equal(tiny.run(**call), reference)
+    warned = [r.getMessage() for r in caplog.records if "loaded back twice" in r.getMessage()]
+    assert warned and warned[0].split()[0] in ("transformer", "transformer_2")
+    loads = handle.stats()["switch_h2d_bytes"]
+    assert torch.equal(tiny.run(**call), reference)
+    assert handle.stats()["switch_h2d_bytes"] == loads, "both experts stay: nothing loaded back any more"
     handle.disable()
     assert torch.equal(tiny.run(), reference)
+
+
+# -- loading under the host limit --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_bf16(tmp_path_factory):
+    """The tiny FLUX.2 demo pipeline saved in bfloat16, and its output loaded back by diffusers."""
+    import diffusers
+
+    from offload_core.tiny import TinyPipeline
+
+    tiny = build_pipeline("flux2-deep")
+    path = tmp_path_factory.mktemp("flux2-bf16")
+    tiny.pipe.to(torch.bfloat16).save_pretrained(path)
+    reference = diffusers.Flux2Pipeline.from_pretrained(path, torch_dtype=torch.bfloat16)
+    reference.set_progress_bar_config(disable=True)
+    return path, tiny.call_kwargs, TinyPipeline("ref", reference, tiny.call_kwargs, tiny.output_attr).run(seed=0)
+
+
+def checkpoint_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.safetensors"))
+
+
+@pytest.mark.fake_only("the automatic host limit is read from a fake system tree")
+def test_from_pretrained_with_a_device_budget_alone_stays_within_the_automatic_host_limit(
+        saved_bf16, tmp_path, monkeypatch):
+    from offload_core.hostmem import machine
+    from offload_core.tiny import TinyPipeline
+
+    from fake_system import V2_MOUNT, system, v2_level
+
+    path, call, expected = saved_bf16
+    limit = checkpoint_bytes(path) // 2  # the cgroup lets the weights take about half their size
+    root = system(tmp_path, "0::/app", V2_MOUNT, v2_level("/sys/fs/cgroup/app", limit, 0, 0))
+    monkeypatch.setenv(machine.SYSTEM_ROOT_ENV, str(root))
+    budget = checkpoint_bytes(path) // 3
+    handle = offload_core.from_pretrained(path, torch_dtype=torch.bfloat16, device_memory=budget,
+                                          backend=chaos_backend(device_memory=budget))
+    try:
+        assert handle.plan.host_budget == int(0.9 * limit) and handle.strategy == "layerwise"
+        stats = handle.stats()
+        assert stats["disk_bytes"] > 0, "what the limit does not hold stays in the checkpoint"
+        assert stats["host_bytes"] <= 0.9 * limit
+        pipe = handle.target
+        pipe.set_progress_bar_config(disable=True)
+        assert torch.equal(TinyPipeline("offloaded", pipe, call, "images").run(seed=0), expected)
+    finally:
+        handle.disable()
+
+
+@pytest.mark.fake_only("a chaos-mode fake runs the call")
+def test_run_model_loads_a_bf16_folder_in_bf16_within_its_host_budget(tmp_path):
+    from offload_core.cli import build_parser
+    from offload_core.cli.run.command import run_pipeline
+
+    path = tmp_path / "sd3"
+    build_pipeline("sd3").pipe.to(torch.bfloat16).save_pretrained(path)
+    argv = ["run", "--model", str(path), "--steps", "2", "--height", "16", "--width", "16", "--json"]
+
+    def run(*more):
+        return run_pipeline(build_parser().parse_args([*argv, *more]), backend=chaos_backend())
+
+    smallest = run("--host-memory", "1B")  # every block from disk: what must stay in RAM
+    stats = smallest.handle.stats()
+    fixed, streamed = stats["host_bytes"], stats["disk_bytes"]
+    smallest.close()
+    host = fixed + streamed // 2
+    result = run("--host-memory", f"{host}B")
+    try:
+        assert {p.dtype for p in result.pipe.transformer.parameters()} == {torch.bfloat16}
+        stats = result.handle.stats()
+        assert stats["host_bytes"] <= host and stats["disk_bytes"] > 0
+        plain = run("--strategy", "none")
+        assert torch.equal(result.output, plain.output)
+        assert {p.dtype for p in plain.pipe.transformer.parameters()} == {torch.bfloat16}
+    finally:
+        result.close()
+
+
+@pytest.mark.fake_only("a backend allocation in a forward stands in for activations the fake does not count")
+def test_activations_measured_on_the_first_call_re_plan_the_next(caplog):
+    """The plan reserves an estimate (the largest block); the first call measures more (a forward
+    hook takes three blocks' worth through the backend) and goes over the budget; the next call
+    keeps fewer blocks, said in one log line, and stays within the budget, exact."""
+    tiny = big_expert_wan()
+    reference = pipeline_reference(tiny)
+    expert = sum(p.numel() * p.element_size() for p in tiny.pipe.transformer.parameters())
+    backend = chaos_backend()  # no capacity: the first call may go over the budget
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=expert, backend=backend)
+    before = {c.name: c for c in handle.plan.components if c.kind == "dit"}
+    block = max(before["transformer"].slot_bytes, 1)
+
+    def take(*args) -> None:  # what a forward of each expert really takes beyond its weights
+        backend.empty_device(3 * block).zero_()
+
+    for name in before:
+        getattr(tiny.pipe, name).register_forward_hook(take)
+    with caplog.at_level("INFO", logger="offload_core.handle"):
+        assert torch.equal(tiny.run(), reference)
+    assert handle.stats()["device_peak_bytes"] > expert, "the estimate was too small"
+    assert handle.plan.component("transformer").activation_source == "measured"
+    after = {c.name: c for c in handle.plan.components if c.kind == "dit"}
+    assert all(len(after[n].resident_blocks) < len(before[n].resident_blocks) for n in before)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("re-planned"))
+    assert "transformer keeps" in line and "activations measured" in line
+    backend.reset_peak_memory_stats()  # the second call's peak alone
+    assert torch.equal(tiny.run(), reference)
+    assert backend.max_memory_allocated() <= expert
+    handle.disable()
+    assert torch.equal(tiny.run(), reference)
+
+
+@pytest.mark.fake_only("the fake times its streams' work with events")
+def test_the_first_calls_block_times_reach_the_re_plan(caplog):
+    """The first pipeline call is traced for the re-plan: each streamed expert's blocks' compute
+    time and the copies' rate go into the plan, which then predicts each forward's time."""
+    tiny = big_expert_wan()
+    reference = pipeline_reference(tiny)
+    expert = sum(p.numel() * p.element_size() for p in tiny.pipe.transformer.parameters())
+    handle = offload_core.enable_offload(tiny.pipe, device_memory=expert, backend=chaos_backend())
+    assert handle.plan.component("transformer").compute_s_per_forward is None
+    with caplog.at_level("INFO", logger="offload_core.handle"):
+        assert torch.equal(tiny.run(), reference)
+    assert any(r.getMessage().startswith("re-planned after the first call") for r in caplog.records)
+    planned = handle.plan.component("transformer")
+    assert planned.compute_s_per_forward is not None and planned.compute_s_per_forward > 0
+    assert planned.ratio is not None and planned.ratio >= 1.0
+    with handle.trace():  # a trace of the user's own is left alone: no second re-plan is traced
+        assert torch.equal(tiny.run(), reference)
+    handle.disable()
+
+
+def strategy_budgets(pipe) -> dict[str, int]:
+    """A budget at which the planner picks each strategy it can for ``pipe``: layerwise between its
+    smallest and model-level's need, model-level at its need, everything resident at all of it."""
+    inputs = pipeline_plan_inputs(pipe, pipeline_modules(pipe), cls_name=type(pipe).__name__)
+    need = {strategy: make_plan(inputs.components, 2**40, strategy=strategy, groups=inputs.groups,
+                                phases=inputs.phases, steps=inputs.steps).min_budget
+            for strategy in ("layerwise", "model")}
+    resident = make_plan(inputs.components, 2**40, groups=inputs.groups, phases=inputs.phases,
+                         steps=inputs.steps).device_peak
+    budgets = {"resident": resident}
+    if need["model"] < resident:
+        budgets["model"] = need["model"]
+    if need["layerwise"] < min(need["model"], resident):
+        budgets["layerwise"] = (need["layerwise"] + min(need["model"], resident)) // 2
+    return budgets
+
+
+@pytest.mark.fake_only("the fake's device capacity is set to the budget, and its accounting is exact")
+@pytest.mark.parametrize("name", sorted(__import__("offload_core.tiny.zoo", fromlist=["PIPELINES"]).PIPELINES))
+def test_the_measured_device_peak_is_within_the_predicted_one_and_close_to_it(name):
+    """Every pipeline of the supported table, in every strategy the planner picks for it: the device
+    peak of a call is at most the plan's predicted peak (a bound a card can trust) and at least 0.85
+    of it (the plan is not padded), with the plan read after the call (its activations measured)."""
+    tiny = build_pipeline(name)
+    reference = pipeline_reference(tiny)
+    for strategy, budget in strategy_budgets(tiny.pipe).items():
+        handle = offload_core.enable_offload(tiny.pipe, device_memory=budget,
+                                             backend=chaos_backend(device_memory=budget))
+        try:
+            assert handle.strategy == strategy
+            assert torch.equal(tiny.run(), reference), strategy
+            peak, predicted = handle.stats()["device_peak_bytes"], handle.plan.device_peak
+            assert 0.85 * predicted <= peak <= predicted, (strategy, peak, predicted)
+        finally:
+            handle.disable()

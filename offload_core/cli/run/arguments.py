@@ -124,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-dtype", choices=STORAGE_DTYPES,
                         help="store and stream the DiTs' weights in this dtype, computing in their own "
                              "(storage_dtype=: diffusers' layerwise casting; see docs/float8.md)")
+    parser.add_argument("--host-memory", metavar="SIZE", type=budget_type("RAM"),
+                        help="RAM for the weights (bytes, 64GiB, or a fraction of RAM such as 0.5): blocks beyond it "
+                             "are read from disk (default with --model: 90%% of the memory available)")
     parser.add_argument(
         "--backend", metavar="NAME", help="offload backend (default: auto-detect; see 'offload-core backends')"
     )

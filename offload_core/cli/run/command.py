@@ -164,7 +164,7 @@ def run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None = None)
 def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> RunResult:
     overrides = arguments.overrides(args)
     arguments.check_applies(loading.pipeline_class(args), overrides)
-    target = loading.load(args)
+    target = loading.load(args, offloaded=args.strategy != "none")
     arguments.check_applies(type(target.pipe), overrides)
     loading.check_size(target.pipe, overrides)
     target.pipe.set_progress_bar_config(disable=args.json or ranks.rank() != 0)
@@ -291,6 +291,12 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     options: dict[str, Any] = {"backend": backend}
     if args.device_memory is not None:
         options["device_memory"] = args.device_memory
+    if args.host_memory is not None:
+        options["host_memory"] = args.host_memory
+    elif args.model is not None:  # read from its checkpoint as from_pretrained reads it
+        from ...pretrained import host_limit
+
+        options["host_memory"] = host_limit(args.strategy)
     if args.strategy is not None:  # else the device budget picks it
         options[STRATEGIES[args.strategy].flag] = True
     if args.strategy == "layerwise":

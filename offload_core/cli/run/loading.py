@@ -114,9 +114,12 @@ def _check_safetensors(model: str, folder: Path) -> None:
                              f"({reason})") from None
 
 
-def load(args: argparse.Namespace) -> Target:
-    """Build the embedded pipeline or load the folder ``--model`` names."""
-    return _build_tiny(args) if args.model is None else _load_model(args)
+def load(args: argparse.Namespace, offloaded: bool = True) -> Target:
+    """Build the embedded pipeline or load the folder ``--model`` names: to be ``offloaded``, as
+    ``offload_core.from_pretrained`` loads it (each model on the meta device with its checkpoint's
+    slices, which enable reads straight into their homes, the rest in RAM), else by diffusers;
+    either way in the dtype each checkpoint is stored in."""
+    return _build_tiny(args) if args.model is None else _load_model(args, offloaded)
 
 
 def _build_tiny(args: argparse.Namespace) -> Target:
@@ -130,12 +133,18 @@ def _build_tiny(args: argparse.Namespace) -> Target:
                   {**tiny.call_kwargs, **settings})
 
 
-def _load_model(args: argparse.Namespace) -> Target:
+def _load_model(args: argparse.Namespace, offloaded: bool) -> Target:
     from diffusers import DiffusionPipeline
+
+    from ...pretrained import checkpoint_dtype, load
 
     logger.info("loading %s", args.model)
     try:
-        pipe = DiffusionPipeline.from_pretrained(args.model, local_files_only=True)
+        if offloaded:
+            pipe = load(args.model, torch_dtype="auto")
+        else:
+            dtypes = {p.name: d for p in Path(args.model).iterdir() if p.is_dir() and (d := checkpoint_dtype(p))}
+            pipe = DiffusionPipeline.from_pretrained(args.model, local_files_only=True, torch_dtype=dtypes or None)
     except Exception as exc:  # noqa: BLE001 - the folder was checked; what is left is a folder that cannot load
         lines = str(exc).strip().splitlines()
         what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
