@@ -334,7 +334,7 @@ class OffloadConfig:
     )
     blocks: Sequence[str] | None = option(None, _optional(names()), strategies=("layerwise", "distributed"))
     pinned_memory: Any = option(None, host_budget_option)
-    host_memory: Any = option(None, host_budget_option, strategies=("layerwise", "model"))
+    host_memory: Any = option(None, host_budget_option, strategies=("layerwise",))
     offload_folder: str | os.PathLike | None = option(None, _optional(_path), strategies=("layerwise",))
     device_memory: Any = option(None, device_budget_option)
     resident_blocks: int | str | None = option(None, _optional(resident_blocks), strategies=("layerwise", "distributed"))

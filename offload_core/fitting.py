@@ -27,7 +27,7 @@ from .errors import OffloadConfigError
 from .pipelines import Inventory, pipeline_inventory
 from .planning import Plan, describe, make_plan
 from .planning.components import CallShape
-from .planning.phases import guidance_batch, pipeline_phases
+from .planning.phases import OBSERVED, guidance_batch, observed, pipeline_phases
 from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
 from .planning.modules import component_from_split, components_from_modules
 
@@ -74,20 +74,31 @@ def fit(target: Inventory, config: OffloadConfig, backend: DeviceBackend) -> Fit
     logger.info("device plan for %s:\n%s", type(target.target).__name__, plan.render())
     flag = STRATEGIES[plan.strategy].flag
     chosen = dataclasses.replace(config, **({flag: True} if flag and config.strategy is None else {}))
+    if config.strategy is None and plan.strategy not in ("layerwise", "distributed"):
+        # picked by the budget only because every weight fits in host_memory: nothing left to bound
+        chosen = dataclasses.replace(chosen, host_memory=None)
 
-    def replan(measured: dict[str, int], block_seconds: dict[str, float], copy_bandwidth: float | None) -> Plan:
+    def replan(measured: dict[str, int], block_seconds: dict[str, float], copy_bandwidth: float | None,
+               seen: tuple[list[str], int] | None, parking: set[str]) -> Plan:
         """The plan of the same budget and layout with the activations a first call measured (an
-        activation given by ``activation_memory=`` is kept), its blocks' compute times and the
-        rate its copies ran at: only the kept blocks of the components that park are sized (and
-        placed among the streamed ones) again."""
+        activation given by ``activation_memory=`` is kept), its blocks' compute times, the rate
+        its copies ran at and the phases it had (``seen``: the order its components began their
+        forwards in, and its steps): only the kept blocks of the components that still park
+        (``parking``: the others stopped, see strategies/phases.py) are sized (and placed among
+        the streamed ones) again."""
         again = [c if c.activation_from == "given" and c.activation_bytes is not None or c.name not in measured
                  else c.with_measurements(activation_bytes=measured[c.name], activation_from="measured")
                  for c in components]
         again = [c.with_measurements(block_compute_s=block_seconds[c.name],
                                      copy_bandwidth=c.copy_bandwidth or copy_bandwidth) if c.name in block_seconds else c
                  for c in again]
-        again = make_plan(again, plan.budget, strategy=plan.strategy, relayout=plan.components,
-                          **{**options, "device_free": None})
+        phases = {}
+        if seen is not None:  # the phases the call had: in the order its components began their forwards
+            order, steps = seen
+            phases = dict(phases=observed(order, target.kinds, steps), phases_source=OBSERVED, steps=steps or 1)
+        layout = [dataclasses.replace(c, parks=c.parks and c.name in parking) for c in plan.components]
+        again = make_plan(again, plan.budget, strategy=plan.strategy, relayout=layout,
+                          **{**options, "device_free": None, **phases})
         return dataclasses.replace(again, chosen_by=plan.chosen_by, min_budget=plan.min_budget,
                                    asked_budget=plan.asked_budget, notes=plan.notes)
 

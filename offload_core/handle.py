@@ -124,9 +124,9 @@ class OffloadHandle:
 
     def call_ended(self, timeline: Timeline | None = None) -> None:
         """A pipeline call ended. After the first, the budget is planned again with the activations
-        it measured (and the blocks' compute times ``timeline`` shows), and the streamed
-        components whose kept blocks change take the new layout as they next begin (one log line
-        says what changed and why)."""
+        it measured, the blocks' compute times ``timeline`` shows and the phases it had, and the
+        streamed components whose kept blocks change take the new layout as they next begin (one
+        log line says what changed and why)."""
         if self._replan is None:
             return
         replan, self._replan = self._replan, None
@@ -134,11 +134,15 @@ class OffloadHandle:
         if not measured:
             return
         timed = timings(timeline) if timeline is not None else ({}, None)
-        new = replan(measured, *timed)
+        seen = self.switch.observed if self.switch is not None else None
+        parking = self.switch.parking() if self.switch is not None else set()
+        new = replan(measured, *timed, seen, parking)
+        if self.switch is not None:
+            self.switch.follow(new)
         changes = []
         for part in self.parts:
             label = getattr(part, "label", None)
-            if not getattr(part, "parks", False) or label not in {c.name for c in new.components}:
+            if label not in parking:
                 continue
             before, after = self._plan.component(label), new.component(label)
             if after.mode == before.mode and after.resident_blocks != before.resident_blocks:

@@ -257,12 +257,13 @@ class Plan:
         """This plan with the phases of a call in which its components began their forwards in
         ``order`` over ``steps`` steps (``planning.phases.observed``), and a note where they are
         not the phases it was made for."""
-        from .phases import observed
+        from .phases import OBSERVED, observed
 
         seen = observed(order, {c.name: c.kind for c in self.components}, steps)
         planned = [(p.name, tuple(p.components), p.forwards_per_step) for p in self.phases]
         notes = list(self.notes)
-        if planned and planned != [(p.name, p.components, p.forwards_per_step) for p in seen]:
+        if planned and self.phases_source != OBSERVED and planned != [(p.name, p.components, p.forwards_per_step)
+                                                                      for p in seen]:
             notes.append("the first call's phases differ from the " + (self.phases_source or "planned") + " ones: "
                          + "; ".join(_phase_words(p) for p in seen))
         return dataclasses.replace(self, observed_phases=seen, notes=tuple(notes))

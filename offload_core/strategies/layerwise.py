@@ -74,7 +74,7 @@ from ..errors import OffloadedModelError
 from ..timeline import UNTRACED
 from ..transaction import Transaction
 from ..weights import nbytes_of, split_units
-from ..weights.binding import Binding, Homes
+from ..weights.binding import Binding, Home, Homes
 from ..hostmem.placement import SWITCH, HostUnit
 from ..weights.placeholders import check_placeholders
 from .autograd import SavedSlots, backward_running, refuse_function_transforms
@@ -303,6 +303,8 @@ class LayerwiseOffload(Part):
         logger.debug("%s loads its resident weights and kept blocks back", self.describe())
         if self.held.bindings:  # a park an interrupt stopped half-way
             self._send_held_home()
+        # while parked they showed their homes: new data given them since is taken in first
+        self.reconcile((u, u.host_views) for u in self.held.units if not Home(u, u.host_views).at_home())
         try:
             self._allocate()
             self._queued = True

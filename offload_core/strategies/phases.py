@@ -79,6 +79,16 @@ class PhaseSwitch:
             self.observed = (list(self._order), steps)
         self._order = None
 
+    def parking(self) -> set[str]:
+        """The components that still give the device up (not stopped by :meth:`loaded_back`)."""
+        return {y.component for y in self._yielding}
+
+    def follow(self, plan: Any) -> None:
+        """``plan`` (made again after a call) replaces the one the switch was made for: who stays
+        beside whom follows its phases."""
+        for y in self._yielding:
+            y.beside = beside(plan.phases, y.component)
+
     def close(self) -> None:
         """The handle is disabled: nothing is held any more."""
         self._yielding = []

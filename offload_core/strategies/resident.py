@@ -6,6 +6,7 @@ the device); ``disable`` copies it back to the host before giving the tensors ba
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from torch import nn
@@ -25,6 +26,8 @@ class ResidentModules(Part):
     def __init__(self, modules: Sequence[tuple[str, nn.Module]], backend: DeviceBackend) -> None:
         super().__init__(backend)
         self.members = list(modules)
+        self._activations: dict[str, int] = {}  # component -> device bytes its first call took beyond the weights
+        self._measuring: tuple[str, int] | None = None  # (component, memory allocated as its first call began)
         self._replan()
 
     def _replan(self) -> None:
@@ -68,11 +71,23 @@ class ResidentModules(Part):
         self.enabled = True
 
     def _instrument(self) -> None:
-        for _, module in self.members:
-            self._wrap(module, self._before, None, self.backend.device())
+        for name, module in self.members:
+            self._wrap(module, functools.partial(self._before, name), functools.partial(self._after, name),
+                       self.backend.device())
 
-    def _before(self) -> None:
+    def _before(self, name: str) -> None:
         self.reconcile(())  # a module or tensor added (a LoRA layer) is taken onto the device too
+        if name not in self._activations and self._measuring is None:  # its first call: what it takes
+            self._measuring = (name, self.peak_from_here())
+
+    def _after(self, name: str, failed: bool) -> None:
+        if self._measuring is not None and self._measuring[0] == name:
+            if not failed:
+                self._activations[name] = max(self.backend.max_memory_allocated() - self._measuring[1], 0)
+            self._measuring = None
+
+    def measured_activations(self) -> dict[str, int]:
+        return dict(self._activations)
 
     def truth(self) -> list:
         return [(u, views, buf) for u, views, buf in zip(self.units, self.device_views, self.device)]

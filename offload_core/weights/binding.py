@@ -243,7 +243,7 @@ class Binding(Home):
         if all(map(_is_set_to, self.params, self.params_device)):  # the rule, checked in C: nothing to do
             return kept
         for k, (p, device) in enumerate(zip(self.params, self.params_device)):
-            if p.is_set_to(device):  # one call for memory, offset, shape and strides
+            if p.is_set_to(device) or p.is_set_to(self.params_home[k]):  # on the device, or home already
                 continue
             if same_layout(p, device):
                 changed[:] = [pair for pair in changed if pair[1] is not device]

@@ -44,10 +44,11 @@ def streamed_copies(handle) -> dict[str, tuple[int, int]]:
             for p in handle.parts if hasattr(p, "kept_names")}
 
 
-def copied_as_planned(handle, start: dict[str, tuple[int, int]]) -> int:
+def copied_as_planned(handle, start: dict[str, tuple[int, int]], plan) -> int:
     """The bytes the streamed components copied since ``start`` (a :func:`streamed_copies`), each
-    checked against the plan: its forwards times its bytes per forward, plus the first blocks a
-    call's last forward queued for a next one (``frozen()``), dropped as the call ends."""
+    checked against ``plan``, the one the call ran under (the handle plans again after a first
+    call): its forwards times its bytes per forward, plus the first blocks a call's last forward
+    queued for a next one (``frozen()``), dropped as the call ends."""
     total = 0
     for label, now in streamed_copies(handle).items():
         part = next(p for p in handle.parts if getattr(p, "label", None) == label)
@@ -55,7 +56,7 @@ def copied_as_planned(handle, start: dict[str, tuple[int, int]]) -> int:
         forwards, rest = divmod(loads - part.num_slots, len(part.units))
         assert rest == 0 and forwards > 0, (label, loads)
         unused = sum(unit.nbytes for unit in part.units[:part.num_slots])
-        assert copied == forwards * handle.plan.component(label).bytes_per_forward + unused, "plan and copies differ"
+        assert copied == forwards * plan.component(label).bytes_per_forward + unused, "plan and copies differ"
         total += copied
     return total
 
@@ -81,12 +82,12 @@ def test_layerwise_sized_by_the_budget(name):
                 assert [p.data_ptr() for p in tiny.pipe.transformer.parameters()] == before
             continue
         handle = offload_core.enable_offload(tiny.pipe, **options)
-        start = streamed_copies(handle)
+        start, plan = streamed_copies(handle), handle.plan
         assert torch.equal(tiny.run(), reference), f"{name} at {fraction:.0%} of the weights"
         stats = handle.stats()
         assert stats["prefetch_misses"] == 0
         assert stats["device_peak_bytes"] <= budget
-        copied_per_call.append(copied_as_planned(handle, start))
+        copied_per_call.append(copied_as_planned(handle, start, plan))
         handle.disable()
     assert copied_per_call == sorted(copied_per_call, reverse=True), copied_per_call
     assert copied_per_call[-1] == 0, "everything fits at 100%: nothing streams"
@@ -137,13 +138,13 @@ def test_from_pretrained_plans_the_checkpoint_as_it_will_be_packed(tmp_path):
     pipe.set_progress_bar_config(disable=True)
     streamed = [p for p in handle.parts if hasattr(p, "kept_names")]
     assert streamed and any(p.kept for p in streamed), "the budget keeps some blocks"
-    start = streamed_copies(handle)
+    start, plan = streamed_copies(handle), handle.plan
     assert torch.equal(TinyPipeline("offloaded", pipe, tiny.call_kwargs, tiny.output_attr).run(seed=0), expected)
     assert handle.stats()["device_peak_bytes"] <= budget
     for part in streamed:
-        planned = handle.plan.component(part.label)
+        planned = plan.component(part.label)
         assert planned.resident_blocks == tuple(part.all_names.index(n) for n in part.kept_names)
-    copied_as_planned(handle, start)
+    copied_as_planned(handle, start, plan)
     handle.disable()
 
 
