@@ -15,6 +15,7 @@ from .handle import OffloadHandle
 from .pipelines import inventory
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
 
 
@@ -38,6 +39,7 @@ def enable_offload(
     device_memory: int | float | str | None = None,
     resident_blocks: int | str | None = None,
     activation_memory: int | str | None = None,
+    storage_dtype: torch.dtype | None = None,
     **unknown: Any,
 ) -> OffloadHandle:
     """Turn on offloading for a diffusers pipeline or any ``torch.nn.Module``.

@@ -121,6 +121,18 @@ def _path(value: Any) -> str | os.PathLike:
     raise TypeError(f"expected a folder path, got {type(value).__name__}")
 
 
+def storage_dtype(value: Any) -> Any:
+    """A floating ``torch.dtype`` (``torch.float8_e4m3fn``): the dtype the DiTs' weights are stored
+    and streamed in; whether it is narrower than the weights is checked against the model."""
+    import torch
+
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"expected a torch.dtype such as torch.float8_e4m3fn, got {type(value).__name__}")
+    if not value.is_floating_point:
+        raise ValueError("expected a floating dtype (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, ...)")
+    return value
+
+
 def _optional(parse: Callable[[Any], T]) -> Callable[[Any], T | None]:
     return lambda value: None if value is None else parse(value)
 
@@ -303,6 +315,10 @@ class OffloadConfig:
     or ``"auto"`` (as many as ``device_memory`` allows; the default when it is set).
     ``activation_memory``: the headroom kept within ``device_memory`` for activations; by default
     measured on the first call. See ``docs/index.md`` ("Tell it your memory").
+
+    ``storage_dtype``: a floating dtype narrower than the weights (``torch.float8_e4m3fn``): the DiTs
+    get diffusers' layerwise casting (weights stored in it, computed in their own dtype, diffusers'
+    default skip patterns), so host homes, copies and slots hold them narrow. See ``docs/float8.md``.
     """
 
     enable_cpu_offload: bool = option(False, boolean)
@@ -323,6 +339,7 @@ class OffloadConfig:
     device_memory: Any = option(None, device_budget_option)
     resident_blocks: int | str | None = option(None, _optional(resident_blocks), strategies=("layerwise", "distributed"))
     activation_memory: int | None = option(None, _optional(size))
+    storage_dtype: Any = option(None, _optional(storage_dtype))
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

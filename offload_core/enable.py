@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import changes
+from .casting import CastingHooks, cast_for_storage, check_casting
 from .config import OffloadConfig
 from .device.backend import DeviceBackend
 from .device.plugins import get_backend
@@ -48,6 +49,8 @@ def enable(target: Inventory, config: OffloadConfig) -> OffloadHandle:
     already checked against the kind of target (``OffloadConfig.check_applies``)."""
     _refuse_taken(target.target, list(target.roots))
     backend = get_backend(config.backend)
+    if config.storage_dtype is not None:  # first: the plan measures the weights as they are stored
+        cast_for_storage([(n, m) for n, m in target.modules if target.kinds[n] == "dit"], config.storage_dtype)
     fitted = fit(target, config, backend)  # before anything moves: an impossible budget is an error
     if fitted is not None:
         config = fitted.config
@@ -71,6 +74,7 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         else:
             parts = [_module_part(target, config, backend, fitted)]
         agreed.parts = parts
+        check_casting(target.roots, parts)
         # without a budget, the plan of what the strategy flag set up
         plan = fitted.plan if fitted is not None else describe_parts(target, config, backend, parts)
         handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan,
@@ -84,6 +88,7 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         if target.pipeline:
             installs.append(PipelineClass(target.target, handle, parts, dict(target.modules)))
         installs.append(Mark(target.target, list(target.roots), handle))
+        installs.append(CastingHooks(list(target.roots), handle))
         for install in installs:
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()

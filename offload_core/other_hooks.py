@@ -1,21 +1,22 @@
 """Other libraries' hooks on a model: which ones offload runs under, and which it refuses.
 
-Hooks that manage the weights themselves cannot share a model with offloading: they move or
-re-create the very tensors offloading binds to its buffers. accelerate's hooks and diffusers'
-group offloading move them; diffusers' layerwise casting casts every weight to its storage dtype
-when it is attached and re-creates it on each call. Everything else diffusers attaches to a model
-(its caches such as the first-block cache, guidance hooks) only changes what the forward computes,
-and runs on top of offload unchanged, whether it was attached before or after ``enable_offload``:
-the offload work happens around each module call, outside the forward those hooks wrap.
-docs/compatibility.md lists what is tested.
+Hooks that manage the weights' placement themselves cannot share a model with offloading: they
+move the very tensors offloading binds to its buffers. accelerate's hooks and diffusers' group
+offloading do. diffusers' layerwise casting changes the weights' dtype around each layer's
+forward: offloading streams the narrow weights and takes its casts over (casting.py), from the
+moment the hook is registered on a module an enabled handle owns. Everything else diffusers
+attaches to a model (its caches such as the first-block cache, guidance hooks) only changes what
+the forward computes, and runs on top of offload unchanged, whether it was attached before or
+after ``enable_offload``: the offload work happens around each module call, outside the forward
+those hooks wrap. docs/compatibility.md lists what is tested.
 
 :func:`refused_hook` is the rule. It is applied at ``enable_offload`` (:func:`weight_hooks`: a hook
 attached already), and where each library attaches a hook (:func:`guard_registrations`:
-diffusers' ``HookRegistry.register_hook``, behind ``apply_layerwise_casting``,
-``apply_group_offloading`` and the model methods ``enable_layerwise_casting()`` /
-``enable_group_offload()``; accelerate's ``add_hook_to_module``, behind ``cpu_offload`` and
-``dispatch_model``): a refused hook on a module an enabled handle owns raises before the hook's
-initialisation touches a weight, so the model stays as it was and usable.
+diffusers' ``HookRegistry.register_hook``, behind ``apply_group_offloading`` and the model method
+``enable_group_offload()``, and behind layerwise casting too, which it takes over;
+accelerate's ``add_hook_to_module``, behind ``cpu_offload`` and ``dispatch_model``): a refused hook
+on a module an enabled handle owns raises before the hook's initialisation touches a weight, so
+the model stays as it was and usable.
 """
 
 from __future__ import annotations
@@ -30,19 +31,17 @@ from typing import Any, Callable, Iterable
 from torch import nn
 
 from . import changes
+from .casting import CASTING_HOOK, check_hook, take_over
 from .errors import OffloadConfigError
 from .locks import locked
 
 _GROUP = "diffusers' group offloading (it moves the weights between devices)"
-_CASTING = "diffusers' layerwise casting (it casts the weights to its storage dtype and re-creates them on every call)"
 
 #: diffusers hooks, by their ``HookRegistry`` name, that offload refuses, and what to call them
 REFUSED_DIFFUSERS_HOOKS = {
     "group_offloading": _GROUP,
     "layer_execution_tracker": _GROUP,
     "lazy_prefetch_group_offloading": _GROUP,
-    "layerwise_casting": _CASTING,
-    "peft_autocast_disable": _CASTING,
 }
 #: every accelerate hook (``_hf_hook``) is refused: its hooks move weights and inputs between devices
 ACCELERATE = "accelerate's hooks (cpu_offload, dispatch_model, add_hook_to_module: they move the weights between devices)"
@@ -51,8 +50,7 @@ ACCELERATE = "accelerate's hooks (cpu_offload, dispatch_model, add_hook_to_modul
 def refused_hook(library: str, name: str = "") -> str | None:
     """The rule: what to call a hook of ``library`` ("diffusers", with its ``HookRegistry`` name
     ``name``; "accelerate") that offload refuses on a model it streams, or None for a hook that
-    runs on top of offload. To let one run (diffusers' layerwise casting, once offload streams
-    its storage dtype), take it out of :data:`REFUSED_DIFFUSERS_HOOKS`."""
+    runs on top of offload."""
     if library == "accelerate":
         return ACCELERATE
     return REFUSED_DIFFUSERS_HOOKS.get(name)
@@ -92,10 +90,17 @@ def _guard_diffusers(hooks_module: Any) -> None:
 
     @functools.wraps(original)
     def register_hook(self, hook, name, *args, **kwargs):
+        module = getattr(self, "_module_ref", None)
         refused = refused_hook("diffusers", name)
         if refused is not None:
-            _refuse_on_offloaded(getattr(self, "_module_ref", None), refused, f"{type(hook).__name__} ({name!r})")
-        return original(self, hook, name, *args, **kwargs)
+            _refuse_on_offloaded(module, refused, f"{type(hook).__name__} ({name!r})")
+        owner = changes.handle_of(module) if name == CASTING_HOOK and isinstance(module, nn.Module) else None
+        if owner is not None:  # casting after enable (the function): its initialisation re-packs, a dtype change
+            check_hook(module, hook, [p for p in owner[0].parts if p.enabled])
+        registered = original(self, hook, name, *args, **kwargs)
+        if owner is not None:
+            take_over(hook)
+        return registered
 
     register_hook._offload_core_guard = True
     registry.register_hook = register_hook

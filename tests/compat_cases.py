@@ -362,14 +362,59 @@ def _check_refused(strategy: str, backend, verdict: str, attach: Callable[[nn.Mo
             with pytest.raises(offload_core.OffloadConfigError, match="handle.disable"):
                 attach_after(model)
             assert_equal(run_steps(model, inputs, steps=1), expected, f"{strategy} after the refused call")
-        assert not {"enable_layerwise_casting", "enable_group_offload"} & model.__dict__.keys(), "refusal left after disable"
+        assert "enable_group_offload" not in model.__dict__, "refusal left after disable"
+
+
+def _bf16_flux2() -> tuple[nn.Module, dict]:
+    model, inputs = build_transformer("flux2")
+    to = lambda v: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v  # noqa: E731
+    return model.to(torch.bfloat16), {k: to(v) for k, v in inputs.items()}
+
+
+def _cast(model: nn.Module) -> None:
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+
+
+def _hooks_as_diffusers_left_them(model: nn.Module) -> None:
+    from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
+
+    hooks = [h for m in model.modules() for h in getattr(getattr(m, "_diffusers_hook", None), "hooks", {}).values()
+             if isinstance(h, LayerwiseCastingHook)]
+    assert hooks and all(h.fn_ref.pre_forward == h.pre_forward and h.fn_ref.post_forward == h.post_forward
+                         for h in hooks), "the casting hooks are not diffusers' own after disable"
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in model.modules() if isinstance(m, nn.Linear)
+               and "layerwise_casting" in getattr(getattr(m, "_diffusers_hook", None), "hooks", {}))
 
 
 def layerwise_casting(strategy: str, backend, verdict: str) -> None:
-    def cast(m: nn.Module) -> None:
-        m.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+    from diffusers.hooks import apply_layerwise_casting
 
-    _check_refused(strategy, backend, verdict, cast, "layerwise casting", attach_after=cast)
+    expect(verdict, YES)
+    reference, inputs = _bf16_flux2()
+    _cast(reference)
+    expected = run_steps(reference, inputs)
+    for when in ("before", "after"):
+        model, _ = _bf16_flux2()
+        if when == "before":
+            _cast(model)
+        with offloaded(model, strategy, backend) as handle:
+            if when == "after":  # one re-pack (across ranks, on every rank at once)
+                _cast(model)
+            assert_equal(run_steps(model, inputs), expected, f"casting enabled {when} enable, {strategy}")
+            if strategy != "distributed":  # the homes (and what is copied from them) hold float8
+                assert torch.float8_e4m3fn in {b.dtype for b in _buffers(handle)}, "no home holds float8"
+        _hooks_as_diffusers_left_them(model)
+        assert_equal(run_steps(model, inputs), expected, f"casting after disable, {strategy}")
+    model, _ = _bf16_flux2()
+    with offloaded(model, strategy, backend):
+        if strategy == "distributed":  # one layer at a time cannot re-pack across ranks: refused, nothing changed
+            with pytest.raises(offload_core.OffloadedModelError, match="collective handle.disable"):
+                apply_layerwise_casting(model, torch.float8_e4m3fn, torch.bfloat16, skip_modules_pattern="auto")
+            assert_equal(run_steps(model, inputs, steps=1), run_steps(_bf16_flux2()[0], inputs, steps=1),
+                         "the refused function changed the model")
+            return
+        apply_layerwise_casting(model, torch.float8_e4m3fn, torch.bfloat16, skip_modules_pattern="auto")
+        assert_equal(run_steps(model, inputs), expected, f"apply_layerwise_casting after enable, {strategy}")
 
 
 def group_offloading(strategy: str, backend, verdict: str) -> None:

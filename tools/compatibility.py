@@ -81,9 +81,13 @@ ROWS: tuple[Row, ...] = (
         YES, YES, YES, "set before or after `enable_offload`"),
     Row("lora_adapter", HOOKS, "a peft LoRA adapter: `add_adapter(LoraConfig(...))` before `enable_offload`",
         YES, YES, YES, "the adapter's weights stream with their block"),
-    Row("layerwise_casting", HOOKS, "`enable_layerwise_casting(...)`",
-        REFUSED, REFUSED, REFUSED,
-        "it re-creates every weight on each call: refused at enable, and the method raises on an offloaded model"),
+    Row("layerwise_casting", HOOKS,
+        "`enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)`",
+        YES, YES, YES,
+        "before or after `enable_offload` (after it, one re-pack; across ranks every rank calls it, as "
+        "`disable()`): the weights are stored, pinned and copied in float8 and cast on the device as diffusers "
+        "casts them; `disable()` leaves the casting in place. The function `apply_layerwise_casting` after enable "
+        "re-packs once per layer it casts, and is refused across ranks ([float8.md](float8.md))"),
     Row("group_offloading", HOOKS, "diffusers `enable_group_offload(...)` or `apply_group_offloading(model, ...)`",
         REFUSED, REFUSED, REFUSED,
         "two offloaders would move the same weights: refused at enable, and on an offloaded model the method and "

@@ -35,7 +35,7 @@ LAYERS = {
     "api": 0, "pretrained": 0, "pretrained_transformers": 0, "model_folder": 0,
     "enable": 1, "fitting": 1,
     "handle": 2, "installs": 2,
-    "pipelines": 3, "other_hooks": 3, "foreign": 3,
+    "pipelines": 3, "other_hooks": 3, "casting": 3, "foreign": 3,
     "strategies": 4,
     "discovery": 5, "hostmem": 5, "weights": 5, "planning": 5,
     "changes": 6, "ownership": 6, "config": 6, "timeline": 6, "labels": 6, "overlap": 6, "transaction": 6,

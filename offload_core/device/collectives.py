@@ -16,8 +16,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
     ``all_gather_into_tensor`` to it and deprecated the old name), ``all_gather_into_tensor``
     (torch 2.6 to 2.12), else ``all_gather`` into a list of views of ``output``, which every
     collective library implements. Looked up at each call, so that a test can stand in a
-    ``torch.distributed`` with only the names a given version has.
+    ``torch.distributed`` with only the names a given version has. One-byte floats (float8, the
+    storage of diffusers' layerwise casting) are gathered as their bytes: a gather moves bytes,
+    and gloo knows no float8 dtype.
     """
+    if input.dtype.is_floating_point and input.dtype.itemsize == 1:
+        output, input = output.view(torch.uint8), input.view(torch.uint8)
     single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     if single is not None:
         return single(output, input, group=group, async_op=async_op)

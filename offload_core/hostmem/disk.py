@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -235,17 +235,26 @@ class DiskImage:
 
 
 def checkpoint_image(unit) -> DiskImage:
-    """The image of a unit read from a checkpoint: its regions' slices, and the few regions no
-    file holds (buffers computed at construction) kept in memory."""
-    return image_of(unit, lambda r: MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)))
+    """The image of a unit read from a checkpoint: its regions' slices (converted to the home's
+    dtype as they are read, where it differs), and the few regions no file holds (buffers
+    computed at construction) kept in memory."""
+    return image_of(unit, lambda r: MemorySlice(r.source.as_strided((r.numel,), (1,), r.first)),
+                    lambda r: r.reader is not None)
 
 
-def image_of(unit, fallback) -> DiskImage:
-    """A unit's image: each region read from its checkpoint slice, else from ``fallback(region)``."""
+def in_checkpoint(region) -> bool:
+    """A region read from its checkpoint slice in the slice's own dtype (not narrowed on the way:
+    ``storage_dtype=``)."""
+    return region.reader is not None and getattr(region.reader, "dtype", region.dtype) == region.dtype
+
+
+def image_of(unit, fallback, from_reader: Callable = in_checkpoint) -> DiskImage:
+    """A unit's image: each region ``from_reader`` accepts read from its checkpoint slice, the
+    others from ``fallback(region)``."""
     image = DiskImage()
     for r in unit.regions:
         if r.numel:
-            image.add(r.dtype, r.start, r.numel, r.reader if r.reader is not None else fallback(r))
+            image.add(r.dtype, r.start, r.numel, r.reader if from_reader(r) else fallback(r))
     return image
 
 

@@ -36,7 +36,7 @@ import threading
 
 import torch
 
-from .disk import DataFile, DiskImage, FileSlice, as_bytes, image_of
+from .disk import DataFile, DiskImage, FileSlice, as_bytes, image_of, in_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +66,24 @@ class SpillFolder:
     def write(self, unit) -> DiskImage:
         """Write ``unit``'s home image (its per-dtype buffers back to back, regions at their
         offsets) straight from its source tensors, and return where each region now lies.
-        Regions read from a checkpoint are not rewritten: the image points at the checkpoint."""
+        Regions read from a checkpoint in their own dtype are not rewritten: the image points at the
+        checkpoint; one stored narrower than its checkpoint (``storage_dtype=``) is written as
+        stored, converted as it is read, so that the disk tier reads the narrow bytes."""
         if self.path is None:
             self._make()
         self._count += 1
         path = os.path.join(self.path, f"{self._count:05d}-{unit.name}.safetensors")
-        written = [r for r in unit.regions if r.reader is None and r.numel]
+        written = [r for r in unit.regions if not in_checkpoint(r) and r.numel]
         header, base, size = _header(unit, {r.dtype for r in written})
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             _pwrite(fd, memoryview(header), 0)
             for r in written:
-                span = r.source.as_strided((r.numel,), (1,), r.first)
+                if r.reader is None:
+                    span = r.source.as_strided((r.numel,), (1,), r.first)
+                else:  # a checkpoint slice of another dtype, narrowed region by region
+                    span = torch.empty(r.numel, dtype=r.dtype)
+                    r.reader.read(0, r.numel, span)
                 _pwrite(fd, as_bytes(span), base[r.dtype] + r.start * r.dtype.itemsize)
             os.ftruncate(fd, size)
         except BaseException:  # a full disk, Ctrl-C: what was written goes at once

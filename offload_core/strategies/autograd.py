@@ -12,8 +12,10 @@ that they overlap this block's backward: every block is copied once per forward 
 backward (less the last blocks of the forward, still in their slots when backward starts), and
 device memory stays the slots plus activations.
 
-Hooks that were already active around the block (non-reentrant gradient checkpointing, the
-user's own ``saved_tensors_hooks``) still see every saved tensor that is not a slot view.
+A compute-dtype copy a layer made of its slot view (diffusers' layerwise casting: float8 stored,
+bfloat16 computed) is saved the same way, as the view it came from, and cast again when backward
+reads it. Hooks that were already active around the block (non-reentrant gradient checkpointing,
+the user's own ``saved_tensors_hooks``) still see every saved tensor that is neither.
 
 torch skips its own check that a saved tensor was not changed in place since it was saved ("modified
 by an inplace operation") for every tensor a pack hook takes. So the hooks make that check
@@ -40,6 +42,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import OffloadedModelError
 from ..locks import locked
+from ..weights.binding import CAST_COPIES
 from ..weights.layout import storage_key
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
@@ -111,6 +114,18 @@ class SlotRef:
     stride: tuple[int, ...]
     param: Any = None  # the parameter it views (weakly), whose version must not move before backward
     version: int = 0  # that parameter's version when it was saved
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recast:
+    """A saved compute-dtype copy of a slot view (``weights.binding.CAST_COPIES``): the view's
+    reference, and how the saved tensor lies in the copy, which casting the view again rebuilds."""
+
+    source: SlotRef
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +270,9 @@ class SavedSlots:
         if where is None or t.dtype != where[1]:
             if where is not None:  # a slot view reinterpreted as another dtype: keep a copy of it
                 return _keep(t.detach().clone())
+            recast = self._recast(t)
+            if recast is not None:
+                return recast
             outer = self._outer
             if outer is not None:
                 return _Outer(outer[0](t), outer[1])
@@ -275,6 +293,18 @@ class SavedSlots:
         owner = (weakref.ref(param), param._version) if param is not None else (None, 0)
         return SlotRef(strategy.epoch, block, dtype, offset, t.shape, t.stride(), *owner)
 
+    def _recast(self, t: torch.Tensor) -> _Recast | None:
+        """``t`` as a reference to the slot view it was cast from, when it views a compute-dtype
+        copy of one (diffusers' layerwise casting): the graph then keeps no weight, in either dtype."""
+        found = CAST_COPIES.get(t.untyped_storage().data_ptr())
+        if found is None:
+            return None
+        copy, source = found
+        if copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() \
+                or source.untyped_storage().data_ptr() not in self._slot_of:
+            return None
+        return _Recast(self._pack(source), copy.dtype, t.shape, t.stride(), t.storage_offset())
+
     def _trim(self) -> None:
         """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
         grow the order for ever: keep the most recent forwards."""
@@ -286,6 +316,8 @@ class SavedSlots:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is _Kept:
             return _unkept(packed)
+        if type(packed) is _Recast:  # the copy's layout is that of the view cast again
+            return self._unpack(packed.source).to(packed.dtype).as_strided(packed.shape, packed.stride, packed.offset)
         if type(packed) is _Outer:
             return packed.unpack(packed.packed)
         if type(packed) is _Wrapped:

@@ -121,12 +121,14 @@ class Part:
             self._remove_hooks()
 
     @torch.inference_mode(False)  # a lazy re-pack inside the user's inference_mode builds ordinary tensors
-    def repack(self, apply: Callable[[], None] | None = None) -> None:
+    def repack(self, apply: Callable[[], None] | None = None, collective: bool = False) -> None:
         """Disable, run ``apply`` on the ordinary model (a dtype change), pack again from what the
-        model holds now. If packing again fails, the part stays disabled and the error says so."""
+        model holds now. If packing again fails, the part stays disabled and the error says so.
+        ``collective``: every rank of a part offloaded across ranks re-packs at this point, inside
+        the ranks' agreement (which a part refuses otherwise, ``repack_refusal``)."""
         if self._no_repack is not None:
             raise changed_during_call(self, self._no_repack)
-        refusal = self.repack_refusal()
+        refusal = None if collective else self.repack_refusal()
         if refusal is not None:
             raise refusal
         handle = self.handle

@@ -29,6 +29,14 @@ WriteBack = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 #: ``.data``), which is lost when the unit goes home. Empty outside such tests.
 BIND_HOOKS: list[Callable[[list[torch.nn.Parameter], list[torch.Tensor] | None], None]] = []
 
+#: compute-dtype copies a layer computes with while its forward runs, made from what its weights
+#: show (diffusers' layerwise casting, casting.py): the copy's storage address -> (the copy, the
+#: tensor it was cast from). A saved-tensor hook that keeps slots out of the graph
+#: (strategies/autograd.py) saves such a copy as the slot view it came from and casts it again in
+#: backward, so that the graph holds no weights. Entries live from the layer's pre-forward to its
+#: post-forward, and only while autograd records.
+CAST_COPIES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
 _is_set_to = torch.Tensor.is_set_to
 #: a tensor's version counter, mapped over a unit's parameters in C (no Python loop per tensor)
 _version_of = operator.attrgetter("_version")

@@ -1,10 +1,11 @@
-"""Other libraries' weight-managing hooks attached to a model after ``enable_offload`` (docs/design.md,
-row 16; offload_core/other_hooks.py): diffusers' functional ``apply_layerwise_casting`` and
-``apply_group_offloading``, their model methods, accelerate's ``cpu_offload`` and
+"""Other libraries' placement-managing hooks attached to a model after ``enable_offload``
+(docs/design.md, row 16; offload_core/other_hooks.py): diffusers' functional
+``apply_group_offloading``, its model method, accelerate's ``cpu_offload`` and
 ``add_hook_to_module`` are refused as they attach, with an ``OffloadConfigError`` naming the hook
 and ``handle.disable()``, before any weight changes: the model's tensors are the same objects with
 the same values, its output equals the same model's without offload, and after ``disable()`` the
-hook attaches as without offload. A hook that leaves the weights alone still attaches."""
+hook attaches as without offload. A hook that leaves the weights alone still attaches, and
+diffusers' layerwise casting runs exactly (tests/compat/test_layerwise_casting.py)."""
 
 from __future__ import annotations
 
@@ -27,17 +28,6 @@ def _casting(model):
     from diffusers.hooks import apply_layerwise_casting
 
     apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-
-
-def _casting_without_skips(model):  # straight onto the model's own registry
-    from diffusers.hooks import apply_layerwise_casting
-
-    apply_layerwise_casting(model, storage_dtype=torch.bfloat16, compute_dtype=torch.float32,
-                            skip_modules_pattern=None, skip_modules_classes=None)
-
-
-def _casting_method(model):
-    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
 
 
 def _group_offloading(model):
@@ -69,9 +59,6 @@ def _accelerate_hook_on_a_block(model):
 
 
 ATTACH = {
-    "apply_layerwise_casting": (_casting, "layerwise casting"),
-    "apply_layerwise_casting_on_the_model": (_casting_without_skips, "layerwise casting"),
-    "enable_layerwise_casting": (_casting_method, "layerwise casting"),
     "apply_group_offloading": (_group_offloading, "group offloading"),
     "apply_group_offloading_leaf_level": (_group_offloading_leaves, "group offloading"),
     "enable_group_offload": (_group_offload_method, "group offloading"),
@@ -112,16 +99,15 @@ def test_a_weight_managing_hook_attached_after_enable_is_refused_before_any_weig
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_pipeline_component_refuses_casting_and_keeps_hooks_that_leave_the_weights_alone(strategy):
+def test_a_pipeline_component_takes_casting_and_hooks_that_leave_the_weights_alone(strategy):
     from diffusers.hooks import HookRegistry, ModelHook
 
     from offload_core.tiny import build_pipeline
 
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
     handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
-    with pytest.raises(OffloadConfigError, match=r"layerwise casting.*handle\.disable\(\)"):
-        _casting(ours.pipe.transformer)
-    for tiny in (ours, theirs):  # a hook that leaves the weights alone attaches as before (caches: compatibility.md)
+    for tiny in (ours, theirs):  # casting, and a hook that leaves the weights alone, attach as without offload
+        _casting(tiny.pipe.transformer)
         HookRegistry.check_if_exists_or_initialize(tiny.pipe.transformer).register_hook(ModelHook(), "user_hook")
     assert torch.equal(ours.run(), theirs.run())
     handle.disable()
@@ -141,13 +127,13 @@ def test_a_library_imported_after_enable_is_guarded_as_it_is_imported():
         handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend="fake")
         assert "diffusers.hooks.hooks" not in sys.modules, "enable imported diffusers' hooks"
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-        from diffusers.hooks import apply_layerwise_casting
+        from diffusers.hooks import apply_group_offloading
         try:
-            apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+            apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="leaf_level")
         except OffloadConfigError as error:
-            assert "layerwise casting" in str(error), error
+            assert "group offloading" in str(error), error
         else:
-            raise AssertionError("layerwise casting was attached to an offloaded model")
+            raise AssertionError("group offloading was attached to an offloaded model")
         assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters()), "weights changed"
         handle.disable()
         print("refused")

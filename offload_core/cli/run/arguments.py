@@ -39,7 +39,9 @@ CALL_PARAMETERS = {
     "prompt": "prompt",
 }
 #: flags that only mean something when offloading is on
-OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth", "compare", "device_memory")
+OFFLOAD_FLAGS = ("backend", "trace", "timeline", "prefetch_depth", "compare", "device_memory", "storage_dtype")
+#: what ``--storage-dtype`` takes: torch's names of the floating dtypes narrower than a DiT's weights can be
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16")
 #: largest accepted values: past them a request is a typo, and a run would exhaust memory before
 #: saying anything (2**31 steps: the scheduler's timestep table alone does)
 MAX_STEPS = 1000
@@ -119,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
                         help="a device budget (bytes, 16GiB, or a fraction of the device such as 0.5): the planner "
                              "picks the strategy (unless --strategy is given) and the blocks kept on the device")
+    parser.add_argument("--storage-dtype", choices=STORAGE_DTYPES,
+                        help="store and stream the DiTs' weights in this dtype, computing in their own "
+                             "(storage_dtype=: diffusers' layerwise casting; see docs/float8.md)")
     parser.add_argument("--host-memory", metavar="SIZE", type=budget_type("RAM"),
                         help="RAM for the weights (bytes, 64GiB, or a fraction of RAM such as 0.5): blocks beyond it "
                              "are read from disk (default with --model: 90%% of the memory available)")

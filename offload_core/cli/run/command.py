@@ -304,4 +304,6 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
         options[STRATEGIES[args.strategy].flag] = True
     if args.strategy == "layerwise":
         options["prefetch_depth"] = args.prefetch_depth or 1
+    if args.storage_dtype is not None:
+        options["storage_dtype"] = getattr(torch, args.storage_dtype)
     return enable_offload(pipe, **options)
