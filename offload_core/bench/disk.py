@@ -129,6 +129,24 @@ def direct_read(files: list[str], threads: int = DIRECT_THREADS, request: int = 
     return done[0], time.perf_counter() - start
 
 
+def drive_read_bandwidth(folder: str | None = None, nbytes: int = 256 * 2**20) -> float:
+    """Bytes per second the drive under ``folder`` (default: the temporary folder) reads: a file of
+    ``nbytes`` written there, evicted from the page cache and read back as :func:`direct_read`
+    reads (buffered, one request at a time, where the file system refuses ``O_DIRECT``), then
+    removed. What ``offload-core plan --disk-bandwidth measure`` plans the disk tier with."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="offload-core-drive-", suffix=".bin") as file:
+        chunk = os.urandom(16 * 2**20)  # random: a compressing file system would read less
+        for _ in range(max(1, nbytes // len(chunk))):
+            file.write(chunk)
+        file.flush()
+        cold_cache([file.name])
+        try:
+            read, seconds = direct_read([file.name])
+        except OSError:
+            read, seconds = sequential_read([file.name])
+    return read / seconds
+
+
 def _interleave(variants: list[Callable[[], None]], repeats: int, on_disk, in_ram, inputs) -> None:
     """A warm-up forward of each model (first-pass measurements, the allocator), then the
     variants, their order rotating from one repetition to the next."""

@@ -183,7 +183,7 @@ def _disk_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
     if args.disk_bandwidth == "measure":
         from ..bench.disk import drive_read_bandwidth
 
-        return drive_read_bandwidth(), "measured: a file read back from the temporary folder"
+        return drive_read_bandwidth(), "measured: a file read back from the temporary folder, past the page cache"
     if args.disk_bandwidth:
         return args.disk_bandwidth * 1e9, "--disk-bandwidth"
     return DEFAULT_DISK_BANDWIDTH, "default: a PCIe 4.0 NVMe drive"

@@ -4,6 +4,7 @@ one, the same plan as the planner's, bad input as one line and exit status 2, an
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -175,3 +176,28 @@ def test_the_smallest_budget_named_by_a_refusal_is_accepted_as_printed(capsys):
     printed = re.search(r"the smallest budget that works is ([\d.]+ \w+)", capsys.readouterr().err).group(1)
     data = plan_json(capsys, "--device-memory", printed)
     assert data["budget"] >= data["min_budget"] and data["device_peak"] <= data["budget"]
+
+
+def test_a_measured_drive_is_what_the_plan_reads_disk_blocks_at(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    from offload_core.bench import disk
+
+    reads = []
+
+    def direct_read(files):
+        reads.append((files, os.path.getsize(files[0])))
+        return original(files)
+
+    original = disk.direct_read
+    monkeypatch.setattr(disk, "direct_read", direct_read)
+    rate = disk.drive_read_bandwidth(str(tmp_path), nbytes=32 * 2**20)
+    assert rate > 0 and reads[0][1] == 32 * 2**20, "the whole file read back"
+    assert not os.listdir(tmp_path), "the file removed once read"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(disk, "drive_read_bandwidth", lambda: 1.25e9)
+    data = plan_json(capsys, "--pipeline", "real:wan2.2-t2v-a14b", "--device-memory", "24GB", "--host-memory",
+                     "32GB", "--disk-bandwidth", "measure")
+    assert data["disk_bandwidth"] == 1.25e9 and data["disk_bandwidth_source"].startswith("measured")
+    bytes_read = sum(p["disk_bytes_per_forward"] + p["switch_disk_bytes"] for p in data["phases"])
+    assert bytes_read > 0, "a plan that reads from disk at the measured rate"
