@@ -17,6 +17,7 @@ from typing import Any
 
 from ..planning.predict import DEFAULT_DISK_BANDWIDTH
 from .common import UsageError, budget_type
+from .run.arguments import STORAGE_DTYPES
 
 #: host-to-device bytes per second assumed without --bandwidth: about what pinned copies reach over
 #: a PCIe 4.0 x16 link (its 32 GB/s raw rate less protocol overhead); measure yours and pass it
@@ -95,6 +96,9 @@ def add_plan(subparsers: Any) -> None:
                         help=f"read rate of the drive blocks on disk come from, in GB/s (default "
                         f"{DEFAULT_DISK_BANDWIDTH / 1e9:.0f}), or 'measure' (read back a file written to the "
                         "temporary folder, evicted from the page cache first)")
+    parser.add_argument("--storage-dtype", choices=STORAGE_DTYPES,
+                        help="plan the DiTs stored and copied in this dtype, computed in their own "
+                        "(enable_offload's storage_dtype=; see docs/float8.md)")
     parser.add_argument("--block-compute-ms", type=_positive, metavar="MS",
                         help="milliseconds one block's forward takes on the device (enables the predicted ratio)")
     shape = parser.add_argument_group(
@@ -152,6 +156,8 @@ def _components(args: argparse.Namespace, bandwidth: float):
         pipe, call = target.pipe, target.defaults
         modules = pipeline_modules(pipe)
         cls_name = type(pipe).__name__
+    if args.storage_dtype is not None:
+        _store_narrow(pipe, modules, args.storage_dtype)
     inputs = pipeline_plan_inputs(pipe, modules, cls_name=cls_name, shape=_shape(args, cls_name, call),
                                   steps=args.steps)
     measured = dict(copy_bandwidth=bandwidth,
@@ -161,6 +167,23 @@ def _components(args: argparse.Namespace, bandwidth: float):
 
         measured.update(activation_bytes=size(args.activation_memory), activation_from="given")
     return dataclasses.replace(inputs, components=[c.with_measurements(**measured) for c in inputs.components])
+
+
+def _store_narrow(pipe: Any, modules: list, dtype_name: str) -> None:
+    """``--storage-dtype``: the DiTs cast as ``enable_offload(..., storage_dtype=)`` casts them
+    before planning (on the meta device too: only their sizes change), so that the plan counts
+    their weights as stored."""
+    import torch
+
+    from ..casting import cast_for_storage
+    from ..errors import OffloadConfigError
+    from ..pipelines import pipeline_inventory
+
+    kinds = pipeline_inventory(pipe, modules).kinds
+    try:
+        cast_for_storage([(n, m) for n, m in modules if kinds[n] == "dit"], getattr(torch, dtype_name))
+    except OffloadConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _shape(args: argparse.Namespace, cls_name: str, call: dict):
