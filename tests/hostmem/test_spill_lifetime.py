@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent("""
     from offload_core.hostmem import spill
 
     folder, stop, previous = sys.argv[1], sys.argv[2], sys.argv[3]
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # the defaults, whatever the test runner inherited (nohup)
+        signal.signal(signum, signal.SIG_DFL)
     if previous == "exits":
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(3))
     elif previous == "records":
