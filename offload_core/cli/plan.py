@@ -4,7 +4,8 @@ The plan comes from :func:`offload_core.planning.make_plan` (the planner ``enabl
 device_memory=...)`` uses): the strategy, per component the resident and streamed blocks, device
 and host bytes, the copies per forward and their predicted time. Nothing runs on a device; the
 embedded tiny pipelines are built on the CPU, the real-size ones on the meta device (no weights at
-all), and a ``--model`` folder is loaded into RAM.
+all), and a ``--model`` folder's models on the meta device from their checkpoints' headers, as
+``offload_core.from_pretrained`` builds them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ HELP_EPILOG = f"""\
 --pipeline takes an embedded tiny pipeline of 'offload-core run' (built on the CPU, seconds) or
 a real-size one built on the meta device from its published config, without weights or download:
 real:flux2-dev, real:wan2.2-t2v-a14b, real:qwen-image. '--pipeline list' lists them all.
---model loads a local diffusers folder (its weights go to RAM).
+--model builds a local diffusers folder's models on the meta device (only their checkpoints'
+headers are read). --storage-dtype plans the DiTs stored in a narrower dtype, as
+enable_offload(..., storage_dtype=) stores them.
 
 Without --strategy the budget chooses: everything resident if it fits with activation headroom,
 else model-level if the largest component group fits, else layerwise with as many blocks resident

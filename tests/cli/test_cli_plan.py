@@ -179,8 +179,6 @@ def test_the_smallest_budget_named_by_a_refusal_is_accepted_as_printed(capsys):
 
 
 def test_a_measured_drive_is_what_the_plan_reads_disk_blocks_at(capsys, tmp_path, monkeypatch):
-    import tempfile
-
     from offload_core.bench import disk
 
     reads = []
@@ -194,7 +192,6 @@ def test_a_measured_drive_is_what_the_plan_reads_disk_blocks_at(capsys, tmp_path
     rate = disk.drive_read_bandwidth(str(tmp_path), nbytes=32 * 2**20)
     assert rate > 0 and reads[0][1] == 32 * 2**20, "the whole file read back"
     assert not os.listdir(tmp_path), "the file removed once read"
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(disk, "drive_read_bandwidth", lambda: 1.25e9)
     data = plan_json(capsys, "--pipeline", "real:wan2.2-t2v-a14b", "--device-memory", "24GB", "--host-memory",
                      "32GB", "--disk-bandwidth", "measure")
