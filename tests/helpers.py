@@ -8,6 +8,7 @@ the device, since an offloaded forward is bit-exact against the same kernels, no
 from __future__ import annotations
 
 import copy
+import os
 import socket
 
 import torch
@@ -130,3 +131,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def descriptors_under(folder) -> list[str]:
+    """The files under ``folder`` this process holds a descriptor of (deleted ones included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(folder)):
+            found.append(target)
+    return found

@@ -290,14 +290,7 @@ class WeightUnit:
                     if owner.bound_to(bound[index]):
                         owner.rebind(views[index])
         self._bind_composites(views)
-        for k in self.kept:
-            if k.moved:
-                for owner in k.owners:
-                    owner.rebind(k.tensor)
-                k.moved = False
-        self.host = {}
-        self.image = None
-        self.host_views = []
+        self._unpacked()
 
     def lose(self) -> None:
         """Give up a home on disk that can no longer be read (its file gone or damaged): every
@@ -309,6 +302,10 @@ class WeightUnit:
                 entry = self.entries[index]
                 if entry.owners:
                     _bind_entry(entry, flat.as_strided(entry.size, entry.stride, entry.offset - r.start))
+        self._unpacked()
+
+    def _unpacked(self) -> None:
+        """The kept tensors back with their owners, and no home left: the end of an unpack or a loss."""
         for k in self.kept:
             if k.moved:
                 for owner in k.owners:

@@ -27,7 +27,9 @@ from offload_core import labels
 from offload_core.device.memory_accounting import AllocationTracker, HostRegistrations, power_of_two_ceil
 from offload_core.hostmem.slabs import SlabAllocator
 
-ROOTS = (str(Path(offload_core.__file__).parent), str(Path(__file__).parents[2] / "backends" / "fake"))
+from interrupting import LIBRARY, Injected, Tracer
+
+ROOTS = (LIBRARY, str(Path(__file__).parents[2] / "backends" / "fake"))
 DEADLINE = 30.0
 
 
@@ -38,33 +40,6 @@ def frozen_heap():
     gc.freeze()
     yield
     gc.unfreeze()
-
-
-class Injected(KeyboardInterrupt):
-    """The interrupt the trace raises."""
-
-
-class Tracer:
-    """Lists the points reached in the library (``stop_at`` None), or raises at the first time
-    point ``stop_at`` is reached."""
-
-    def __init__(self, stop_at=None) -> None:
-        self.stop_at = stop_at
-        self.reached: dict = {}
-        self.fired = False
-
-    def __call__(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename.startswith(ROOTS) else None
-
-    def _line(self, frame, event, arg):
-        if event == "line" and not self.fired:
-            where = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti)
-            if self.stop_at is None:
-                self.reached.setdefault(where)
-            elif where == self.stop_at:
-                self.fired = True
-                raise Injected(f"{where}")
-        return self._line
 
 
 def traced(tracer: Tracer, operation) -> None:
@@ -109,12 +84,12 @@ def sweep(fresh, operation, check) -> int:
     """For every point ``operation(state)`` reaches, on a ``fresh()`` state: interrupt it there,
     then ``check(state)`` on another thread. Each on a thread of its own, under the deadline.
     Returns the points fired."""
-    listing = Tracer()
+    listing = Tracer(roots=ROOTS)
     first = in_time(fresh)
     in_time(lambda: traced(listing, lambda: operation(first)))
     fired = 0
     for point in listing.reached:
-        tracer = Tracer(point)
+        tracer = Tracer(point, ROOTS)
         state = in_time(fresh)
         in_time(lambda: traced(tracer, lambda: operation(state)))
         fired += tracer.fired

@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,9 +33,9 @@ import torch
 import offload_core
 from offload_core.handle import HANDLE_ATTRIBUTE
 
+from interrupting import LIBRARY as ROOT, Injected, Point, Tracer
 from stacks import StackSpec, build_stack
 
-ROOT = str(Path(offload_core.__file__).parent)
 STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 OPERATIONS = ["enable", "forward", "backward", "disable"]
 PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "8"))  # in the files of PATH
@@ -46,38 +45,6 @@ PATH = ("strategies/", "handle.py", "changes.py", "enable.py", "labels.py", "sla
 ALL = os.environ.get("OFFLOAD_CORE_ALL_INTERRUPTS") == "1"
 DEADLINE = float(os.environ.get("OFFLOAD_CORE_INTERRUPT_DEADLINE", "60"))
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
-
-Point = tuple[str, int, int]  # (file, line, instruction offset)
-
-
-class Injected(KeyboardInterrupt):
-    """The interrupt the trace raises (a KeyboardInterrupt, as Ctrl-C is)."""
-
-
-class Tracer:
-    """Lists the points of ``offload_core/`` reached (``stop_at`` None), or raises at the first
-    time point ``stop_at`` is reached."""
-
-    def __init__(self, stop_at: Point | None = None) -> None:
-        self.stop_at = stop_at
-        self.reached: dict[Point, None] = {}
-        self.fired = False
-
-    def __call__(self, frame, event, arg):
-        if not frame.f_code.co_filename.startswith(ROOT):
-            return None
-        return self._line
-
-    def _line(self, frame, event, arg):
-        if event == "line" and not self.fired:
-            where = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti)
-            if self.stop_at is None:
-                self.reached.setdefault(where)
-            elif where == self.stop_at:
-                self.fired = True
-                raise Injected(f"{where[0]}:{where[1]}")
-        return self._line
-
 
 def traced(tracer: Tracer, operation):
     sys.settrace(tracer)

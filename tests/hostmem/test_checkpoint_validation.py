@@ -20,7 +20,7 @@ import offload_core
 from offload_core import CheckpointError
 
 from checkpoints import INDEX, WEIGHTS, Reads, copy_folder, read_header, save, tiny_wan, write
-from helpers import chaos_backend, forward
+from helpers import chaos_backend, descriptors_under, forward
 
 pytestmark = pytest.mark.fake_only
 
@@ -47,18 +47,6 @@ def load(folder, tier: str, spill=None):
                                         host_memory=TIERS[tier], offload_folder=spill)
 
 
-def open_files_under(folder) -> list[str]:
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(folder)):
-            found.append(target)
-    return found
-
-
 def assert_refused(folder, tier: str, match: str, tmp_path) -> CheckpointError:
     """from_pretrained refuses with a CheckpointError matching ``match``, leaving no offload
     thread, no descriptor of the folder's files and no spill file."""
@@ -66,7 +54,7 @@ def assert_refused(folder, tier: str, match: str, tmp_path) -> CheckpointError:
     with pytest.raises(CheckpointError, match=match) as refused:
         load(folder, tier, spill=tmp_path / "spill")
     assert {t.name for t in threading.enumerate()} <= threads
-    assert open_files_under(folder) == []
+    assert descriptors_under(folder) == []
     assert not (tmp_path / "spill").exists() or list((tmp_path / "spill").iterdir()) == []
     return refused.value
 

@@ -22,7 +22,7 @@ from torch import nn
 import offload_core
 from offload_core.hostmem import descriptors, spill
 
-from helpers import chaos_backend, snapshot
+from helpers import chaos_backend, descriptors_under, snapshot
 
 pytestmark = pytest.mark.fake_only
 
@@ -161,19 +161,6 @@ def stack(blocks: int, width: int = 16) -> nn.Module:
     model.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
     model.forward = lambda x: [x := b(x) for b in model.blocks][-1]
     return model.eval()
-
-
-def descriptors_under(folder) -> list[str]:
-    """The files under ``folder`` this process holds a descriptor of (deleted ones included)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(folder)):
-            found.append(target)
-    return found
 
 
 def test_disable_closes_the_spill_files_descriptors_at_once(tmp_path):
