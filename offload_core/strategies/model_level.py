@@ -16,18 +16,16 @@ Groups stay active for a whole pipeline call and are dropped when it ends; a com
 outside a pipeline call (a bare module, ``pipe.vae.decode(...)``) is dropped when its outermost
 forward returns. Between calls every tensor shows its host buffer, the truth.
 
-This module holds the groups and their swapping (loads, prefetch, swap-out, what a group's compute
-takes). Which calls are running, and so when a group may go home, is model_calls.py; the device
-copies that weights autograd saved still reference, and a backward's read of a released one, are
-model_saved.py.
+This module holds the swapping (loads, prefetch, swap-out, what a group's compute takes) of the
+groups (model_groups.py). Which calls are running, and so when a group may go home, is
+model_calls.py; the device copies that weights autograd saved still reference, and a backward's
+read of a released one, are model_saved.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import weakref
 from typing import Sequence
 
 import torch
@@ -42,42 +40,15 @@ from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
-from .autograd import DeviceCopy
 from .calls import compile_disabled
 from .common import allocate_device, default_placement, pack_units, unpack_units
 from .model_calls import ComponentCalls
+from .model_groups import Component, Group
 from .model_saved import SavedCopies, release_copy
 from .part import write_back
 from .ring import kept_views, viewed
 
 logger = logging.getLogger(__name__)
-
-
-
-@dataclasses.dataclass
-class Component:
-    name: str
-    module: nn.Module
-    unit: WeightUnit
-    device: dict[torch.dtype, torch.Tensor] | None = None
-    binding: Binding | None = None
-    home: Home | None = None
-    # its latest device copy as weights autograd saved reference it (weakly: alive while a graph is)
-    copy: weakref.ref[DeviceCopy] | None = None
-
-
-@dataclasses.dataclass
-class Group:
-    name: str
-    components: list[Component]
-    ready: Event | None = None
-    state: str = "host"  # "host" | "loading" | "active"
-    ticket: object = None  # the stager's ticket of a pending load (homes outside pinned memory)
-    recorded: bool = True  # False while a load is queued: ``ready`` is recorded after its copies
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.unit.nbytes for c in self.components)
 
 
 class ModelLevelOffload(ComponentCalls, SavedCopies):

@@ -12,16 +12,13 @@ one place where autograd, not a call, brings a group back to the device.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..locks import locked
 from .autograd import DeviceCopy, at_backward_end
+from .model_groups import Component
 from .part import Part
-
-if TYPE_CHECKING:
-    from .model_level import Component
 
 
 class SavedCopies(Part):
