@@ -78,6 +78,8 @@ class Mutant:
 C = "offload_core/strategies/part.py"
 L = "offload_core/strategies/layerwise.py"
 M = "offload_core/strategies/model_level.py"
+MC = "offload_core/strategies/model_calls.py"
+MS = "offload_core/strategies/model_saved.py"
 G = "offload_core/strategies/gather.py"
 RING = "offload_core/strategies/ring.py"
 R = "offload_core/strategies/resident.py"
@@ -145,19 +147,19 @@ MUTANTS = [
     Mutant("distributed disable: host waits for the read-back", G, "reader.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------
     Mutant("model-level: disable swaps every group home, also in the middle of a call", M, "self.release_all()",
-           (CALLBACK_DISABLE,), occurrence=0, occurrences=7),
-    Mutant("model-level: a pipeline call's groups leave the device when it ends", M, "self.release_all()",
-           (PIPELINES, MODEL_LEVEL, LORA), occurrence=1, occurrences=7),
-    Mutant("model-level: a component called on its own leaves the device after its forward", M,
-           "self.release_all()", (MODEL_LEVEL,), occurrence=2, occurrences=7),
-    Mutant("model-level: a child called on its own (vae.decode) leaves the device after it", M,
-           "self.release_all()", (CHILD_ALONE,), occurrence=3, occurrences=7),
-    Mutant("model-level: a staged group leaves the device when another phase begins", M, "self.release_all()",
-           (PHASES_I2V,), occurrence=4, occurrences=7),
-    Mutant("model-level: a saved weight read outside a backward leaves its group home again", M,
-           "self.release_all()", (SAVED_READ,), occurrence=5, occurrences=7),
-    Mutant("model-level: a backward that made a group active sends it home when it ends", M,
-           "self.release_all()", (CHAINED_BACKWARD,), occurrence=6, occurrences=7),
+           (CALLBACK_DISABLE,)),
+    Mutant("model-level: a pipeline call's groups leave the device when it ends", MC, "self.release_all()",
+           (PIPELINES, MODEL_LEVEL, LORA), occurrence=0, occurrences=4),
+    Mutant("model-level: a component called on its own leaves the device after its forward", MC,
+           "self.release_all()", (MODEL_LEVEL,), occurrence=1, occurrences=4),
+    Mutant("model-level: a child called on its own (vae.decode) leaves the device after it", MC,
+           "self.release_all()", (CHILD_ALONE,), occurrence=2, occurrences=4),
+    Mutant("model-level: a staged group leaves the device when another phase begins", MC, "self.release_all()",
+           (PHASES_I2V,), occurrence=3, occurrences=4),
+    Mutant("model-level: a saved weight read outside a backward leaves its group home again", MS,
+           "self.release_all()", (SAVED_READ,), occurrence=0, occurrences=2),
+    Mutant("model-level: a backward that made a group active sends it home when it ends", MS,
+           "self.release_all()", (CHAINED_BACKWARD,), occurrence=1, occurrences=2),
     Mutant("model-level: compute waits for the group's ready event", M, "group.ready.wait(compute)", (PIPELINES, MODEL_LEVEL)),
     Mutant("model-level: a staged group's ticket is waited before its ready event", M,
            "self.placement.wait(ticket)", (STAGED_PIPELINE,)),

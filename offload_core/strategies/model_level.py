@@ -15,14 +15,17 @@ overlaps compute.
 Groups stay active for a whole pipeline call and are dropped when it ends; a component called
 outside a pipeline call (a bare module, ``pipe.vae.decode(...)``) is dropped when its outermost
 forward returns. Between calls every tensor shows its host buffer, the truth.
+
+This module holds the swapping (loads, prefetch, swap-out, what a group's compute takes) of the
+groups (model_groups.py). Which calls are running, and so when a group may go home, is
+model_calls.py; the device copies that weights autograd saved still reference, and a backward's
+read of a released one, are model_saved.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import weakref
 from typing import Sequence
 
 import torch
@@ -37,44 +40,21 @@ from ..transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors
-from .autograd import DeviceCopy, SavedParameters, at_backward_end, refuse_function_transforms
+from .calls import compile_disabled
 from .common import allocate_device, default_placement, pack_units, unpack_units
-from .calls import calls_running, compile_disabled
-from .part import Part, write_back
+from .model_calls import ComponentCalls
+from .model_groups import Component, Group
+from .model_saved import SavedCopies, release_copy
+from .part import write_back
 from .ring import kept_views, viewed
 
 logger = logging.getLogger(__name__)
 
 
-
-@dataclasses.dataclass
-class Component:
-    name: str
-    module: nn.Module
-    unit: WeightUnit
-    device: dict[torch.dtype, torch.Tensor] | None = None
-    binding: Binding | None = None
-    home: Home | None = None
-    # its latest device copy as weights autograd saved reference it (weakly: alive while a graph is)
-    copy: weakref.ref[DeviceCopy] | None = None
-
-
-@dataclasses.dataclass
-class Group:
-    name: str
-    components: list[Component]
-    ready: Event | None = None
-    state: str = "host"  # "host" | "loading" | "active"
-    ticket: object = None  # the stager's ticket of a pending load (homes outside pinned memory)
-    recorded: bool = True  # False while a load is queued: ``ready`` is recorded after its copies
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.unit.nbytes for c in self.components)
-
-
-class ModelLevelOffload(Part):
-    """Swaps named groups of modules; the order hint is the groups' usual order of use."""
+class ModelLevelOffload(ComponentCalls, SavedCopies):
+    """Swaps named groups of modules; the order hint is the groups' usual order of use. When a
+    group goes to the device and home again is decided by its component calls (model_calls.py);
+    the device copies saved weights reference live on in model_saved.py."""
 
     def __init__(
         self,
@@ -90,21 +70,19 @@ class ModelLevelOffload(Part):
         # a budget's activation headroom per component: what a group's compute is taken to need until measured
         self.reserved = dict(reserved or {})
         self._spec = [(name, list(members)) for name, members in groups]
-        self._plan()
+        self._form_groups()
         # the group that usually runs next: the declared order first, then what was observed within
         # a call; the last group has none, so nothing is prefetched only to be released at call end
         self._next: dict[int, int | None] = {i: i + 1 for i in range(len(self.groups) - 1)}
         self._active: int | None = None
-        self._calls = 0  # pipeline calls in progress: groups stay on the device until they end
-        self._depth = 0  # component forwards in progress
-        self._saving: list = []  # per component forward in progress: its SavedParameters, if recording
         self.peak_weight_bytes = 0
         self._activation_bytes: dict[int, int] = {}  # group -> device bytes its calls took beyond its weights
         self._measuring: tuple[int, int] | None = None  # (group, memory allocated when it became active)
-        self.epoch = 0  # counts enables: a released device copy is read again within one
         _swaps_run_eagerly()
 
-    def _plan(self) -> None:
+    def _form_groups(self) -> None:
+        """One component per module with weights (a module registered twice counts once), grouped
+        as declared; a group left with none is dropped."""
         self.groups: list[Group] = []
         seen: set[int] = set()
         for group_name, members in self._spec:
@@ -119,7 +97,7 @@ class ModelLevelOffload(Part):
         if not self.groups:
             raise ValueError("model-level offload found no module with weights to offload")
 
-    _replan = _plan
+    _replan = _form_groups  # a re-pack (Part.repack) forms the groups again from the modules now
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: each swaps in once per call."""
@@ -176,15 +154,6 @@ class ModelLevelOffload(Part):
             ", ".join(f"{g.name} ({g.nbytes / 2**20:.1f} MB)" for g in self.groups),
         )
 
-    def _instrument(self) -> None:
-        device = self.backend.device()
-        for index, group in enumerate(self.groups):
-            for c in group.components:
-                self._wrap(c.module, functools.partial(self._enter, index), self._exit, device)
-                for child in c.module.children():  # encode()/decode() bypass the root's call
-                    self._hooks.append(child.register_forward_pre_hook(functools.partial(self._child_hook, index)))
-                    self._hooks.append(child.register_forward_hook(self._child_done, always_call=True))
-
     def truth(self) -> list:
         self._settle()
         return [(c.unit, c.unit.host_views, c.unit.host) for g in self.groups for c in g.components]
@@ -200,7 +169,7 @@ class ModelLevelOffload(Part):
         components = [c for g in self.groups for c in g.components]
         for c in components:
             c.home = None  # it references the home, which goes as soon as its unit is unpacked
-            _release_copy(c)  # a graph kept without a backward holds no device memory past disable
+            release_copy(c)  # a graph kept without a backward holds no device memory past disable
         unpack_units([c.unit for c in components], self.placement)
         self.enabled = False
 
@@ -209,15 +178,6 @@ class ModelLevelOffload(Part):
         group out waits for its copies)."""
         self.placement.drain()
         self.release_all()
-
-    def begin_call(self) -> None:
-        """A pipeline call starts: groups stay on the device until it ends."""
-        self._calls += 1
-
-    def end_call(self) -> None:
-        self._calls -= 1
-        if self._calls == 0:
-            self.release_all()
 
     def release_all(self) -> None:
         """Swap every group out (end of a pipeline call), keeping the learned order."""
@@ -229,85 +189,6 @@ class ModelLevelOffload(Part):
             self._swap_out(group)
 
     # -- swapping -------------------------------------------------------------------------
-    def _enter(self, index: int) -> None:
-        refuse_function_transforms(self.describe())
-        if self._depth or self._saving:  # rare: a nested call, or what an interrupted one left
-            self._repair(calls_running(self.modules()) - 1)
-        self._depth += 1
-        self._before_use(index)
-        saving = None
-        if torch.is_grad_enabled():
-            components = self.groups[index].components
-            saving = SavedParameters(self._device_copies(index), [c.binding for c in components])
-        self._saving.append(saving)  # before its hooks are pushed: an interrupt then is undone by _exit
-        if saving is not None:
-            saving.__enter__()
-
-    def _device_copies(self, index: int) -> list[DeviceCopy]:
-        """The device copies of group ``index`` (active) as the weights a recording forward saves
-        reference them: one per load, shared by every graph recorded while it lasts."""
-        copies = []
-        for c in self.groups[index].components:
-            copy = c.copy() if c.copy is not None else None
-            if copy is None:
-                copy = DeviceCopy(weakref.ref(self), c.name, self.epoch, c.device)
-                c.copy = weakref.ref(copy)
-            copies.append(copy)
-        return copies
-
-    def _exit(self, failed: bool) -> None:
-        self._depth = max(self._depth - 1, 0)  # an _enter interrupted before its count: not below 0
-        if len(self._saving) > self._depth:  # entries are added once the group is on the device
-            saving = self._saving[-1]
-            if saving is not None:
-                saving.__exit__(None, None, None)
-            self._saving.pop()  # last: an exit interrupted before it is done again by the next call
-        if self._depth == 0 and self._calls == 0:
-            self.release_all()
-
-    def _repair(self, depth: int) -> None:
-        """``depth`` component calls are running (on the stack): an interrupt tore the end of any
-        other (its ``_exit`` never ran, or ran half-way). Its saved-tensor hooks, the latest
-        pushed, come off, and the count is set right."""
-        if self._depth <= depth and len(self._saving) <= depth:
-            return
-        logger.info("%s: undoing what an interrupted call left behind", self.describe())
-        while len(self._saving) > depth:
-            saving = self._saving[-1]
-            if saving is not None:
-                saving.__exit__(None, None, None)
-            self._saving.pop()
-        self._depth = depth
-
-    def _child_hook(self, index: int, module: nn.Module, args) -> None:
-        """A child called directly (``vae.decode``) activates its group. Traced inside a compiled
-        root, where the group is active already, it is a guarded no-op, so the graph is whole."""
-        if self._active != index:
-            self._before_use(index)
-
-    def _child_done(self, module: nn.Module, args, output) -> None:
-        """A child called directly, outside a pipeline call and its component's own call: its
-        group leaves the device (a guarded no-op inside a compiled root)."""
-        if self._depth == 0 and self._calls == 0 and self._active is not None:
-            self._release()
-
-    def _release(self) -> None:
-        self.release_all()
-
-    def measured_activations(self) -> dict[str, int]:
-        return {c.name: used for index, used in self._activation_bytes.items() for c in self.groups[index].components}
-
-    # -- phases (phases.py) -----------------------------------------------------------------------
-    def yields(self) -> list[str]:
-        """Staged components (loaded around their use, no prefetch) leave the device when
-        another phase begins, not only when the call ends."""
-        return [] if self.prefetch else [c.name for g in self.groups for c in g.components]
-
-    def give_way(self, component: str) -> None:
-        active = self._active
-        if active is not None and self._depth == 0 and any(c.name == component for c in self.groups[active].components):
-            self.release_all()
-
     def _before_use(self, index: int) -> None:
         if self._active == index:
             return
@@ -356,7 +237,7 @@ class ModelLevelOffload(Part):
         components' previous device copies, which graphs kept without a backward may still
         reference, are released first (``saved_buffers`` reads them again if a backward comes)."""
         for c in group.components:
-            _release_copy(c)
+            release_copy(c)
         buffers = [
             allocate_device(self.backend, c.unit.numel, f"{c.name} on the device ({group.name} group)")
             for c in group.components
@@ -373,45 +254,6 @@ class ModelLevelOffload(Part):
         group.ticket = self.placement.run(functools.partial(self._queue_load, group, freed, transfers))
         self.counters.loads += 1
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._device_bytes())
-
-    def saved_buffers(self, copy: DeviceCopy) -> dict[torch.dtype, torch.Tensor]:
-        """A backward reads weights it saved from ``copy``, which was released (the component was
-        loaded again since, or ``disable()`` ran): the component's group becomes active again, as
-        for a forward, and its current device copy is read (the saved weights' versions say they
-        did not change since). A group this made active goes home when the backward ends (outside
-        a pipeline call); read outside a backward, the weights are a copy and the group goes home
-        at once."""
-        return locked(self.lock, self._saved_buffers, copy)
-
-    def _saved_buffers(self, copy: DeviceCopy) -> dict[torch.dtype, torch.Tensor]:
-        self._check_layout(copy)
-        index = next(i for i, g in enumerate(self.groups) for c in g.components if c.name == copy.name)
-        swapped, outside_calls = self._active != index, self._depth == 0 and self._calls == 0
-        self._before_use(index)
-        self._check_layout(copy)  # a structure changed since the forward re-packs on the way in
-        component = next(c for c in self.groups[index].components if c.name == copy.name)
-        if not swapped or not outside_calls or at_backward_end(self._after_backward):
-            return component.device
-        buffers = {dtype: b.clone() for dtype, b in component.device.items()}
-        self.release_all()
-        return buffers
-
-    def _check_layout(self, copy: DeviceCopy) -> None:
-        if not self.enabled or copy.epoch != self.epoch:
-            raise RuntimeError(
-                f"this backward reads weights of {copy.name}, but its model-level offload was disabled or re-packed "
-                "(a structural change) since the forward that saved them: run backward before handle.disable() "
-                "or before changing the model's structure"
-            )
-
-    def _after_backward(self) -> None:
-        """A backward that made groups active to read saved weights ended: they go home, unless a
-        call began meanwhile."""
-        locked(self.lock, self._release_after_backward)
-
-    def _release_after_backward(self) -> None:
-        if self.enabled and self._depth == 0 and self._calls == 0:
-            self.release_all()
 
     def _queue_load(self, group: Group, freed: Event, transfers: list) -> None:
         """Queue a group's copies after ``freed`` and its ready event after them (at once, or on
@@ -460,6 +302,9 @@ class ModelLevelOffload(Part):
                 self._load(group)
             except torch.OutOfMemoryError:  # only an optimisation: the group loads when it is used
                 logger.debug("no room to prefetch %s after all", group.name)
+
+    def measured_activations(self) -> dict[str, int]:
+        return {c.name: used for index, used in self._activation_bytes.items() for c in self.groups[index].components}
 
     def _start_measuring(self, index: int) -> None:
         """On a group's first use, note the device memory allocated with its weights in place, so
@@ -511,13 +356,6 @@ class ModelLevelOffload(Part):
     def _write_back(self, name: str, pairs) -> None:
         logger.debug("%d tensors of %s changed on the device; copying them home", len(pairs), name)
         write_back(self.backend, pairs)
-
-
-def _release_copy(c: Component) -> None:
-    copy = c.copy() if c.copy is not None else None
-    if copy is not None:
-        copy.release()
-    c.copy = None
 
 
 @functools.cache
