@@ -1,6 +1,6 @@
 """The checks behind docs/compatibility.md: one function per row of ``ROWS`` in
 ``tools/compatibility.py``, run once per strategy ("model", "layerwise", "distributed"); the
-torch.compile rows' checks are in compat/test_compile.py, which runs them.
+torch.compile rows' checks are in compat/compile_cases.py, which compat/test_compile.py runs.
 
 Each check builds tiny diffusers models in code, applies the feature without offload to get the
 reference, then with offload (on the given backend, in chaos mode) and compares outputs with

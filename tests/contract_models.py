@@ -1,6 +1,7 @@
 """Models and checks shared by the contract tests (docs/design.md, "What you can do to an
 offloaded model"): a block stack whose forward updates buffers and reads block weights outside
-the blocks, deterministic inputs, and comparisons with the same model without offload."""
+the blocks, deterministic inputs, comparisons with the same model without offload, and LoRA state
+dicts made in code for the tiny FLUX.2."""
 
 from __future__ import annotations
 
@@ -113,3 +114,16 @@ def raise_once(error: BaseException):
             raise error
 
     return hook
+
+
+def lora_state_dict(transformer, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
+    """A LoRA for the attention query/value projections in the blocks and for ``proj_out`` (which
+    stays resident under layerwise offload), in the peft layout diffusers loads."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in transformer.named_modules():
+        if name.endswith(("attn.to_q", "attn.to_v")) or name == "proj_out":
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=g) * 0.5
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=g) * 0.5
+    return state
+

@@ -1,9 +1,11 @@
 """Throwaway plugin distributions, installed the way a vendor's would be: a one-module project
-with an ``offload_core`` entry point, built and installed offline into a target folder."""
+with an ``offload_core`` entry point, built and installed offline into a target folder, and the
+conformance kit's results read back from its output."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +61,11 @@ def plugin_env(path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_CORE_", "PYTEST_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
     return env
+
+
+def outcomes(output: str) -> tuple[set[str], set[str]]:
+    """(passed, failed) test ids, relative to the kit package, from ``pytest -rA`` output."""
+    found: dict[str, set[str]] = {"PASSED": set(), "FAILED": set()}
+    for status, nodeid in re.findall(r"^(PASSED|FAILED) (\S+\.py::\S+)", output, re.M):
+        found[status].add(nodeid.split("offload_core/testing/")[-1])
+    return found["PASSED"], found["FAILED"]

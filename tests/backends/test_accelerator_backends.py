@@ -12,12 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.util
-import inspect
-import json
-import os
-import subprocess
 import sys
-import textwrap
 import threading
 import types
 from pathlib import Path
@@ -35,6 +30,10 @@ from offload_core_cuda import CudaBackend
 from offload_core_npu import NpuBackend
 
 from helpers import free_port
+from vendor import (
+    COMPUTE, DEFAULT, GATHER, NPU_ONLY, VENDOR, Recorder, StandInModule, VendorEvent, VendorModule, VendorStream,
+    run_python, signature_problems, torch_as_of,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VENDOR_NAMES = ("torch.cuda", "torch.npu", "torch_npu")
@@ -45,20 +44,6 @@ no_cuda_build = pytest.mark.skipif(
 no_npu_runtime = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed")
 
 pytestmark = pytest.mark.quick  # the CUDA and NPU backend paths, in the quick subset (pytest -m quick)
-
-
-def run_python(code: str, *, pythonpath: Path | None = None, env: dict[str, str] | None = None) -> dict:
-    """Run ``code`` in a fresh interpreter, so no earlier test's imports or device state leak in;
-    the code prints one JSON document as its last line."""
-    full_env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_CORE_BACKEND"}
-    if pythonpath is not None:
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), full_env.get("PYTHONPATH")]))
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # -- plugins: import, registration, probing ----------------------------------------------------
@@ -148,39 +133,12 @@ def test_get_backend_of_an_absent_device_raises_a_clear_error(name, reason):
 # -- the whole ABC is implemented ------------------------------------------------------------
 
 
-def _signature_problems(abc_fn, impl_fn) -> list[str]:
-    """Ways in which ``impl_fn`` cannot be called the way the ABC documents ``abc_fn``."""
-    abc_sig, impl_sig = inspect.signature(abc_fn), inspect.signature(impl_fn)
-    impl = impl_sig.parameters
-    var_kinds = {p.kind for p in impl.values()} & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
-    problems = []
-    for name, param in abc_sig.parameters.items():
-        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            if param.kind not in var_kinds:
-                problems.append(f"does not accept {param}")
-            continue
-        if name not in impl:
-            if inspect.Parameter.VAR_KEYWORD not in var_kinds:
-                problems.append(f"lacks parameter {name!r}")
-            continue
-        if param.default is not inspect.Parameter.empty and impl[name].default is inspect.Parameter.empty:
-            problems.append(f"makes optional parameter {name!r} required")
-    for name, param in impl.items():
-        required = param.default is inspect.Parameter.empty and param.kind not in (
-            inspect.Parameter.VAR_POSITIONAL,
-            inspect.Parameter.VAR_KEYWORD,
-        )
-        if required and name not in abc_sig.parameters:
-            problems.append(f"adds required parameter {name!r}")
-    return problems
-
-
 @pytest.mark.parametrize("cls", [CudaBackend, NpuBackend])
 def test_every_abstract_method_is_implemented_with_a_compatible_signature(cls):
     assert not cls.__abstractmethods__
     problems = {}
     for name in sorted(DeviceBackend.__abstractmethods__):
-        found = _signature_problems(getattr(DeviceBackend, name), getattr(cls, name))
+        found = signature_problems(getattr(DeviceBackend, name), getattr(cls, name))
         if found:
             problems[name] = found
     assert problems == {}
@@ -193,8 +151,8 @@ def test_the_signature_check_can_fail():
 
     def required_stream(self, dst, src, stream): ...
 
-    assert _signature_problems(abc_method, renamed) == ["lacks parameter 'src'", "adds required parameter 'source'"]
-    assert _signature_problems(abc_method, required_stream) == ["makes optional parameter 'stream' required"]
+    assert signature_problems(abc_method, renamed) == ["lacks parameter 'src'", "adds required parameter 'source'"]
+    assert signature_problems(abc_method, required_stream) == ["makes optional parameter 'stream' required"]
 
 
 def test_torch_generic_stream_and_event_satisfy_the_abc_protocols():
@@ -266,52 +224,6 @@ def test_a_broken_npu_runtime_is_unavailable_with_its_error_and_not_reimported(f
 
 
 # -- the base class against a stand-in device module -----------------------------------------
-
-
-def stand_in_stream(stream_id: int) -> torch.Stream:
-    """A torch.Stream handle (device type 1 is CUDA); only its identity is used."""
-    return torch.Stream(stream_id=stream_id, device_index=0, device_type=1)
-
-
-DEFAULT, GATHER, COMPUTE = (stand_in_stream(i) for i in range(3))
-
-
-class StandInModule:
-    """The device-module calls AcceleratorBackend makes, recorded; no device behind them."""
-
-    def __init__(self, count: int = 4) -> None:
-        self.count = count
-        self.current = 0
-        self.calls: list[tuple] = []
-        self.stream_stack: list[object] = []
-
-    def device_count(self) -> int:
-        return self.count
-
-    def current_device(self) -> int:
-        return self.current
-
-    def set_device(self, index: int) -> None:
-        self.calls.append(("set_device", index))
-        self.current = index
-
-    def synchronize(self, index: int) -> None:
-        self.calls.append(("synchronize", index))
-
-    def stream(self, stream):
-        module = self
-
-        class Context:
-            def __enter__(self):
-                module.stream_stack.append(stream)
-
-            def __exit__(self, *exc):
-                module.stream_stack.pop()
-
-        return Context()
-
-    def current_stream(self, device):
-        return self.stream_stack[-1] if self.stream_stack else DEFAULT
 
 
 class StandInBackend(AcceleratorBackend):
@@ -448,121 +360,6 @@ def test_tracker_cap_raises_the_given_error_and_a_failed_allocation_leaks_nothin
 # -- streams and events through the device module (a stand-in whose generic streams raise) ------
 
 
-class VendorStream:
-    """A device module's own stream class: a synchronous stand-in device, so that work is done
-    when issued, with the checks a vendor runtime makes."""
-
-    def __init__(self, device=None, priority=0):
-        self.device = torch.device(device) if device is not None else torch.device("cpu", 0)
-
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool:
-        return True
-
-    def wait_event(self, event) -> None:
-        event.wait(self)
-
-
-def _require_vendor_stream(stream, what: str) -> None:
-    # torch_npu's event record/wait cast their argument to the NPU stream type: anything else
-    # (a generic torch.Stream) is undefined behaviour there, an error here.
-    if not isinstance(stream, VendorStream):
-        raise TypeError(f"{what} needs a vendor stream, got {type(stream).__name__}")
-
-
-class VendorEvent:
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        self.recorded_on = None
-
-    def record(self, stream=None):
-        stream = stream if stream is not None else VENDOR.current_stream()
-        _require_vendor_stream(stream, "Event.record")
-        self.recorded_on = stream
-
-    def wait(self, stream=None):
-        _require_vendor_stream(stream if stream is not None else VENDOR.current_stream(), "Event.wait")
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None: ...
-
-
-class VendorModule(StandInModule):
-    """A device module with its own Stream and Event classes, stream context and memory figures."""
-
-    Stream = VendorStream
-    Event = VendorEvent
-
-    def __init__(self) -> None:
-        super().__init__(count=1)
-        self.default = VendorStream()
-        self.allocated, self.reserved, self.driver_free, self.total = 0, 0, 0, 0
-        self.host_cache_emptied = 0
-
-    def stream(self, stream):
-        _require_vendor_stream(stream, "stream()")
-        return super().stream(stream)
-
-    def current_stream(self, device=None):
-        return self.stream_stack[-1] if self.stream_stack else self.default
-
-    def memory_allocated(self, device=None) -> int:
-        return self.allocated
-
-    def max_memory_allocated(self, device=None) -> int:
-        return self.allocated
-
-    def reset_peak_memory_stats(self, device=None) -> None: ...
-
-    def memory_reserved(self, device=None) -> int:
-        return self.reserved
-
-    def mem_get_info(self, device=None) -> tuple[int, int]:
-        return self.driver_free, self.total
-
-    def host_empty_cache(self) -> None:  # torch_npu's name; torch.cuda has none
-        self.host_cache_emptied += 1
-
-
-VENDOR = VendorModule()
-
-
-class VendorBackend(NpuBackend):
-    """An NPU-like device whose generic stream creation is unsupported; tensors live on the CPU so
-    that a strategy can run end to end on it."""
-
-    name = "vendor-stand-in"
-    device_type = "cpu"
-    dist_backend = "gloo"
-
-    @classmethod
-    def probe(cls) -> bool:
-        return True
-
-    def _device_module(self):
-        return VENDOR
-
-
-@pytest.fixture
-def vendor_backend(monkeypatch):
-    """The stand-in backend, with torch's generic stream and event constructors raising as they
-    do on a device whose guard does not implement them, and plain memory as "pinned" memory."""
-
-    def unsupported(*args, **kwargs):
-        raise RuntimeError("Backend doesn't support creating a new Stream")
-
-    # Only the backend's view of torch changes: torch itself stays intact for everything else.
-    generic_unsupported = types.ModuleType("torch")
-    generic_unsupported.__getattr__ = lambda name: getattr(torch, name)
-    generic_unsupported.Stream = generic_unsupported.Event = unsupported
-    monkeypatch.setattr("offload_core.device.accelerator.torch", generic_unsupported)
-    monkeypatch.setattr("offload_core.device.accelerator._pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    VENDOR.__init__()
-    return VendorBackend()
-
-
 def test_streams_and_events_come_from_the_device_module(vendor_backend):
     backend = vendor_backend
     side = backend.new_stream()
@@ -645,9 +442,6 @@ def test_collective_timeout_is_torchs_default_unless_the_user_sets_one(monkeypat
 
 # -- the stand-ins name only what the real modules have ------------------------------------------
 
-#: torch_npu's names that torch.cuda lacks (listed in torch_npu.npu.__all__)
-NPU_ONLY = {"host_empty_cache"}
-
 
 @pytest.mark.parametrize("stand_in", [StandInModule, VendorModule])
 def test_stand_in_device_modules_have_only_names_the_real_modules_have(stand_in):
@@ -659,33 +453,6 @@ def test_stand_in_device_modules_have_only_names_the_real_modules_have(stand_in)
 
 
 # -- the pinned host cache, by the names each torch and torch_npu version has ---------------------
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def __call__(self, name: str):
-        return lambda: self.calls.append(name)
-
-
-def torch_as_of(recorder: Recorder, *, host_empty_cache: bool, accelerator_empty: bool, accelerator: str | None):
-    """A ``torch`` with the host-cache names of one version and build, and nothing else changed.
-    Checked in the wheels: ``torch._C._host_emptyCache`` is in every CUDA build from 2.6 (not in
-    CPU builds); ``torch.accelerator`` exists from 2.6, its ``empty_host_cache`` from 2.12."""
-    stand_in = types.ModuleType("torch")
-    stand_in.__getattr__ = lambda name: getattr(torch, name)
-    stand_in._C = types.SimpleNamespace(**({"_host_emptyCache": recorder("_C._host_emptyCache")} if host_empty_cache else {}))
-    names = {
-        # a torch.device where the device type is registered ("npu" needs torch_npu): its type
-        "current_accelerator": lambda: types.SimpleNamespace(type=accelerator) if accelerator else None,
-        "device_count": lambda: 1 if accelerator else 0,
-        "is_available": lambda: accelerator is not None,
-    }
-    if accelerator_empty:
-        names["empty_host_cache"] = recorder("accelerator.empty_host_cache")
-    stand_in.accelerator = types.SimpleNamespace(**names)
-    return stand_in
 
 
 class StandInCuda(CudaBackend):

@@ -13,13 +13,12 @@ kit) and by ``test_third_party_plugin.py`` for an installed third-party backend.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from plugin_dists import pip_install, plugin_env, write_project
+from plugin_dists import outcomes, pip_install, plugin_env, write_project
 
 MODULE = '''\
 """Backends that break the DeviceBackend contract on purpose."""
@@ -96,14 +95,6 @@ MUST_PASS = {
     "broken": {"test_streams.py::test_stream_runs_work_in_fifo_order", "test_memory.py::test_empty_pinned_is_pinned"},
     "liar": {"test_memory.py::test_capacity_raises_out_of_memory"},
 }
-
-
-def outcomes(output: str) -> tuple[set[str], set[str]]:
-    """(passed, failed) test ids, relative to the kit package, from ``pytest -rA`` output."""
-    found: dict[str, set[str]] = {"PASSED": set(), "FAILED": set()}
-    for status, nodeid in re.findall(r"^(PASSED|FAILED) (\S+\.py::\S+)", output, re.M):
-        found[status].add(nodeid.split("offload_core/testing/")[-1])
-    return found["PASSED"], found["FAILED"]
 
 
 @pytest.fixture(scope="module")

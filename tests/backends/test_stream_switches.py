@@ -107,7 +107,7 @@ def test_the_fake_counts_each_unbatched_call_and_nothing_nested_on_the_same_stre
 def test_accelerator_base_selects_the_stream_once_per_block(monkeypatch):
     """The generic accelerator backend against a stand-in device module (streams and events of
     its own, a synchronous device) that counts the ``stream()`` contexts it is asked for."""
-    from test_accelerator_backends import VENDOR, VendorBackend, VendorModule
+    from vendor import VENDOR, VendorBackend, VendorModule
 
     entered: list = []
     stream = VendorModule.stream

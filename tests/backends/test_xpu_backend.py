@@ -19,9 +19,8 @@ from offload_core.device.accelerator import BackendUnavailableError
 from offload_core.device.backend import Capability, DeviceBackend
 from offload_core_xpu import XpuBackend
 
-from plugin_dists import plugin_env, write_installed
-from test_conformance_can_fail import outcomes
-from test_accelerator_backends import Recorder, _signature_problems, run_python, torch_as_of
+from plugin_dists import outcomes, plugin_env, write_installed
+from vendor import Recorder, run_python, signature_problems, torch_as_of
 from xpu_standin import StandInXpu, StandInXpuBackend
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -60,7 +59,7 @@ def test_probing_initialises_no_xpu_state():
 
 def test_every_abstract_method_is_implemented_with_a_compatible_signature():
     assert not XpuBackend.__abstractmethods__
-    problems = {name: _signature_problems(getattr(DeviceBackend, name), getattr(XpuBackend, name))
+    problems = {name: signature_problems(getattr(DeviceBackend, name), getattr(XpuBackend, name))
                 for name in DeviceBackend.__abstractmethods__}
     assert {k: v for k, v in problems.items() if v} == {}
 

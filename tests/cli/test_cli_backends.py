@@ -17,9 +17,7 @@ from offload_core.device.plugins import ENV_BACKEND, PluginFailure, registry
 KINDS = {"simulator", "in-tree accelerator", "vendor accelerator"}
 
 
-@pytest.fixture(autouse=True)
-def no_env_override(monkeypatch):
-    monkeypatch.delenv(ENV_BACKEND, raising=False)
+pytestmark = pytest.mark.usefixtures("no_env_override")
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:

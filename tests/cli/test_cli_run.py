@@ -45,9 +45,7 @@ STABLE_FIELDS = (
 )
 
 
-@pytest.fixture(autouse=True)
-def no_env_override(monkeypatch):
-    monkeypatch.delenv(ENV_BACKEND, raising=False)
+pytestmark = pytest.mark.usefixtures("no_env_override")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,7 +1,7 @@
 """docs/compatibility.md: every cell of the table is a check that runs, and the file is generated
-from the table. The checks are in compat_cases.py and, for torch.compile, test_compile.py, which
-runs its own cells; the other model-level and layerwise cells run here, the whole distributed
-column on two gloo processes."""
+from the table. The checks are in compat_cases.py and, for torch.compile, compat/compile_cases.py,
+whose model-level and layerwise cells test_compile.py runs; the other model-level and layerwise
+cells run here, the whole distributed column on two gloo processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from tools.compatibility import ROWS, cells, render
 
 import compat_cases
-import test_compile
+import compile_cases
 from helpers import chaos_backend, free_port
 
 #: the table is a statement about the fake backend (chaos mode, its sanitizer, CPU references)
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.fake_only
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 WORLD = 2
 #: every row's check, in the table's order
-CHECKS = {**test_compile.CASES, **compat_cases.CASES}
+CHECKS = {**compile_cases.CASES, **compat_cases.CASES}
 SINGLE = [cell for cell in cells(("model", "layerwise")) if cell[0] in compat_cases.CASES]
 
 

@@ -12,56 +12,11 @@ from __future__ import annotations
 
 import copy
 import datetime
-import sys
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from helpers import free_port
-
-WORLD = 2
-SECONDS = 240  # generous for a loaded machine; a hang shows up as a failure, not a stuck suite
-
-
-def spawn_bounded(fn, *args) -> None:
-    context = mp.spawn(fn, args=(free_port(), *args), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SECONDS
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"ranks still running after {SECONDS} s: a hang")
-
-
-def _setup(rank: int, port: int):
-    sys.path.insert(0, __file__.rsplit("/", 2)[0])
-    torch.set_num_threads(1)
-    import offload_core
-
-    backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
-    backend.init_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout=datetime.timedelta(seconds=60))
-    return backend
-
-
-def _model(seed: int = 0, counting: bool = False):
-    """Four blocks of one shape (so that mismatched gathers pair up, the dangerous case); with
-    ``counting``, each block has a layer whose forward updates buffers."""
-    from contract_models import Counting
-    from stacks import Block, Layer, Stack
-
-    g = torch.Generator().manual_seed(seed)
-    blocks = [
-        Block([Layer(8, torch.float32, i % 2 == 1, g), *([Counting(8, g)] if counting else [])]) for i in range(4)
-    ]
-    return Stack(8, blocks, g).eval()
-
-
-def _run(model, step: int):
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
-    with torch.no_grad():
-        return model(x).clone()
+from two_ranks import four_blocks, join_ranks, run_step, spawn_bounded
 
 
 def _alone(model, block: int):
@@ -71,7 +26,7 @@ def _alone(model, block: int):
 
 
 def _sharded_contract(rank: int, port: int) -> None:
-    backend = _setup(rank, port)
+    backend = join_ranks(rank, port)
     import offload_core
     from contract_models import assert_same, raise_once
     from helpers import assert_same_state, snapshot
@@ -86,7 +41,7 @@ def _sharded_contract(rank: int, port: int) -> None:
         assert all("forward" not in m.__dict__ for m in model.modules())
 
     # -- enable agreement: a rank that fails rolls every rank back --------------------------
-    model = _model()
+    model = four_blocks()
     before = snapshot(model)
     # a device too small for the slots on rank 1 (a pinned cap no longer fails: homes fall back to pageable)
     failing = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001, device_memory=64 if rank == 1 else None)
@@ -104,10 +59,10 @@ def _sharded_contract(rank: int, port: int) -> None:
     untouched(model, before)
 
     # -- buffers updated in forward keep their values; placeholders outside a block's forward ----
-    model, reference = _model(counting=True), _model(counting=True)
+    model, reference = four_blocks(counting=True), four_blocks(counting=True)
     handle = enable(model)
     for step in range(3):
-        assert torch.equal(_run(model, step), _run(reference, step)), f"rank {rank} step {step}"
+        assert torch.equal(run_step(model, step), run_step(reference, step)), f"rank {rank} step {step}"
     outside = model.blocks[1].layers[0].weight
     assert outside.isnan().all(), "a sharded block's weights outside its forward are placeholders, never another block's"
     for write in (lambda: outside.data.add_(1), lambda: outside.mul_(2)):  # never silently dropped
@@ -123,42 +78,42 @@ def _sharded_contract(rank: int, port: int) -> None:
     assert_same(model, reference)
 
     # -- failures and mismatches: a clear error on every rank, then exact again ---------------
-    model = _model()
+    model = four_blocks()
     before = snapshot(model)
-    expected = [_run(model, step) for step in range(8)]
+    expected = [run_step(model, step) for step in range(8)]
     handle = enable(model)
-    assert torch.equal(_run(model, 0), expected[0])
+    assert torch.equal(run_step(model, 0), expected[0])
     # a rank failing in the middle of a forward (the others' remaining loads are drained), then
     # one failing in the last block (only the end-of-forward header tells the others)
     for step, failing_rank, block in ((1, 0, 1), (2, 1, 3)):
         if rank == failing_rank:
             model.blocks[block].layers[0].register_forward_pre_hook(raise_once(RuntimeError("this rank fails")))
             with pytest.raises(RuntimeError, match="this rank fails"):
-                _run(model, step)
+                run_step(model, step)
         else:
             with pytest.raises(DistributedOffloadError, match=f"rank {failing_rank} failed during this forward"):
-                _run(model, step)
-        assert torch.equal(_run(model, step), expected[step]), f"rank {rank}: the forward after a failure"
+                run_step(model, step)
+        assert torch.equal(run_step(model, step), expected[step]), f"rank {rank}: the forward after a failure"
     # different blocks called alone on the two ranks: the gathers pair blocks 1 and 2
     with pytest.raises(DistributedOffloadError, match="out of step"):
         _alone(model, 1 + rank)
-    assert torch.equal(_run(model, 3), expected[3])
+    assert torch.equal(run_step(model, 3), expected[3])
     # one rank runs an extra forward: it pairs with the other rank's next forward, block for block
     if rank == 0:
-        assert torch.equal(_run(model, 4), expected[4])
+        assert torch.equal(run_step(model, 4), expected[4])
     for step in (5, 6):
-        assert torch.equal(_run(model, step), expected[step])
+        assert torch.equal(run_step(model, step), expected[step])
     if rank == 1:
-        assert torch.equal(_run(model, 7), expected[7])
+        assert torch.equal(run_step(model, 7), expected[7])
     handle.disable()  # collective: the exact weights come back
     untouched(model, before)
 
     # -- disable without the other rank: it says it cannot, and changes nothing -----------------
     group = torch.distributed.new_group([0, 1], timeout=datetime.timedelta(seconds=5))
     alone = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
-    model = _model()
+    model = four_blocks()
     handle = enable(model, backend=alone, process_group=group)
-    assert torch.equal(_run(model, 0), expected[0])
+    assert torch.equal(run_step(model, 0), expected[0])
     if rank == 0:
         with pytest.raises(DistributedOffloadError, match="cannot restore the exact weights"):
             handle.disable()
@@ -167,26 +122,26 @@ def _sharded_contract(rank: int, port: int) -> None:
 
 
 def _replicated_contract(rank: int, port: int) -> None:
-    backend = _setup(rank, port)
+    backend = join_ranks(rank, port)
     import offload_core
     from contract_models import assert_same
 
-    model, reference = _model(counting=True), _model(counting=True)
+    model, reference = four_blocks(counting=True), four_blocks(counting=True)
     handle = offload_core.enable_offload(
         model, enable_distributed_layerwise_offload=True, backend=backend, shard_host_weights=False
     )
-    assert torch.equal(_run(model, 0), _run(reference, 0))
+    assert torch.equal(run_step(model, 0), run_step(reference, 0))
     new = {k: v + 0.5 if v.is_floating_point() else v for k, v in reference.state_dict().items()}
     for m in (model, reference):
         m.load_state_dict(new)
         with torch.no_grad():
             m.blocks[2].layers[0].weight.data.mul_(2)
-    assert torch.equal(_run(model, 1), _run(reference, 1))
+    assert torch.equal(run_step(model, 1), run_step(reference, 1))
     assert_same(copy.deepcopy(model), reference)
     for m in (model, reference):  # a structural change: refused on every rank before the pass's collectives
         m.blocks[1].layers[0].weight.data = m.blocks[1].layers[0].weight.data.t()
     with pytest.raises(offload_core.DistributedOffloadError, match=r"collective handle\.disable\(\)"):
-        _run(model, 2)
+        run_step(model, 2)
     handle.disable()
     assert_same(model, reference)
 
@@ -203,21 +158,21 @@ def _disable_meets_forward(rank: int, port: int) -> None:
     """Issue 29 item 6: a rank's disable() meets only another rank's disable(). Paired with a
     forward (same blocks, same count of gathers) it fails on both ranks naming both operations;
     both ranks stay usable: the next forward is exact and a disable on both ranks restores."""
-    backend = _setup(rank, port)
+    backend = join_ranks(rank, port)
     import offload_core
     from helpers import assert_same_state, snapshot
 
-    model = _model()
+    model = four_blocks()
     before = snapshot(model)
-    expected = [_run(model, step) for step in range(3)]
+    expected = [run_step(model, step) for step in range(3)]
     handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
-    assert torch.equal(_run(model, 0), expected[0])
+    assert torch.equal(run_step(model, 0), expected[0])
     with pytest.raises(offload_core.DistributedOffloadError) as caught:
-        handle.disable() if rank == 0 else _run(model, 1)
+        handle.disable() if rank == 0 else run_step(model, 1)
     mine, theirs = ("handle.disable()", "a forward") if rank == 0 else ("a forward", "handle.disable()")
     assert f"this rank (rank {rank}) ran {mine} while rank {1 - rank} ran {theirs}" in str(caught.value)
     assert handle.enabled, f"rank {rank}: nothing changed"
-    assert torch.equal(_run(model, 2), expected[2]), f"rank {rank}: the forward after the mismatch"
+    assert torch.equal(run_step(model, 2), expected[2]), f"rank {rank}: the forward after the mismatch"
     handle.disable()
     assert not handle.enabled
     assert_same_state(before, snapshot(model))
@@ -234,28 +189,28 @@ def _frozen_preloads(rank: int, port: int) -> None:
     and ``frozen()`` on one rank only is exact, through forwards and disable."""
     import contextlib
 
-    backend = _setup(rank, port)
+    backend = join_ranks(rank, port)
     import offload_core
     from helpers import assert_same_state, snapshot
 
-    model = _model()
+    model = four_blocks()
     before = snapshot(model)
-    expected = [_run(model, step) for step in range(4)]
+    expected = [run_step(model, step) for step in range(4)]
     handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
     with handle.frozen():
-        assert torch.equal(_run(model, 0), expected[0])
+        assert torch.equal(run_step(model, 0), expected[0])
         with pytest.raises(offload_core.DistributedOffloadError) as caught:
-            handle.disable() if rank == 0 else _run(model, 1)
+            handle.disable() if rank == 0 else run_step(model, 1)
         mine, theirs = ("handle.disable()", "a forward") if rank == 0 else ("a forward", "handle.disable()")
         assert f"this rank (rank {rank}) ran {mine} while rank {1 - rank} ran {theirs}" in str(caught.value)
         assert handle.enabled, f"rank {rank}: nothing changed"
-        assert torch.equal(_run(model, 2), expected[2]), f"rank {rank}: the forward after the mismatch"
+        assert torch.equal(run_step(model, 2), expected[2]), f"rank {rank}: the forward after the mismatch"
     only_rank_0 = handle.frozen() if rank == 0 else contextlib.nullcontext()
     with only_rank_0:
-        assert torch.equal(_run(model, 3), expected[3]), f"rank {rank}: frozen on rank 0 only"
-    assert torch.equal(_run(model, 1), expected[1]), f"rank {rank}: after frozen() on rank 0 only"
+        assert torch.equal(run_step(model, 3), expected[3]), f"rank {rank}: frozen on rank 0 only"
+    assert torch.equal(run_step(model, 1), expected[1]), f"rank {rank}: after frozen() on rank 0 only"
     with handle.frozen() if rank == 0 else contextlib.nullcontext():
-        assert torch.equal(_run(model, 2), expected[2])
+        assert torch.equal(run_step(model, 2), expected[2])
         handle.disable()
     assert not handle.enabled
     assert_same_state(before, snapshot(model))

@@ -12,22 +12,10 @@ import torch
 import offload_core
 from offload_core.tiny import build_pipeline
 
-from contract_models import STRATEGIES, offloaded_ids
+from contract_models import STRATEGIES, lora_state_dict, offloaded_ids
 from helpers import chaos_backend
 
 pytest.importorskip("peft")
-
-
-def lora_state_dict(transformer, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
-    """A LoRA for the attention query/value projections in the blocks and for ``proj_out`` (which
-    stays resident under layerwise offload), in the peft layout diffusers loads."""
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, module in transformer.named_modules():
-        if name.endswith(("attn.to_q", "attn.to_v")) or name == "proj_out":
-            state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=g) * 0.5
-            state[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=g) * 0.5
-    return state
 
 
 def lora_parameters(module) -> dict:

@@ -517,7 +517,7 @@ def test_a_write_around_the_refusal_is_undone_where_the_block_is_next_used(tmp_p
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
     pytest.importorskip("peft")
-    from test_contract_lora import lora_state_dict
+    from contract_models import lora_state_dict
 
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
     for tiny in (ours, theirs):
@@ -532,17 +532,17 @@ def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
 
 # -- distributed, on two gloo ranks --------------------------------------------------------------
 def _distributed_cases(rank: int, port: int, shard: bool) -> None:
-    from test_contract_distributed import _model, _run, _setup
+    from two_ranks import four_blocks, join_ranks, run_step
 
-    backend = _setup(rank, port)
+    backend = join_ranks(rank, port)
     options = {"enable_distributed_layerwise_offload": True, "backend": backend, "shard_host_weights": shard}
-    model, reference = _model(), _model()
+    model, reference = four_blocks(), four_blocks()
     with torch.inference_mode():  # row 12
         handle = offload_core.enable_offload(model, **options)
-    assert torch.equal(_run(model, 0), _run(reference, 0))
+    assert torch.equal(run_step(model, 0), run_step(reference, 0))
     assert not any(p.is_inference() for p in model.parameters())
     shallow = copy.copy(model)  # row 14
-    assert shallow.blocks is model.blocks and torch.equal(_run(shallow, 1), _run(reference, 1))
+    assert shallow.blocks is model.blocks and torch.equal(run_step(shallow, 1), run_step(reference, 1))
     with pytest.raises(OffloadedModelError, match=r"handle.disable\(\)"):  # row 13: refused across ranks
         model._apply(lambda t: t.mul_(2))
     with pytest.raises(Exception, match=r"torch.export cannot trace .*handle.disable\(\)"):  # row 17
@@ -551,11 +551,11 @@ def _distributed_cases(rank: int, port: int, shard: bool) -> None:
         for x in (model, reference):
             weight = x.blocks[1].layers[0].weight
             x.register_forward_pre_hook(lambda module, args, w=weight: setattr(w, "data", w.data * 1.5))
-        assert torch.equal(_run(model, 2), _run(reference, 2))
+        assert torch.equal(run_step(model, 2), run_step(reference, 2))
         picks = ("blocks.0.layers.0.weight", "embed.bias")
         assert _saved_bytes({n: p.detach() for n, p in model.named_parameters() if n in picks}) == _saved_bytes(
             {n: p.detach() for n, p in reference.named_parameters() if n in picks})
-    assert torch.equal(_run(model, 3), _run(reference, 3))
+    assert torch.equal(run_step(model, 3), run_step(reference, 3))
     del model, handle, shallow  # row 15: dropped without disable() on every rank
     gc.collect()
     assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
@@ -563,6 +563,6 @@ def _distributed_cases(rank: int, port: int, shard: bool) -> None:
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 def test_issue_20_cases_across_ranks(shard):
-    from test_contract_distributed import spawn_bounded
+    from two_ranks import spawn_bounded
 
     spawn_bounded(_distributed_cases, shard)

@@ -183,7 +183,6 @@ def _rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
     backend.init_process_group(rank, 2, f"tcp://127.0.0.1:{port}")
-    from test_grad_mode_leaks import RSS_SLACK, build, grad_calls, growth, inputs
 
     model, x = build(), inputs()
     reference = copy.deepcopy(model)

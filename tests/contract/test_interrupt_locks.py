@@ -33,13 +33,7 @@ ROOTS = (LIBRARY, str(Path(__file__).parents[2] / "backends" / "fake"))
 DEADLINE = 30.0
 
 
-@pytest.fixture(autouse=True)
-def frozen_heap():
-    """What exists before a test is left out of its collections, which then take microseconds."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 
 def traced(tracer: Tracer, operation) -> None:

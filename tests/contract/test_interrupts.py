@@ -46,6 +46,7 @@ ALL = os.environ.get("OFFLOAD_CORE_ALL_INTERRUPTS") == "1"
 DEADLINE = float(os.environ.get("OFFLOAD_CORE_INTERRUPT_DEADLINE", "60"))
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
 
+
 def traced(tracer: Tracer, operation):
     sys.settrace(tracer)
     try:
@@ -76,16 +77,6 @@ def counts() -> tuple[int, int]:
     """(device, pinned) bytes the backend counts as allocated, after a collection."""
     gc.collect()
     return backend().memory_allocated(), backend().pinned_memory_allocated()
-
-
-@pytest.fixture
-def frozen_heap():
-    """What exists before the sweep is left out of its collections (one per point), which then
-    take microseconds instead of half a second."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def build():

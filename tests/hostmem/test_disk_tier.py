@@ -41,12 +41,6 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
-def kib_chunks(monkeypatch):
-    """Bounce buffers of 4 KiB: each block takes several chunks, the ring wraps within a block."""
-    monkeypatch.setattr(staging, "BOUNCE_CHUNK_BYTES", 4096)
-
-
-@pytest.fixture
 def page_cache_reads(monkeypatch):
     """Files read through the page cache, as on a file system without O_DIRECT: the read-ahead's path."""
     monkeypatch.setattr(direct, "ENABLED", False)
@@ -105,7 +99,6 @@ class Recorder:
     def add(self, kind: str, block: int) -> None:
         with self.lock:
             self.events.append((kind, block))
-
 
 
 def test_the_next_blocks_are_asked_for_before_the_current_one_is_read_wrapping_to_the_first(

@@ -111,12 +111,6 @@ class HeldTasks:
         monkeypatch.setattr(cls, method, holding_method)
 
 
-@pytest.fixture
-def kib_chunks(monkeypatch):
-    """Bounce buffers of 4 KiB, for the tiny pipelines' larger components."""
-    monkeypatch.setattr(staging, "BOUNCE_CHUNK_BYTES", 4096)
-
-
 # -- options ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, nbytes", [
     (0, 0), (1000, 1000), ("12GiB", 12 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536), ("auto", None),

@@ -11,7 +11,7 @@ import torch
 import offload_core
 from offload_core.hostmem import slabs as slabs_module
 
-from test_pinned_slabs import D, X, Stack  # blocks of one DxD float32 weight: 612.6 KiB
+from slab_stacks import D, X, Stack  # blocks of one DxD float32 weight: 612.6 KiB
 
 KIB, MIB = 2**10, 2**20
 BLOCK = D * D * 4

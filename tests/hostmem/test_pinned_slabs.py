@@ -17,35 +17,16 @@ from offload_core.hostmem.slabs import SlabAllocator, aligned
 from offload_core.weights.owners import collect_tensors
 from offload_core.weights.unit import ALIGN_BYTES
 
+from slab_stacks import X, Stack, packed_units
+
 MIB = 1 << 20
-D = 396  # a float32 DxD weight is 627 264 bytes: 0.598 of a power of two (1 MiB)
 
 # the fake's own options (pinned_rounding, device_cache, caps): simulator tests
 pytestmark = pytest.mark.fake_only
 
 
-class Stack(nn.Module):
-    """Blocks of one DxD float32 weight each, so every block is 0.6 of a power of two."""
-
-    def __init__(self, blocks: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Linear(D, D, bias=False) for _ in range(blocks))
-        for block in self.blocks:
-            block.weight.data = torch.randn(D, D, generator=g) / D**0.5
-        self.norm = nn.LayerNorm(D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.norm(x)
-
-
 def pow2_backend(**options):
     return offload_core.get_backend("fake", chaos=True, chaos_delay=0.001, pinned_rounding="pow2", **options)
-
-
-X = torch.randn(2, D, generator=torch.Generator().manual_seed(1))
 
 
 # -- the fake's model of the caching host allocator ----------------------------------------------
@@ -130,16 +111,9 @@ def test_slabs_keep_real_pinned_bytes_within_one_slab_of_the_packed_bytes(strate
     packed = stats["host_bytes"]
     assert packed <= real <= packed + largest_slab
     assert real / packed < 1.15
-    assert real == sum(aligned(b.numel() * b.element_size()) for u in _units(handle) for b in u.host.values()) + slabs.tail_bytes()
+    assert real == sum(aligned(b.numel() * b.element_size()) for u in packed_units(handle) for b in u.host.values()) + slabs.tail_bytes()
     handle.disable()
     assert backend.pinned_memory_allocated() == 0 and stats["pinned_host_bytes"] > handle.stats()["pinned_host_bytes"] == 0
-
-
-def _units(handle) -> list[WeightUnit]:
-    part = handle.parts[0]
-    if hasattr(part, "units"):
-        return [part.resident, *part.units]
-    return [c.unit for g in part.groups for c in g.components]
 
 
 def test_disable_returns_pinned_memory_slab_by_slab(monkeypatch):

@@ -18,8 +18,8 @@ from offload_core.hostmem.slabs import aligned
 from offload_core_cuda import CudaBackend
 from offload_core_npu import ACL_HOST_REG_PINNED
 
-from test_pinned_slabs import X, Stack, _units  # blocks of one float32 weight of 612.6 KiB
-from test_accelerator_backends import NPU_ONLY, VENDOR, StandInModule, VendorBackend, vendor_backend  # noqa: F401
+from slab_stacks import X, Stack, packed_units  # blocks of one float32 weight of 612.6 KiB
+from vendor import NPU_ONLY, VENDOR, StandInModule, VendorBackend
 
 KIB, MIB = 2**10, 2**20
 
@@ -53,7 +53,7 @@ def recording(backend, monkeypatch) -> list[tuple[str, int, int]]:
 
 
 def home_buffers(handle) -> list[torch.Tensor]:
-    return [b for u in _units(handle) for b in u.host.values()]
+    return [b for u in packed_units(handle) for b in u.host.values()]
 
 
 # -- the fake's model --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from offload_core.tiny import build_pipeline
 
 from contract_models import STRATEGIES, build
 from helpers import assert_same_state, chaos_backend, snapshot
-from test_import_layers import imports, modules
+from import_graph import imports, modules
 from tools import enable_walk
 
 

@@ -18,6 +18,7 @@ from offload_core.planning import make_plan
 from offload_core.tiny import build_pipeline
 
 from helpers import chaos_backend, pipeline_reference
+from plan_copies import copied_as_planned, streamed_copies
 
 pytestmark = pytest.mark.fake_only("the fake's device capacity is set to the budget")
 
@@ -35,30 +36,6 @@ def smallest_budget(pipe) -> int:
     inputs = pipeline_plan_inputs(pipe, pipeline_modules(pipe), cls_name=type(pipe).__name__)
     planned = [c.with_measurements(activation_bytes=ACTIVATION) for c in inputs.components]
     return make_plan(planned, 2**40, strategy="layerwise", phases=inputs.phases, steps=inputs.steps).min_budget
-
-
-def streamed_copies(handle) -> dict[str, tuple[int, int]]:
-    """(loads, bytes its blocks copied) of each streamed component so far (its weights loaded back
-    after parking left out)."""
-    return {p.label: (p.counters.loads, p.counters.h2d_bytes - p.counters.switch_h2d_bytes)
-            for p in handle.parts if hasattr(p, "kept_names")}
-
-
-def copied_as_planned(handle, start: dict[str, tuple[int, int]], plan) -> int:
-    """The bytes the streamed components copied since ``start`` (a :func:`streamed_copies`), each
-    checked against ``plan``, the one the call ran under (the handle plans again after a first
-    call): its forwards times its bytes per forward, plus the first blocks a call's last forward
-    queued for a next one (``frozen()``), dropped as the call ends."""
-    total = 0
-    for label, now in streamed_copies(handle).items():
-        part = next(p for p in handle.parts if getattr(p, "label", None) == label)
-        loads, copied = now[0] - start[label][0], now[1] - start[label][1]
-        forwards, rest = divmod(loads - part.num_slots, len(part.units))
-        assert rest == 0 and forwards > 0, (label, loads)
-        unused = sum(unit.nbytes for unit in part.units[:part.num_slots])
-        assert copied == forwards * plan.component(label).bytes_per_forward + unused, "plan and copies differ"
-        total += copied
-    return total
 
 
 @pytest.mark.parametrize("name", PIPELINES)

@@ -15,7 +15,7 @@ from offload_core.tiny import build_pipeline
 
 from helpers import chaos_backend, free_port, pipeline_reference
 from stacks import StackSpec, build_stack
-from test_device_budget import copied_as_planned, streamed_copies
+from plan_copies import copied_as_planned, streamed_copies
 
 pytestmark = pytest.mark.fake_only("the fake counts only the weights' device memory: the peaks are exact")
 
@@ -132,7 +132,6 @@ def _distributed_worker(rank: int, port: int, world: int) -> None:
     sys.path.insert(0, __file__.rsplit("/", 2)[0])
     torch.set_num_threads(1)
     import offload_core
-    from test_handle_plan import host_planned, stack, weights_held
 
     backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
     backend.init_process_group(rank, world, f"tcp://127.0.0.1:{port}")

@@ -12,21 +12,9 @@ import torch
 
 import offload_core
 from offload_core.testing import SimulatorCapability
-from offload_core.tiny import build_pipeline
 
-from tools.supported_models import ROWS
 from helpers import assert_same_state, chaos_backend, exact_accounting, pipeline_reference, snapshot
 from stacks import StackSpec, build_stack
-
-NAMES = [row.tiny_pipeline for row in ROWS if row.model_level]
-
-
-@pytest.fixture(scope="module", params=NAMES)
-def tiny(request):
-    """A tiny pipeline and its output without offload."""
-    tiny = build_pipeline(request.param)
-    tiny.expected = pipeline_reference(tiny)
-    return tiny
 
 
 def test_in_place_changes_to_swapped_weights_are_kept(flux2):
@@ -74,8 +62,6 @@ def test_model_level_on_a_bare_module_lives_on_the_host_between_calls():
     assert stats["h2d_copies"] == 2 * 2  # two calls, one copy per dtype each
     handle.disable()
     assert_same_state(before, snapshot(model))
-
-
 
 
 def _group_bytes(part):

@@ -4,26 +4,12 @@ of the same pipelines: test_model_level.py)."""
 
 from __future__ import annotations
 
-
-import pytest
 import torch
 
 import offload_core
 from offload_core.pipelines import component_kind, pipeline_modules
-from offload_core.tiny import build_pipeline
 
-from tools.supported_models import ROWS
 from helpers import chaos_backend, exact_accounting, pipeline_reference
-
-NAMES = [row.tiny_pipeline for row in ROWS if row.model_level]
-
-
-@pytest.fixture(scope="module", params=NAMES)
-def tiny(request):
-    """A tiny pipeline and its output without offload."""
-    tiny = build_pipeline(request.param)
-    tiny.expected = pipeline_reference(tiny)
-    return tiny
 
 
 def test_layerwise_equals_no_offload(tiny):

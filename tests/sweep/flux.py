@@ -8,7 +8,8 @@ packed 2 x 2, so a 16-pixel image is 16 tokens of 16 channels.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
@@ -67,37 +68,33 @@ def _flux_call(**settings: Any) -> dict[str, Any]:
     return _call(16, guidance_scale=3.5, max_sequence_length=16, **settings)
 
 
-def _flux(seed: int) -> TinyPipeline:
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline(scheduler=_scheduler(), **_flux_components(seed))
-    return _finish("flux", pipe, _flux_call(), "images")
-
-
-def _flux_img2img(seed: int) -> TinyPipeline:
-    from diffusers import FluxImg2ImgPipeline
-
-    pipe = FluxImg2ImgPipeline(scheduler=_scheduler(), **_flux_components(seed))
-    call = _flux_call(image=_reference_image(16), strength=0.5, num_inference_steps=4)
-    return _finish("flux-img2img", pipe, call, "images")
-
-
-def _flux_inpaint(seed: int) -> TinyPipeline:
-    from diffusers import FluxInpaintPipeline
-
-    pipe = FluxInpaintPipeline(scheduler=_scheduler(), **_flux_components(seed))
-    call = _flux_call(image=_reference_image(16), mask_image=_mask_image(16), strength=0.8, num_inference_steps=3)
-    return _finish("flux-inpaint", pipe, call, "images")
-
-
-def _flux_kontext(seed: int) -> TinyPipeline:
-    from diffusers import FluxKontextPipeline
-
-    pipe = FluxKontextPipeline(scheduler=_scheduler(), **_flux_components(seed))
+#: key -> the FLUX.1 pipeline class on the same components, what it is, and its call's settings beside
+#: ``_flux_call``'s (a function: the images are made afresh for each build)
+FLUX1: dict[str, tuple[str, str, Callable[[], dict[str, Any]]]] = {
+    "flux": ("FluxPipeline", "FLUX.1 text-to-image; CLIP and T5", dict),
+    "flux-img2img": (
+        "FluxImg2ImgPipeline", "FLUX.1 image-to-image",
+        lambda: dict(image=_reference_image(16), strength=0.5, num_inference_steps=4),
+    ),
+    "flux-inpaint": (
+        "FluxInpaintPipeline", "FLUX.1 inpainting",
+        lambda: dict(image=_reference_image(16), mask_image=_mask_image(16), strength=0.8, num_inference_steps=3),
+    ),
     # The reference image's tokens join the sequence. The output size is fitted to max_area (1024^2 by
     # default) and the reference image to Kontext's resolution buckets: both kept tiny here.
-    call = _flux_call(image=_reference_image(16), max_area=16 * 16, _auto_resize=False, prompt="make the cat red")
-    return _finish("flux-kontext", pipe, call, "images")
+    "flux-kontext": (
+        "FluxKontextPipeline", "FLUX.1 Kontext: reference-image tokens beside the latents",
+        lambda: dict(image=_reference_image(16), max_area=16 * 16, _auto_resize=False, prompt="make the cat red"),
+    ),
+}
+
+
+def _flux1(key: str, seed: int) -> TinyPipeline:
+    import diffusers
+
+    cls_name, _, settings = FLUX1[key]
+    pipe = getattr(diffusers, cls_name)(scheduler=_scheduler(), **_flux_components(seed))
+    return _finish(key, pipe, _flux_call(**settings()), "images")
 
 
 def _flux_controlnet(seed: int) -> TinyPipeline:
@@ -132,13 +129,10 @@ def _chroma(seed: int) -> TinyPipeline:
 
 
 SPECS: dict[str, PipelineSpec] = {
-    "flux": PipelineSpec("FluxPipeline", "FLUX.1 text-to-image; CLIP and T5", ("transformer",), _flux),
-    "flux-img2img": PipelineSpec("FluxImg2ImgPipeline", "FLUX.1 image-to-image", ("transformer",), _flux_img2img),
-    "flux-inpaint": PipelineSpec("FluxInpaintPipeline", "FLUX.1 inpainting", ("transformer",), _flux_inpaint),
-    "flux-kontext": PipelineSpec(
-        "FluxKontextPipeline", "FLUX.1 Kontext: reference-image tokens beside the latents", ("transformer",),
-        _flux_kontext,
-    ),
+    **{
+        key: PipelineSpec(cls_name, description, ("transformer",), partial(_flux1, key))
+        for key, (cls_name, description, _) in FLUX1.items()
+    },
     "flux-controlnet": PipelineSpec(
         "FluxControlNetPipeline", "FLUX.1 with a FLUX ControlNet (resident beside the DiT)", ("transformer",),
         _flux_controlnet,

@@ -9,32 +9,33 @@ Cosmos3-Omni and JoyImage-Edit have a DiT of one block, which streams through on
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
+from typing import Any, Callable
 
 from offload_core.tiny.zoo import PipelineSpec, TinyPipeline, _cosmos3_omni, _flux2, _joyimage_edit
 
+#: key -> the pipeline class, what it is, the supported table's builder and the shape it is built in here
+VARIANTS: dict[str, tuple[str, str, Callable[..., TinyPipeline], dict[str, Any]]] = {
+    "flux2-one-layer-encoder": (
+        "Flux2Pipeline", "FLUX.2 with one block per list and a one-layer Mistral3 encoder",
+        _flux2, dict(text_layers=1, num_layers=1, num_single_layers=1),
+    ),
+    "cosmos3-omni-one-block": (
+        "Cosmos3OmniPipeline", "Cosmos3-Omni with a one-block transformer", _cosmos3_omni, dict(num_hidden_layers=1)
+    ),
+    "joyimage-edit-one-block": (
+        "JoyImageEditPipeline", "JoyImage-Edit with a one-block DiT; the Qwen3-VL vision tower runs",
+        _joyimage_edit, dict(num_layers=1),
+    ),
+}
 
-def _flux2_small(seed: int) -> TinyPipeline:
-    return replace(_flux2(seed, text_layers=1, num_layers=1, num_single_layers=1), name="flux2-one-layer-encoder")
 
-
-def _cosmos3_one_block(seed: int) -> TinyPipeline:
-    return replace(_cosmos3_omni(seed, num_hidden_layers=1), name="cosmos3-omni-one-block")
-
-
-def _joyimage_one_block(seed: int) -> TinyPipeline:
-    return replace(_joyimage_edit(seed, num_layers=1), name="joyimage-edit-one-block")
+def _variant(key: str, seed: int) -> TinyPipeline:
+    _, _, build, shape = VARIANTS[key]
+    return replace(build(seed, **shape), name=key)
 
 
 SPECS: dict[str, PipelineSpec] = {
-    "flux2-one-layer-encoder": PipelineSpec(
-        "Flux2Pipeline", "FLUX.2 with one block per list and a one-layer Mistral3 encoder", ("transformer",),
-        _flux2_small,
-    ),
-    "cosmos3-omni-one-block": PipelineSpec(
-        "Cosmos3OmniPipeline", "Cosmos3-Omni with a one-block transformer", ("transformer",), _cosmos3_one_block
-    ),
-    "joyimage-edit-one-block": PipelineSpec(
-        "JoyImageEditPipeline", "JoyImage-Edit with a one-block DiT; the Qwen3-VL vision tower runs", ("transformer",),
-        _joyimage_one_block,
-    ),
+    key: PipelineSpec(cls_name, description, ("transformer",), partial(_variant, key))
+    for key, (cls_name, description, _, _) in VARIANTS.items()
 }

@@ -13,6 +13,7 @@ import torch
 import offload_core
 
 from denoisers import build_transformer
+from grads import assert_equal, fine_tune_alike, input_grads, leaf_inputs, loss_of, param_grads
 from helpers import chaos_backend, exact_accounting, first_tensor
 
 MODELS = ["flux2", "qwen-image", "wan-t2v", "sd3"]
@@ -28,46 +29,6 @@ def pair(name: str, trainable: bool):
     model, inputs = build_transformer(name)
     model.requires_grad_(trainable)
     return model, copy.deepcopy(model), inputs
-
-
-def leaf_inputs(inputs: dict) -> dict:
-    """Floating inputs as fresh leaves that require grad."""
-    return {
-        k: v.clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-        for k, v in inputs.items()
-    }
-
-
-def loss_of(model, inputs: dict) -> torch.Tensor:
-    return first_tensor(model(**inputs)).float().square().mean()
-
-
-def input_grads(inputs: dict) -> dict:
-    return {k: v.grad for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.grad is not None}
-
-
-def param_grads(model) -> dict:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_equal(got: dict, expected: dict, what: str) -> None:
-    assert expected and got.keys() == expected.keys(), what
-    wrong = [k for k in expected if not torch.equal(got[k], expected[k])]
-    assert not wrong, f"{what} differ: {wrong[:5]}"
-
-
-def fine_tune_alike(model, reference, inputs: dict, steps: int) -> None:
-    """SGD with momentum on every weight of both models: the gradients before each step and the
-    weights after the last are equal."""
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference)]
-    for step in range(steps):
-        for m, opt in zip((model, reference), optimizers):
-            opt.zero_grad()
-            loss_of(m, inputs).backward()
-        assert_equal(param_grads(model), param_grads(reference), f"weight gradients at step {step}")
-        for opt in optimizers:
-            opt.step()
-    assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after training")
 
 
 def enable(model, strategy: str):

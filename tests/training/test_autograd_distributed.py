@@ -27,7 +27,7 @@ def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     import offload_core
     from denoisers import build_transformer
-    from test_autograd import assert_equal, input_grads, leaf_inputs, loss_of
+    from grads import assert_equal, input_grads, leaf_inputs, loss_of
 
     backend = offload_core.get_backend("fake", chaos=True, chaos_delay=0.001)
     backend.init_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}")
@@ -68,7 +68,7 @@ def _every_kind(offload_core, backend, build_transformer) -> None:
     """The other gradient cases on one DiT: sharded and frozen, torch.autograd.grad with
     retain_graph and two backward passes, gradient checkpointing and autocast; replicated, full
     fine-tuning with optimizer steps."""
-    from test_autograd import assert_equal, fine_tune_alike, input_grads, leaf_inputs, loss_of
+    from grads import assert_equal, fine_tune_alike, input_grads, leaf_inputs, loss_of
 
     model, inputs = build_transformer("flux2")
     model.requires_grad_(False)
