@@ -2,19 +2,19 @@
 pipeline alike.
 
 In order: refuse a target that is offloaded already (or shares a module or parameter with one) or
-whose weights another library's hooks manage; choose the parts (a module is one component; a
-pipeline's components are discovered and grouped by :mod:`.pipelines`); plan where their homes
+whose weights another library's hooks manage; choose the parts (one path: a module is a pipeline
+of one component, laid out by :mod:`.pipelines` as a pipeline's are); plan where their homes
 live; enable each part; put the installs on the target (a pipeline's subclass, the handle mark
 with diffusers' weight-hook methods refused); hand all of it to the handle in one call
 (:meth:`OffloadHandle.open`); record what the handle owns (:mod:`.changes`). Any error on the way
-rolls every step back and leaves the target as it was. Across ranks the whole of it runs inside
-the distributed agreement, so that a rank that fails makes every rank roll back.
+rolls every step back and leaves the target as it was. A distributed enable (where ranks exist)
+runs inside the distributed agreement, so that a rank that fails makes every rank roll back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import logging
 from typing import Any
 
 import torch
@@ -25,8 +25,6 @@ from .casting import CastingHooks, cast_for_storage, check_casting
 from .config import OffloadConfig
 from .device.backend import DeviceBackend
 from .device.plugins import get_backend
-from .discovery import find_blocks
-from .discovery.blocks import no_blocks_hint
 from .errors import AlreadyEnabledError, OffloadConfigError
 from .fitting import Fit, describe_parts, fit, out_of_memory
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
@@ -38,24 +36,25 @@ from .strategies import streaming_part
 from .transaction import Transaction
 from .strategies.distributed import agreement
 from .strategies.model_level import ModelLevelOffload
-from .strategies.phases import PhaseSwitch, phase_switch
+from .strategies.phases import phase_switch
 from .strategies.resident import ResidentModules
-
-logger = logging.getLogger(__name__)
 
 
 def enable(target: Inventory, config: OffloadConfig) -> OffloadHandle:
-    """Offload ``target`` (a diffusers pipeline or a module, as its inventory) under ``config``,
-    already checked against the kind of target (``OffloadConfig.check_applies``)."""
+    """Offload ``target`` (a diffusers pipeline or a module, as the inventory ``enable_offload``
+    made of it) under ``config``. A strategy a flag selected comes checked against the kind of
+    target (``OffloadConfig.check_applies``, by the caller, before anything happens); one the
+    device budget chooses is checked here, once the plan has chosen it."""
     _refuse_taken(target.target, list(target.roots))
     backend = get_backend(config.backend)
     if config.storage_dtype is not None:  # first: the plan measures the weights as they are stored
         cast_for_storage([(n, m) for n, m in target.modules if target.kinds[n] == "dit"], config.storage_dtype)
     fitted = fit(target, config, backend)  # before anything moves: an impossible budget is an error
     if fitted is not None:
+        # a strategy the budget chose (a flag's was checked before): its options must apply to it
+        if config.strategy is None and fitted.config.strategy is not None:
+            fitted.config.check_applies(target.kind)
         config = fitted.config
-        if config.strategy is not None:  # a strategy the budget chose: its options must apply to it
-            config.check_applies(target.kind)
     try:
         handle = _open(target, config, backend, fitted)
     except torch.OutOfMemoryError as exc:  # rolled back: say which budget the device could not hold
@@ -65,15 +64,37 @@ def enable(target: Inventory, config: OffloadConfig) -> OffloadHandle:
 
 def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None) -> OffloadHandle:
     """The transaction itself: parts, homes, installs, the handle; all of it or, on any error,
-    none (and once this frame is gone, nothing of the parts is left referenced)."""
+    none (and once this frame is gone, nothing of the parts is left referenced). Across ranks it
+    runs inside the distributed agreement, so that a rank that fails makes every rank roll back."""
     baseline = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    with Transaction() as txn, agreement(config) as agreed:
-        if target.pipeline:
-            parts = _pipeline_parts(target, config, backend, fitted)
+    ranks = agreement(config) if config.strategy == "distributed" else None
+    with Transaction() as txn, ranks or contextlib.nullcontext():
+        # the parts of the components (a module is a pipeline of one DiT): layerwise streams the
+        # chosen ones (or those the plan streams, keeping its resident blocks on the device), stages
+        # those without blocks and keeps the rest resident (layerwise_layout); model-level swaps
+        # their groups (a module's one group is staged: nothing runs beside it to prefetch for)
+        modules = target.components()
+        if config.strategy != "model":
+            modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
+            layout = layerwise_layout(target, config, modes)
+            parts = []
+            for name, module, blocks in layout.streamed:
+                kept = fitted.kept(name) if fitted is not None else ()
+                parts.append(streaming_part(module, blocks, config, backend, kept))
+                parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
+                parts[-1].once_per_call = target.kinds[name] != "dit"
+                parts[-1].parks = fitted is not None and fitted.parks(name)
+            if layout.staged:
+                parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))
+            if layout.resident:
+                parts.append(ResidentModules(layout.resident, backend))
         else:
-            parts = [_module_part(target, config, backend, fitted)]
-        agreed.parts = parts
+            budget = {} if fitted is None else dict(
+                device_limit=fitted.plan.budget, reserved={c.name: c.activation_bytes for c in fitted.plan.components})
+            parts = [ModelLevelOffload(target.swap_groups(), backend, prefetch=target.pipeline, **budget)]
+        if ranks is not None:
+            ranks.parts = parts
         check_casting(target.roots, parts)
         # without a budget, the plan of what the strategy flag set up
         plan = fitted.plan if fitted is not None else describe_parts(target, config, backend, parts)
@@ -92,21 +113,15 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         for install in installs:
             txn.on_rollback(install.uninstall)  # first: an install that fails half-way is undone too
             install.install()
-        handle.open(parts, placement, installs, _switch(parts, plan))
+        switch = None
+        if any(p.parks for p in plan.components):  # a part that runs in a phase tells the switch when it begins
+            switch = phase_switch(parts, plan)
+            for part in parts:
+                part.switch = switch
+        handle.open(parts, placement, installs, switch)
         txn.on_rollback(functools.partial(changes.unregister, handle))
         changes.register(handle)
     return handle
-
-
-def _switch(parts: list, plan) -> PhaseSwitch | None:
-    """The phase switch of a plan whose components park (see strategies/phases.py); each part
-    that runs in a phase tells it when it begins."""
-    if not any(p.parks for p in plan.components):
-        return None
-    switch = phase_switch(parts, plan)
-    for part in parts:
-        part.switch = switch
-    return switch
 
 
 def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
@@ -127,47 +142,3 @@ def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
             f"{other} already manages this model's placement; remove it first "
             "(pipe.remove_all_hooks() for accelerate, or load the model again)"
         )
-
-
-def _module_part(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None):
-    """A module is one component: its blocks streamed (those the plan keeps stay on the device),
-    resident when it has none or the plan keeps all of it, or swapped whole (model-level)."""
-    [(name, module)] = target.modules
-    mode = fitted.mode(name) if fitted is not None else None
-    if config.strategy == "model":
-        return ModelLevelOffload.for_module(module, backend)
-    if mode == "resident":
-        return ResidentModules([(name, module)], backend)
-    blocks = find_blocks(module, config.blocks)
-    if blocks:
-        kept = fitted.kept(name) if fitted is not None else ()
-        return streaming_part(module, blocks, config, backend, kept)
-    logger.warning("%s offload: %s has no blocks to stream, so nothing is offloaded: it stays resident on the device. "
-                   "Name its block lists with the blocks= option (enable_offload(model, blocks=[\"layers\"], ...)), "
-                   "or %s", config.strategy, name, no_blocks_hint(module))
-    return ResidentModules([(name, module)], backend)
-
-
-def _pipeline_parts(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitted: Fit | None) -> list:
-    """A pipeline's components as parts: model-level swaps groups of them; layerwise streams the
-    chosen ones (or those the plan streams, keeping its resident blocks on the device), stages
-    those without blocks and keeps the rest resident."""
-    modules = target.components()
-    if config.strategy == "model":
-        if fitted is None:
-            return [ModelLevelOffload(target.swap_groups(), backend)]
-        reserved = {c.name: c.activation_bytes for c in fitted.plan.components}
-        return [ModelLevelOffload(target.swap_groups(), backend, device_limit=fitted.plan.budget, reserved=reserved)]
-    modes = {name: fitted.mode(name) for name, _ in modules} if fitted is not None else None
-    layout = layerwise_layout(target, config, modes)
-    parts: list = []
-    for name, module, blocks in layout.streamed:
-        parts.append(streaming_part(module, blocks, config, backend, fitted.kept(name) if fitted is not None else ()))
-        parts[-1].label = name  # the timeline names blocks "transformer_2.blocks.3"
-        parts[-1].once_per_call = target.kinds[name] != "dit"
-        parts[-1].parks = fitted is not None and fitted.parks(name)
-    if layout.staged:
-        parts.append(ModelLevelOffload(layout.staged, backend, prefetch=False))
-    if layout.resident:
-        parts.append(ResidentModules(layout.resident, backend))
-    return parts

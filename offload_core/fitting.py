@@ -113,6 +113,7 @@ def describe_parts(target: Inventory, config: OffloadConfig, backend: DeviceBack
     and resident blocks read from ``parts`` (built, nothing moved yet), its figures the planner's.
     A streamed component is measured by its part's own units (the packer has split it already);
     the others as the planner measures any module."""
+    world = _world(config)
     layout: dict[str, tuple[str, tuple[int, ...]]] = {}
     split: dict[str, Any] = {}
     for part in parts:
@@ -134,7 +135,7 @@ def describe_parts(target: Inventory, config: OffloadConfig, backend: DeviceBack
         for name, module in target.components()
     ]
     return describe(components, layout, config.strategy, device_total=backend.mem_get_info()[1], groups=inputs.groups,
-                    prefetch_depth=config.prefetch_depth, world_size=_world(config), host_memory=config.host_memory,
+                    prefetch_depth=config.prefetch_depth, world_size=world, host_memory=config.host_memory,
                     pinned_memory=config.pinned_memory, phases=inputs.phases, phases_source=inputs.phases_source,
                     steps=inputs.steps)
 
@@ -176,9 +177,7 @@ class PlanInputs:
 def plan_inputs(target: Inventory, blocks: Any = None) -> PlanInputs:
     """The planner's inputs of ``target`` as enable plans it: the call's shape is not known yet,
     so activations are the planner's estimate until the first call measures them."""
-    if not target.pipeline:
-        return PlanInputs(components_from_modules(target.components(), target.kinds, blocks), None)
-    return _pipeline_inputs(target, blocks, type(target.target).__name__)
+    return _inputs(target, blocks, type(target.target).__name__ if target.pipeline else None)
 
 
 def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks: Any = None, *,
@@ -189,20 +188,21 @@ def pipeline_plan_inputs(pipe: Any, modules: list[tuple[str, nn.Module]], blocks
     calls of ``steps`` steps (default: the pipeline's usual) with or without classifier-free
     ``guidance`` (None: as its usual call); none is no error here, the planner says there is
     nothing to plan."""
-    return _pipeline_inputs(pipeline_inventory(pipe, modules), blocks, cls_name, shape, steps, guidance)
+    return _inputs(pipeline_inventory(pipe, modules), blocks, cls_name, shape, steps, guidance)
 
 
-def _pipeline_inputs(target: Inventory, blocks: Any, cls_name: str | None, shape: CallShape | None = None,
-                     steps: int | None = None, guidance: bool | None = None) -> PlanInputs:
-    modules = list(target.modules)
-    phases, source, usual_steps = pipeline_phases(cls_name, [(name, target.kinds[name]) for name, _ in modules],
-                                                  guidance)
-    components = components_from_modules(modules, target.kinds, blocks, shape, guidance_batch(cls_name, guidance))
-    return PlanInputs(components, _group_names(target), phases, source, steps or usual_steps)
-
-
-def _group_names(target: Inventory) -> list[list[str]]:
-    return [[name for name, _ in members] for _, members in target.swap_groups()]
+def _inputs(target: Inventory, blocks: Any, cls_name: str | None, shape: CallShape | None = None,
+            steps: int | None = None, guidance: bool | None = None) -> PlanInputs:
+    """A module is one component: no swap groups, and no phases (nothing to switch between)."""
+    if target.pipeline:
+        kinds = [(name, target.kinds[name]) for name, _ in target.modules]
+        phases, source, usual_steps = pipeline_phases(cls_name, kinds, guidance)
+    components = components_from_modules(list(target.modules), target.kinds, blocks, shape,
+                                          guidance_batch(cls_name, guidance) if target.pipeline else 1)
+    if not target.pipeline:
+        return PlanInputs(components, None)
+    groups = [[name for name, _ in members] for _, members in target.swap_groups()]
+    return PlanInputs(components, groups, phases, source, steps or usual_steps)
 
 
 def _world(config: OffloadConfig) -> int:

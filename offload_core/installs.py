@@ -125,16 +125,21 @@ def _steps(pipe: Any) -> int:
 class PipelineClass:
     """The install that gives the pipeline instance a same-named subclass (its device, end-of-call
     release, the handle's lock, the component check, diffusers' own offloading refused) and plain
-    copies; ``uninstall()`` restores the class."""
+    copies; ``uninstall()`` restores the class. The subclass is made as it is first installed,
+    inside the enable transaction, once the parts it runs are enabled."""
 
     def __init__(self, pipe: Any, handle: OffloadHandle, parts: list, enabled: dict[str, nn.Module]) -> None:
         self.pipe = pipe
         self.original = type(pipe)
-        self.subclass = _pipeline_subclass(self.original, handle, parts, enabled)
         self.handle = handle
+        self.parts = parts
+        self.enabled = enabled
+        self.subclass: type | None = None
         self._guard: CopyGuard | None = None
 
     def install(self) -> None:
+        if self.subclass is None:
+            self.subclass = _pipeline_subclass(self.original, self.handle, self.parts, self.enabled)
         self.pipe.__class__ = self.subclass
         if self._guard is None:
             self._guard = CopyGuard(self.pipe, self.handle.plain_copy)

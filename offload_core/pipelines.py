@@ -127,54 +127,59 @@ def layerwise_layout(target: Inventory, config: OffloadConfig, modes: dict[str, 
     """Streamed components stream their blocks; one without blocks is staged like the VAE (onto
     the device around its use, dropped at the end of the call), so that no single component can
     fail the whole pipeline; the rest stays resident. Which are streamed: ``config.components``,
-    or a device plan's ``modes`` (component name -> "streamed", "staged" or "resident")."""
-    if modes is not None:
-        return _planned_layout(target, modes, config)
+    or a device plan's ``modes`` (component name -> "streamed", "staged" or "resident"). A bare
+    module is a pipeline of one DiT with no pipeline call around its forwards to stage it in:
+    unless the plan keeps it resident its blocks are streamed, and without blocks it stays
+    resident (with a warning, since nothing is offloaded)."""
     streamed = config.components or ("dit",)
-    layout = LayerwiseLayout([], [], [])
     kinds = target.kinds
-    if "dit" not in kinds.values() and "dit" in streamed:
+    if modes is None and "dit" not in kinds.values() and "dit" in streamed:
         raise OffloadConfigError(
             f"{type(target.target).__name__} has no DiT component to stream (components: {', '.join(kinds)})")
-    for name, module in target.modules:
-        kind = kinds[name]
-        if kind in ("dit", "text_encoder") and kind in streamed:
-            blocks = _component_blocks(name, module, config.blocks if kind == "dit" else None)
-            if blocks:
-                layout.streamed.append((name, module, blocks))
-            else:
-                layout.staged.append((name, [(name, module)]))
-        elif kind == "vae" and "vae" in streamed:
-            layout.staged.append((name, [(name, module)]))
-        else:
-            layout.resident.append((name, module))
-    return layout
-
-
-def _planned_layout(target: Inventory, modes: dict[str, str], config: OffloadConfig) -> LayerwiseLayout:
     layout = LayerwiseLayout([], [], [])
     for name, module in target.modules:
-        if modes[name] == "streamed":  # blocks= names the DiTs' block lists, as the plan read them
-            attrs = config.blocks if target.kinds[name] == "dit" else None
-            layout.streamed.append((name, module, find_blocks(module, attrs)))
-        elif modes[name] == "staged":
+        kind = kinds[name]
+        if modes is not None:
+            mode = modes[name]
+        elif kind in ("dit", "text_encoder") and kind in streamed:
+            mode = "streamed"
+        else:
+            mode = "staged" if kind == "vae" and "vae" in streamed else "resident"
+        if mode == "streamed" or mode == "staged" and not target.pipeline:
+            # blocks= names the DiTs' block lists, as the plan read them
+            blocks = _component_blocks(target, name, module, config.blocks if kind == "dit" else None, config)
+            if blocks:
+                layout.streamed.append((name, module, blocks))
+            elif target.pipeline:
+                layout.staged.append((name, [(name, module)]))
+            else:
+                layout.resident.append((name, module))
+        elif mode == "staged":
             layout.staged.append((name, [(name, module)]))
         else:
             layout.resident.append((name, module))
     return layout
 
 
-def _component_blocks(name: str, module: nn.Module, attrs: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
+def _component_blocks(target: Inventory, name: str, module: nn.Module, attrs: tuple[str, ...] | None,
+                      config: OffloadConfig) -> list[tuple[str, nn.Module]]:
     """The component's blocks; none (with one logged line) when its stack cannot be found. Block
-    attributes the user passed explicitly (``blocks=``) must exist: a typo there is an error."""
+    attributes the user passed explicitly (``blocks=``) must exist: a typo there is an error, and
+    so is a bare module's stack that cannot be found (it has no other component to go on with)."""
     try:
         blocks = find_blocks(module, attrs)
         reason = "found no blocks to stream"
     except BlockDiscoveryError as exc:
-        if attrs is not None:
+        if attrs is not None or not target.pipeline:
             raise
         blocks, reason = [], str(exc)
-    if not blocks:
+    if blocks:
+        return blocks
+    if target.pipeline:
         logger.info("layerwise offload: %s (%s): %s, so it is staged onto the device around its use and dropped "
                     "after, like the VAE; %s", name, type(module).__name__, reason, no_blocks_hint(module))
+    else:
+        logger.warning("%s offload: %s has no blocks to stream, so nothing is offloaded: it stays resident on the "
+                       "device. Name its block lists with the blocks= option (enable_offload(model, "
+                       "blocks=[\"layers\"], ...)), or %s", config.strategy, name, no_blocks_hint(module))
     return blocks

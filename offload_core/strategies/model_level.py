@@ -103,13 +103,6 @@ class ModelLevelOffload(ComponentCalls, SavedCopies):
         """The units whose homes the placement policy decides: each swaps in once per call."""
         return [HostUnit(c.unit, SWAP, c.unit.nbytes) for g in self.groups for c in g.components]
 
-    @classmethod
-    def for_module(cls, module: nn.Module, backend: DeviceBackend) -> "ModelLevelOffload":
-        """A bare module is one group: it lives on the host between calls, is copied in (one copy
-        per dtype) when it runs, and is dropped when its forward returns."""
-        name = type(module).__name__
-        return cls([(name, [(name, module)])], backend, prefetch=False)
-
     def describe(self) -> str:
         return ", ".join(c.name for g in self.groups for c in g.components)
 
