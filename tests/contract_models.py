@@ -10,7 +10,8 @@ from torch import nn
 
 from stacks import Block, Layer, Stack
 
-STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
+#: the enable options of each single-process strategy the tests run, by strategy name (one table)
+ENABLE_OPTIONS = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 D = 8
 
 

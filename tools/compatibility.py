@@ -19,7 +19,7 @@ YES = "yes"  # the output equals the same setup without offload, exactly (torch.
 REFUSED = "refused"  # a clear error names the problem; the model is left as it was
 KEPT = "kept on device"  # runs, equal output; these tensors are not streamed
 
-STRATEGIES = ("model", "layerwise", "distributed")
+COLUMNS = ("model", "layerwise", "distributed")
 
 #: the packages whose versions the table was generated with
 PACKAGES = ("torch", "diffusers", "torchao", "gguf", "optimum-quanto", "peft")
@@ -103,7 +103,7 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-def cells(strategies: tuple[str, ...] = STRATEGIES) -> list[tuple[str, str, str]]:
+def cells(strategies: tuple[str, ...] = COLUMNS) -> list[tuple[str, str, str]]:
     """(case, strategy, verdict) for every cell the tests run."""
     return [(row.case, s, row.cells()[s]) for row in ROWS for s in strategies]
 

@@ -21,7 +21,7 @@ import torch
 
 import offload_core
 from offload_core import cli
-from offload_core.cli.run import STRATEGIES, loading
+from offload_core.cli.run import STRATEGY_CHOICES, loading
 from offload_core.cli.run.arguments import DEFAULT_PIPELINE, DEMO_STEPS, MAX_STEPS, embedded
 from offload_core.cli.run.command import run_pipeline
 from offload_core.cli.run.report import render
@@ -90,7 +90,7 @@ def parse(*argv: str):
 
 
 #: one process each; distributed runs under torchrun in tests/cli/test_cli_distributed.py
-SINGLE_PROCESS = [s for s in STRATEGIES if s != "distributed"]
+SINGLE_PROCESS = [s for s in STRATEGY_CHOICES if s != "distributed"]
 
 
 @pytest.mark.parametrize("strategy", SINGLE_PROCESS)

@@ -12,7 +12,7 @@ import offload_core
 from offload_core.errors import OffloadedModelError
 from offload_core.tiny import build_pipeline
 
-from contract_models import STRATEGIES
+from contract_models import ENABLE_OPTIONS
 from helpers import assert_same_state, chaos_backend, snapshot
 from stacks import StackSpec, build_stack
 
@@ -48,13 +48,13 @@ PIPELINE_CASES = {
 }
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("case", PIPELINE_CASES)
 def test_a_diffusers_api_on_an_offloaded_pipeline_acts_as_without_offload(strategy, case):
     from offload_core.tiny import build_pipeline
 
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(ours.run(), theirs.run())
     for tiny in (ours, theirs):
         PIPELINE_CASES[case](tiny.pipe)
@@ -63,10 +63,10 @@ def test_a_diffusers_api_on_an_offloaded_pipeline_acts_as_without_offload(strate
     assert torch.equal(ours.run(seed=2), theirs.run(seed=2))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_component_replaced_after_enable_is_refused_at_the_next_call(strategy):
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     original = ours.pipe.transformer
     ours.pipe.transformer = build_pipeline("flux2", seed=1).pipe.transformer
     with pytest.raises(OffloadedModelError, match=r"transformer changed since enable_offload.*handle.disable\(\)"):
@@ -76,11 +76,11 @@ def test_a_component_replaced_after_enable_is_refused_at_the_next_call(strategy)
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload"])
 def test_diffusers_own_offloading_after_enable_is_refused(strategy, method):
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     with pytest.raises(offload_core.OffloadConfigError, match=rf"{method}\(\).*handle.disable\(\)"):
         getattr(ours.pipe, method)()
     assert torch.equal(ours.run(), theirs.run())
@@ -116,14 +116,14 @@ def _replace_data(pipe, component: str, scale: float) -> None:
         w.data = w.data * scale
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("name", ["sd3", "wan2.2-t2v"])
 def test_weight_data_replaced_between_calls_is_taken_in_for_every_component(strategy, name):
     """Each component given new data after a call (model-level prefetches a component during the
     call before its turn, from the host as it is then) computes with it in the next call, as
     without offload, and keeps it after disable()."""
     ours, theirs = build_pipeline(name), build_pipeline(name)
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(ours.run(), theirs.run())
     components = [n for n, m in ours.pipe.components.items() if isinstance(m, torch.nn.Module)]
     for seed, component in enumerate(components, start=1):

@@ -24,6 +24,7 @@ from offload_core.tiny.encoders import seeded
 from offload_core.tiny.transformers import build_dit
 from offload_core.weights.binding import Binding
 
+from contract_models import ENABLE_OPTIONS
 from denoisers import _SPECS, _input_generator, build_transformer
 from helpers import chaos_backend, first_tensor, free_port, snapshot, assert_same_state
 
@@ -31,7 +32,6 @@ pytestmark = pytest.mark.fake_only("references are computed on the CPU, as the f
 
 FP8 = torch.float8_e4m3fn
 DITS = ["flux2", "wan-t2v", "qwen-image", "sd3"]
-STRATEGIES = {"model": {"enable_cpu_offload": True}, "layerwise": {"enable_layerwise_offload": True}}
 INPUTS = {name: make for name, _, _, make in _SPECS}
 
 
@@ -66,7 +66,7 @@ def assert_equal(got: list[torch.Tensor], expected: list[torch.Tensor], what: st
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), what
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("name", DITS)
 def test_casting_before_enable_and_storage_dtype_equal_the_casting_alone(name, strategy):
     model, inputs = bf16(name)
@@ -76,7 +76,7 @@ def test_casting_before_enable_and_storage_dtype_equal_the_casting_alone(name, s
         options = {"storage_dtype": FP8} if how == "storage_dtype" else {}
         if how == "casting":
             cast(model)
-        handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy], **options)
+        handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy], **options)
         assert_equal(steps(model, inputs), expected, f"{name}, {how}, {strategy}")
         handle.disable()
         hooks = [hook for _, hook in casting_hooks([model])]
@@ -122,10 +122,10 @@ def test_a_forward_repacks_nothing_and_copies_nothing_home(monkeypatch):
         return to_home(self, lambda pairs: (homes.append(len(pairs)), write_back(pairs))[1])
 
     monkeypatch.setattr(Binding, "to_home", counted)
-    for strategy in STRATEGIES:
+    for strategy in ENABLE_OPTIONS:
         model, inputs = bf16("flux2")
         expected = steps(cast(bf16("flux2")[0]), inputs, n=3)
-        handle = offload_core.enable_offload(cast(model), backend=chaos_backend(), **STRATEGIES[strategy])
+        handle = offload_core.enable_offload(cast(model), backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
         assert_equal(steps(model, inputs, n=3), expected, strategy)
         assert repacks == [] and homes == [], f"{strategy}: {len(repacks)} re-packs, copies home {homes}"
         handle.disable()
@@ -140,10 +140,10 @@ def test_casting_after_enable_is_taken_over_and_given_back():
     model, inputs = bf16("flux2")
     expected = steps(cast(model), inputs)
     layers = len(list(casting_hooks([model])))
-    for strategy in STRATEGIES:
+    for strategy in ENABLE_OPTIONS:
         for how in ("method", "function"):
             model, _ = bf16("flux2")
-            handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+            handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
             part = handle.parts[0]
             repacks = []
             original = part.repack
@@ -161,12 +161,12 @@ def test_casting_after_enable_is_taken_over_and_given_back():
             assert_equal(steps(model, inputs), expected, f"{strategy}, {how}, after disable")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_full_fine_tuning_of_a_float8_weight_is_refused(strategy):
     model, inputs = bf16("flux2")
     cast(model).requires_grad_(True)  # full fine-tuning: the float8-stored weights too
     expected = steps(model, inputs, n=1)
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     loss = first_tensor(model(**inputs)).float().square().mean()
     with pytest.raises(offload_core.OffloadedModelError, match=r"requires_grad_\(False\).*LoRA"):
         loss.backward()
@@ -205,9 +205,9 @@ def test_casting_the_whole_model_at_once_is_refused_under_streaming():
     handle = offload_core.enable_offload(model, backend=chaos_backend(), enable_cpu_offload=True)
     assert_equal(steps(model, inputs, n=1), expected, "the whole model cast, model-level")
     handle.disable()
-    for strategy in STRATEGIES:  # attached after enable
+    for strategy in ENABLE_OPTIONS:  # attached after enable
         model, _ = bf16("flux2")
-        handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+        handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
         if strategy == "layerwise":
             before = snapshot(model)
             with pytest.raises(offload_core.OffloadConfigError, match="as a whole"):

@@ -18,7 +18,7 @@ from torch import nn
 
 import offload_core
 
-from contract_models import D, STRATEGIES, Scaled, assert_offloaded, assert_same, build, new_state, run
+from contract_models import D, ENABLE_OPTIONS, Scaled, assert_offloaded, assert_same, build, new_state, run
 from helpers import chaos_backend
 
 def _strict_failure(m: nn.Module) -> None:
@@ -63,11 +63,11 @@ CHANGES = {
 }
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_change_between_forwards_acts_as_without_offload(strategy, change):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(run(model, 0), run(reference, 0))
     CHANGES[change](model)
     CHANGES[change](reference)
@@ -102,10 +102,10 @@ def test_writes_right_after_a_forward_wait_for_the_copies_that_read_the_host():
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_moving_the_weights_elsewhere_is_refused_before_anything_changes(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     run(model, 0), run(reference, 0)
     with pytest.raises(offload_core.OffloadedModelError, match=r"handle\.disable\(\)"):
         model.to("meta")
@@ -131,14 +131,14 @@ def test_dtype_change_repacks_with_slots_to_fit():
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_copies_are_ordinary_models_with_the_true_weights(strategy, tmp_path):
     """copy.deepcopy, pickle and safetensors' save_model of an offloaded model (and deepcopy of one
     block) give what they give without offload; the copies are not offloaded."""
     from safetensors.torch import load_model, save_model
 
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     for m in (model, reference):
         run(m, 0)
         m.blocks[1].layers[0].weight.data.mul_(2)
@@ -205,14 +205,14 @@ def test_weights_changed_in_place_by_a_step_callback_count_from_the_next_step():
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_deep_copy_of_an_offloaded_pipeline_is_an_ordinary_pipeline(strategy):
     from offload_core.tiny import build_pipeline
 
     tiny = build_pipeline("flux2")
     original = type(tiny.pipe)
     expected = tiny.run(seed=0)
-    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     clone = copy.deepcopy(tiny)
     assert type(clone.pipe) is original and not hasattr(clone.pipe, "_offload_core_handle")
     assert not any("forward" in m.__dict__ for c in clone.pipe.components.values() if isinstance(c, nn.Module) for m in c.modules())

@@ -16,15 +16,15 @@ from offload_core.tiny import build_pipeline
 from offload_core.weights import WeightUnit
 from offload_core.weights.unit import Region
 
-from contract_models import STRATEGIES, assert_same, build, raise_once, run
+from contract_models import ENABLE_OPTIONS, assert_same, build, raise_once, run
 from helpers import assert_same_state, chaos_backend, snapshot
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("error", [RuntimeError("a raising hook"), KeyboardInterrupt()], ids=["hook", "ctrl-c"])
 def test_after_a_failed_forward_the_next_forward_is_exact(strategy, error):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     for m in (model, reference):
         run(m, 0)
         # inside block 2's forward: blocks 0 and 1 have run (and updated their buffers)
@@ -37,12 +37,12 @@ def test_after_a_failed_forward_the_next_forward_is_exact(strategy, error):
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_ctrl_c_during_a_pipeline_call_leaves_the_pipeline_working(strategy):
     tiny = build_pipeline("flux2")
     expected = tiny.run(seed=0)
     before = snapshot(tiny.pipe.transformer)
-    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     tiny.pipe.transformer.transformer_blocks[1].register_forward_pre_hook(raise_once(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         tiny.run(seed=0)
@@ -70,7 +70,7 @@ def test_model_level_out_of_memory_during_a_load_does_not_break_later_calls():
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_ctrl_c_during_enable_leaves_the_model_untouched(strategy, monkeypatch):
     model = build()
     before = snapshot(model)
@@ -85,28 +85,28 @@ def test_ctrl_c_during_enable_leaves_the_model_untouched(strategy, monkeypatch):
         return fill(self, *args, **kwargs)
 
     monkeypatch.setattr(Region, "fill", interrupted)
-    offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy]).disable()
+    offload_core.enable_offload(model, backend=backend, **ENABLE_OPTIONS[strategy]).disable()
     assert calls["n"] >= 2, "enable copies too few regions to be interrupted half way"
     calls.update(n=0, stop=(calls["n"] + 1) // 2 + 1)  # Ctrl-C half way through packing the weights
     gc.collect()
     with pytest.raises(KeyboardInterrupt):
-        offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+        offload_core.enable_offload(model, backend=backend, **ENABLE_OPTIONS[strategy])
     assert_same_state(before, snapshot(model))
     assert all("forward" not in m.__dict__ for m in model.modules())
     gc.collect()
     assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
     monkeypatch.setattr(Region, "fill", fill)
-    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=backend, **ENABLE_OPTIONS[strategy])
     handle.disable()
     assert_same_state(before, snapshot(model))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_an_interrupted_disable_can_be_called_again(strategy, monkeypatch):
     tiny = build_pipeline("flux2")
     expected = tiny.run(seed=0)
     before = {name: snapshot(module) for name, module in tiny.pipe.components.items() if isinstance(module, torch.nn.Module)}
-    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(tiny.run(seed=0), expected)
     unpack = WeightUnit.unpack
     calls = {"n": 0}
@@ -129,19 +129,19 @@ def test_an_interrupted_disable_can_be_called_again(strategy, monkeypatch):
         if isinstance(module, torch.nn.Module):
             assert_same_state(before[name], snapshot(module))
     assert torch.equal(tiny.run(seed=0), expected)
-    again = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    again = offload_core.enable_offload(tiny.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(tiny.run(seed=0), expected)
     again.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_disable_from_a_step_callback_finishes_the_call_without_offload(strategy):
     """disable() in the middle of a pipeline call (components on the device) gives every tensor
     back and frees the device; the rest of the call runs on the ordinary model."""
     tiny = build_pipeline("flux2")
     expected = tiny.run(seed=0)
     backend = chaos_backend()
-    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **ENABLE_OPTIONS[strategy])
 
     def disable(pipe, step, timestep, kwargs):
         handle.disable()

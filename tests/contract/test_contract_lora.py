@@ -12,7 +12,7 @@ import torch
 import offload_core
 from offload_core.tiny import build_pipeline
 
-from contract_models import STRATEGIES, lora_state_dict, offloaded_ids
+from contract_models import ENABLE_OPTIONS, lora_state_dict, offloaded_ids
 from helpers import chaos_backend
 
 pytest.importorskip("peft")
@@ -28,13 +28,13 @@ def assert_offloaded(handle, params: dict) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Already found a `peft_config`")  # peft's note on a second adapter
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_lora_on_an_offloaded_pipeline_equals_lora_without_offload(strategy):
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
     transformer = theirs.pipe.transformer
     for tiny in (ours, theirs):
         tiny.pipe.load_lora_weights(lora_state_dict(transformer, 1), adapter_name="first")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
 
     steps = [
         ("adapter loaded before enable", lambda pipe: None),

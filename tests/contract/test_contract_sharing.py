@@ -15,7 +15,7 @@ from torch import nn
 import offload_core
 from offload_core.tiny import build_pipeline
 
-from contract_models import STRATEGIES
+from contract_models import ENABLE_OPTIONS
 from helpers import assert_same_state, chaos_backend, snapshot
 from stacks import StackSpec, build_stack
 
@@ -53,13 +53,13 @@ def call_in_threads(calls: list, threads: int = 2) -> dict[int, torch.Tensor]:
     return results
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_two_threads_calling_one_offloaded_model_get_exact_outputs(strategy):
     model = stack()
     xs = inputs(16)
     with torch.no_grad():
         expected = [model(x) for x in xs]
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
 
     def call(x):
         def go():

@@ -19,14 +19,14 @@ import offload_core
 from offload_core.errors import OffloadedModelError
 from offload_core.tiny import build_pipeline
 
-from contract_models import D, STRATEGIES, assert_offloaded, assert_same, build, run
+from contract_models import D, ENABLE_OPTIONS, assert_offloaded, assert_same, build, run
 from helpers import chaos_backend
 from offload_core_fake import UnseenWriteError
 from stacks import Block, Layer, Stack
 
 
 def _enable(model, strategy, **options):
-    return offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy], **options)
+    return offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy], **options)
 
 
 def _same_forwards(model, reference, steps=(0, 1)) -> None:
@@ -49,7 +49,7 @@ def _assign_data(x):
     w.data = w.data * 1.5
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("edit", [_scale_in_place, _scale_through_data, _assign_data], ids=lambda f: f.__name__[1:])
 def test_a_model_pre_hook_that_edits_a_block_weight_is_seen(strategy, edit):
     """The pass begins (layerwise: the first blocks are queued) before the model's own pre-hooks
@@ -66,7 +66,7 @@ def test_a_model_pre_hook_that_edits_a_block_weight_is_seen(strategy, edit):
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_block_hook_that_gives_the_next_block_new_data_is_seen(strategy):
     """Between two blocks of one pass: block 1's load is queued as block 0 starts, before block
     0's forward hook gives block 1's weight new data, so each block is checked again as it binds.
@@ -81,7 +81,7 @@ def test_a_block_hook_that_gives_the_next_block_new_data_is_seen(strategy):
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_block_hook_giving_the_next_block_data_of_another_layout_is_computed_with_then_repacked(strategy):
     """A structural change in the middle of a pass cannot be packed around (the pass's blocks are
     bound): layerwise runs the block on a device copy of the new data for that call, gives the
@@ -136,7 +136,7 @@ class DataAssigning(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_forward_that_assigns_weight_data_is_kept(strategy):
     model, reference = build(), build()
     for x in (model, reference):
@@ -163,7 +163,7 @@ class DataRetyping(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_forward_that_gives_weight_data_of_another_dtype_is_kept(strategy):
     model, reference = build(), build()
     for x in (model, reference):
@@ -196,7 +196,7 @@ def _assert_same_before_and_after_disable(model, reference, handle) -> None:
         assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_weight_given_its_own_memory_in_another_layout_between_calls_is_seen(strategy):
     """``p.data = p.data.t()`` keeps the parameter's address: a check of addresses alone let the
     next forward compute with the old layout. The block is packed again, in the new layout."""
@@ -237,7 +237,7 @@ class DiagonalKeeping(nn.Module):
         return y
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("layer", [DataTransposing, DiagonalKeeping], ids=["weight", "buffer"])
 def test_a_forward_that_leaves_a_tensor_in_another_layout_is_kept(strategy, layer):
     """The layout a forward leaves a weight in (or a buffer it replaces by a view of a weight) is
@@ -266,7 +266,7 @@ class DataEditing(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_an_in_place_write_through_data_into_device_weights_is_reported_by_the_sanitizer(strategy):
     """No version counter shows it and it would be lost: under ``pytest --backend=fake`` the race
     sanitizer reports it where it happens, naming the fix; the model stays usable."""
@@ -284,7 +284,7 @@ def test_an_in_place_write_through_data_into_device_weights_is_reported_by_the_s
 
 
 # -- inference mode ------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_enable_and_repack_inside_inference_mode_build_ordinary_tensors(strategy):
     model, reference = build(), build()
     with torch.inference_mode():
@@ -310,7 +310,7 @@ APPLIED = {
 }
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("fn", APPLIED)
 def test_apply_with_an_in_place_or_value_dependent_function_acts_as_without_offload(strategy, fn):
     model, reference = build(), build()
@@ -325,7 +325,7 @@ def test_apply_with_an_in_place_or_value_dependent_function_acts_as_without_offl
 
 
 # -- copies and saves ----------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_copy_copy_is_a_shallow_copy_as_without_offload(strategy):
     model, reference = build(), build()
     handle = _enable(model, strategy)
@@ -343,7 +343,7 @@ def _saved_bytes(tensors: dict) -> int:
     return len(buffer.getvalue())
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_saving_detached_tensors_writes_only_their_bytes(strategy):
     model, reference = build(), build()
     handle = _enable(model, strategy)
@@ -359,12 +359,12 @@ def test_saving_detached_tensors_writes_only_their_bytes(strategy):
 
 
 # -- lifetime ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("options", [{}, {"pinned_memory": 0}], ids=["pinned", "staged"])
 def test_a_model_dropped_without_disable_frees_its_memory(strategy, options):
     backend = chaos_backend()
     model = build()
-    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy], **options)
+    handle = offload_core.enable_offload(model, backend=backend, **ENABLE_OPTIONS[strategy], **options)
     run(model, 0)
     assert backend.pinned_memory_allocated() > 0 or options
     gone = weakref.ref(model)
@@ -376,11 +376,11 @@ def test_a_model_dropped_without_disable_frees_its_memory(strategy, options):
 
 
 # -- pipelines -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_pipeline_dropped_without_disable_frees_its_memory(strategy):
     backend = chaos_backend()
     tiny = build_pipeline("flux2")
-    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(tiny.pipe, backend=backend, **ENABLE_OPTIONS[strategy])
     tiny.run()
     gone = weakref.ref(tiny.pipe)
     del tiny, handle
@@ -391,7 +391,7 @@ def test_a_pipeline_dropped_without_disable_frees_its_memory(strategy):
 
 
 # -- structure and lifecycle ---------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_shortened_block_list_is_found_again(strategy):
     model, reference = build(), build()
     handle = _enable(model, strategy)
@@ -406,7 +406,7 @@ def test_a_shortened_block_list_is_found_again(strategy):
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
 def test_torch_export_is_refused_naming_disable(strategy, strict):
     model, reference = build(), build()
@@ -419,11 +419,11 @@ def test_torch_export_is_refused_naming_disable(strategy, strict):
     assert exported is not None
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_closing_the_fake_backend_while_enabled_does_not_hang(strategy):
     model, reference = build(), build()
     backend = chaos_backend()
-    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=backend, **ENABLE_OPTIONS[strategy])
     assert torch.equal(run(model, 0), run(reference, 0))
     backend.close()
     _same_forwards(model, reference, steps=(1, 2))
@@ -514,7 +514,7 @@ def test_a_write_around_the_refusal_is_undone_where_the_block_is_next_used(tmp_p
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
     pytest.importorskip("peft")
     from contract_models import lora_state_dict
@@ -522,7 +522,7 @@ def test_saving_a_lora_by_its_detached_tensors_writes_the_lora_only(strategy):
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
     for tiny in (ours, theirs):
         tiny.pipe.load_lora_weights(lora_state_dict(theirs.pipe.transformer, 1), adapter_name="first")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
 
     def lora(pipe):
         return {n: p.detach() for n, p in pipe.transformer.named_parameters() if "lora_" in n}

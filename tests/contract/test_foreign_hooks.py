@@ -19,7 +19,7 @@ import torch
 import offload_core
 from offload_core.errors import OffloadConfigError
 
-from contract_models import STRATEGIES
+from contract_models import ENABLE_OPTIONS
 from denoisers import build_transformer
 from helpers import assert_same_state, chaos_backend, forward, snapshot
 
@@ -76,14 +76,14 @@ def _remove_hooks(model):
         module.__dict__.pop("_diffusers_hook", None)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("case", ATTACH)
 def test_a_weight_managing_hook_attached_after_enable_is_refused_before_any_weight_changes(strategy, case):
     attach, name = ATTACH[case]
     model, inputs = build_transformer("flux2")
     reference, _ = build_transformer("flux2")
     expected = forward(reference, inputs)
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(forward(model, inputs), expected)
     before = snapshot(model)
     with pytest.raises(OffloadConfigError, match=rf"{name}.*handle\.disable\(\)"):
@@ -98,14 +98,14 @@ def test_a_weight_managing_hook_attached_after_enable_is_refused_before_any_weig
     assert torch.equal(forward(model, inputs), forward(reference, inputs)), "the hook's own output after disable()"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_pipeline_component_takes_casting_and_hooks_that_leave_the_weights_alone(strategy):
     from diffusers.hooks import HookRegistry, ModelHook
 
     from offload_core.tiny import build_pipeline
 
     ours, theirs = build_pipeline("flux2"), build_pipeline("flux2")
-    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(ours.pipe, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     for tiny in (ours, theirs):  # casting, and a hook that leaves the weights alone, attach as without offload
         _casting(tiny.pipe.transformer)
         HookRegistry.check_if_exists_or_initialize(tiny.pipe.transformer).register_hook(ModelHook(), "user_hook")

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import offload_core
 from offload_core.hostmem.machine import return_free_memory
 
+from contract_models import ENABLE_OPTIONS
 from helpers import chaos_backend, free_port
 from stacks import StackSpec, build_stack
 
@@ -32,10 +33,6 @@ WARMUP = 4
 #: adds ~18 MiB per call (~140 MiB over these calls); the allocator's own noise is a few MiB.
 RSS_SLACK = 24 * 2**20
 
-STRATEGIES = {
-    "layerwise": {"enable_layerwise_offload": True},
-    "model": {"enable_cpu_offload": True},
-}
 
 
 def build():
@@ -88,13 +85,13 @@ def growth(sizes: list[int]) -> int:
 
 
 @pytest.mark.fake_only  # process RSS measures the fake device's memory too
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_grad_mode_forwards_without_backward_stay_flat(strategy):
     model, x = build(), inputs()
     reference = copy.deepcopy(model)
     baseline, _ = grad_calls(reference, x)
     backend = chaos_backend()
-    handle = offload_core.enable_offload(model, backend=backend, **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=backend, **ENABLE_OPTIONS[strategy])
     sizes, device = grad_calls(model, x, backend)
     assert len(set(device[WARMUP - 1:])) == 1, f"device bytes grow over calls: {device}"
     assert growth(sizes) <= growth(baseline) + RSS_SLACK, (

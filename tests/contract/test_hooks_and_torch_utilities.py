@@ -14,7 +14,7 @@ from torch import nn
 
 import offload_core
 
-from contract_models import D, STRATEGIES, assert_offloaded, assert_same, build, new_state, run
+from contract_models import D, ENABLE_OPTIONS, assert_offloaded, assert_same, build, new_state, run
 from helpers import chaos_backend
 
 
@@ -177,11 +177,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("case", CASES)
 def test_an_adversarial_change_acts_as_without_offload(strategy, case):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(run(model, 0), run(reference, 0))
     CASES[case](model)
     CASES[case](reference)
@@ -194,10 +194,10 @@ def test_an_adversarial_change_acts_as_without_offload(strategy, case):
 
 
 # -- serialisation and reading ---------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_state_dict_through_torch_save_loads_into_a_model_without_offload(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     run(model, 0), run(reference, 0)
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
@@ -207,10 +207,10 @@ def test_state_dict_through_torch_save_loads_into_a_model_without_offload(strate
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_pickled_block_and_a_deep_copied_block_hold_the_true_weights(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(4))
     for copied in (pickle.loads(pickle.dumps(model.blocks[1])), copy.deepcopy(model.blocks[1])):
         assert_same(copied, reference.blocks[1])
@@ -219,10 +219,10 @@ def test_a_pickled_block_and_a_deep_copied_block_hold_the_true_weights(strategy)
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_keep_vars_state_dict_and_a_flat_vector_read_the_truth(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     run(model, 0), run(reference, 0)
     ours, theirs = model.state_dict(keep_vars=True), reference.state_dict(keep_vars=True)
     assert all(torch.equal(ours[k].detach(), theirs[k].detach()) for k in theirs)
@@ -231,10 +231,10 @@ def test_keep_vars_state_dict_and_a_flat_vector_read_the_truth(strategy):
 
 
 # -- calls -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_block_called_on_its_own_between_forwards(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(model.blocks[2](x), reference.blocks[2](x))
@@ -243,10 +243,10 @@ def test_a_block_called_on_its_own_between_forwards(strategy):
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_functional_call_with_other_weights_leaves_the_model_as_it_was(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(6))
     other = {"head.weight": torch.eye(D)}
     with torch.no_grad():
@@ -258,20 +258,20 @@ def test_functional_call_with_other_weights_leaves_the_model_as_it_was(strategy)
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_forward_under_autocast(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(run(model, 0), run(reference, 0))
     handle.disable()
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_a_raising_forward_hook_then_the_next_forward(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
 
     def boom(module, args, out):
         raise ValueError("hook failed")
@@ -285,22 +285,22 @@ def test_a_raising_forward_hook_then_the_next_forward(strategy):
 
 
 # -- lifecycle -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_enable_disable_enable_with_the_other_strategy(strategy):
     model, reference = build(), build()
     other = "model" if strategy == "layerwise" else "layerwise"
     for name in (strategy, other):
-        handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[name])
+        handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[name])
         assert torch.equal(run(model, 0), run(reference, 0))
         handle.disable()
         handle.disable()
     assert_same(model, reference)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_moving_to_another_device_is_refused_and_changes_nothing(strategy):
     model, reference = build(), build()
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     with pytest.raises(offload_core.OffloadedModelError, match=r"handle.disable\(\)"):
         model.to("meta")
     assert torch.equal(run(model, 0), run(reference, 0))

@@ -33,10 +33,10 @@ import torch
 import offload_core
 from offload_core.handle import HANDLE_ATTRIBUTE
 
+from contract_models import ENABLE_OPTIONS
 from interrupting import LIBRARY as ROOT, Injected, Point, Tracer
 from stacks import StackSpec, build_stack
 
-STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 OPERATIONS = ["enable", "forward", "backward", "disable"]
 PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "8"))  # in the files of PATH
 PER_OTHER_FILE = 2  # in the rest of the library the path runs through (weights, placement)
@@ -98,7 +98,7 @@ def assert_usable(model, reference, strategy) -> None:
     reference's."""
     handle = getattr(model, HANDLE_ATTRIBUTE, None)
     if handle is None:
-        handle = offload_core.enable_offload(model, backend=backend(), **STRATEGIES[strategy])
+        handle = offload_core.enable_offload(model, backend=backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(forward(model), forward(reference))
     for m in (model, reference):
         m.zero_grad(set_to_none=True)
@@ -109,7 +109,7 @@ def assert_usable(model, reference, strategy) -> None:
     handle.disable()
     assert getattr(model, HANDLE_ATTRIBUTE, None) is None
     assert torch.equal(forward(model), forward(reference))
-    handle = offload_core.enable_offload(model, backend=backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=backend(), **ENABLE_OPTIONS[strategy])
     assert torch.equal(forward(model), forward(reference))
     handle.disable()
     for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
@@ -119,7 +119,7 @@ def assert_usable(model, reference, strategy) -> None:
 def setup(operation: str, strategy: str):
     """(model, reference, the operation on the model, the handle the user holds or None)."""
     model, reference = build()
-    options = STRATEGIES[strategy]
+    options = ENABLE_OPTIONS[strategy]
     if operation == "enable":
         return model, reference, lambda: offload_core.enable_offload(model, backend=backend(), **options), None
     handle = offload_core.enable_offload(model, backend=backend(), **options)
@@ -188,7 +188,7 @@ def in_time(work, what: str):
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_an_interrupt_at_any_line_leaves_the_model_usable(strategy, operation, frozen_heap):
     reached, error = in_time(lambda: points(operation, strategy), "listing the points")
     if error is not None:

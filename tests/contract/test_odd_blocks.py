@@ -17,10 +17,10 @@ from torch.func import functional_call, grad, jacrev, vmap
 import offload_core
 from offload_core.errors import OffloadedModelError, RepackError
 
+from contract_models import ENABLE_OPTIONS
 from helpers import chaos_backend
 from stacks import StackSpec, build_stack
 
-STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
 
 
@@ -30,7 +30,7 @@ def pair():
 
 
 def enable(model, strategy, **options):
-    return offload_core.enable_offload(model, backend=chaos_backend(**options), **STRATEGIES[strategy])
+    return offload_core.enable_offload(model, backend=chaos_backend(**options), **ENABLE_OPTIONS[strategy])
 
 
 def same(model, reference, x=X) -> None:
@@ -48,7 +48,7 @@ def loss_with(params, model):
 
 # -- item 10: torch.func transforms -----------------------------------------------------------
 @pytest.mark.parametrize("transform", [grad, jacrev], ids=["grad", "jacrev"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_torch_func_grad_and_jacrev_are_refused_clearly_and_leave_the_model_usable(strategy, transform):
     model, reference = pair()
     handle = enable(model, strategy)
@@ -61,7 +61,7 @@ def test_torch_func_grad_and_jacrev_are_refused_clearly_and_leave_the_model_usab
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_vmap_through_an_offloaded_model_is_exact(strategy):
     model, reference = pair()
     handle = enable(model, strategy)
@@ -89,7 +89,7 @@ def test_a_repack_out_of_device_memory_raises_its_repack_error_and_the_model_run
 
 
 # -- item 8: share_memory ---------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_share_memory_of_an_offloaded_model_is_refused_and_works_after_disable(strategy):
     model, reference = pair()
     handle = enable(model, strategy)
@@ -319,12 +319,12 @@ def _run(m, step: int, grad_too: bool) -> list[torch.Tensor]:
     return [out.detach().clone(), x.grad.clone() if x.grad is not None else torch.zeros(0), *grads]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("case", sorted(ROUND3))
 def test_round_three_acts_as_without_offload(strategy, case):
     model = OddModel()
     reference = copy.deepcopy(model)
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     with torch.no_grad():
         assert torch.equal(model(X), reference(X))
     for m in (model, reference):
@@ -337,14 +337,14 @@ def test_round_three_acts_as_without_offload(strategy, case):
     assert all(torch.equal(a, b) for a, b in zip(_run(model, 4, False), _run(reference, 4, False)))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 def test_an_offloaded_model_called_from_threads_reused_across_them_is_exact(strategy):
     """Six threads share one offloaded model whose output depends on how often it ran: the calls
     are serialised (the handle's lock); replayed in the order they took it, the model without
     offload gives the same outputs."""
     model = OddModel().eval()
     reference = copy.deepcopy(model)
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_OPTIONS[strategy])
     inputs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     order: list[int] = []
     model.register_forward_pre_hook(

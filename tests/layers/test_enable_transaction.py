@@ -18,7 +18,7 @@ from offload_core.handle import HANDLE_ATTRIBUTE
 from offload_core.installs import Mark
 from offload_core.tiny import build_pipeline
 
-from contract_models import STRATEGIES, build
+from contract_models import ENABLE_OPTIONS, build
 from helpers import assert_same_state, chaos_backend, snapshot
 from import_graph import imports, modules
 from tools import enable_walk
@@ -33,7 +33,7 @@ def _target(kind: str):
     return pipe, [m for m in pipe.components.values() if isinstance(m, nn.Module)]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("kind", ["module", "pipeline"])
 def test_a_failure_at_the_last_step_of_enable_leaves_the_target_as_it_was(kind, strategy, monkeypatch):
     target, roots = _target(kind)
@@ -48,7 +48,7 @@ def test_a_failure_at_the_last_step_of_enable_leaves_the_target_as_it_was(kind, 
 
     monkeypatch.setattr(Mark, "install", half_installed)
     with pytest.raises(RuntimeError, match="the last install fails"):
-        offload_core.enable_offload(target, backend=backend, **STRATEGIES[strategy])
+        offload_core.enable_offload(target, backend=backend, **ENABLE_OPTIONS[strategy])
     assert type(target) is original_class
     assert HANDLE_ATTRIBUTE not in target.__dict__
     for root, state in zip(roots, before):
@@ -58,7 +58,7 @@ def test_a_failure_at_the_last_step_of_enable_leaves_the_target_as_it_was(kind, 
     assert backend.memory_allocated() == 0 and backend.pinned_memory_allocated() == 0
 
     monkeypatch.setattr(Mark, "install", install)
-    handle = offload_core.enable_offload(target, backend=backend, **STRATEGIES[strategy])  # nothing owns it
+    handle = offload_core.enable_offload(target, backend=backend, **ENABLE_OPTIONS[strategy])  # nothing owns it
     assert handle.enabled and handle.parts and handle.placement is not None
     assert getattr(target, HANDLE_ATTRIBUTE) is handle
     handle.disable()

@@ -17,7 +17,7 @@ from grads import assert_equal, fine_tune_alike, input_grads, leaf_inputs, loss_
 from helpers import chaos_backend, exact_accounting, first_tensor
 
 MODELS = ["flux2", "qwen-image", "wan-t2v", "sd3"]
-STRATEGIES = {
+ENABLE_VARIANTS = {
     "layerwise1": {"enable_layerwise_offload": True, "prefetch_depth": 1},
     "layerwise2": {"enable_layerwise_offload": True, "prefetch_depth": 2},
     "model": {"enable_cpu_offload": True},
@@ -32,7 +32,7 @@ def pair(name: str, trainable: bool):
 
 
 def enable(model, strategy: str):
-    return offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    return offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_VARIANTS[strategy])
 
 
 def assert_streamed_twice(handle, steps: int) -> None:
@@ -49,7 +49,7 @@ def assert_streamed_twice(handle, steps: int) -> None:
         assert stats["device_peak_bytes"] == part.device_weight_bytes
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_input_gradients_through_a_frozen_model(name, strategy):
     model, reference, inputs = pair(name, trainable=False)
@@ -64,7 +64,7 @@ def test_input_gradients_through_a_frozen_model(name, strategy):
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 @pytest.mark.parametrize("name", ["flux2", "wan-t2v"])
 def test_weight_gradients_and_optimizer_steps_update_the_host_truth(name, strategy):
     """Full fine-tuning: every weight trainable, three SGD-with-momentum steps; gradients and the
@@ -78,7 +78,7 @@ def test_weight_gradients_and_optimizer_steps_update_the_host_truth(name, strate
     assert_equal(dict(model.state_dict()), dict(reference.state_dict()), "weights after disable")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_autograd_grad_retain_graph_and_two_backward_passes(strategy):
     model, reference, inputs = pair("qwen-image", trainable=True)
     handle = enable(model, strategy)
@@ -98,7 +98,7 @@ def test_autograd_grad_retain_graph_and_two_backward_passes(strategy):
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_gradient_checkpointing(strategy):
     model, reference, inputs = pair("flux2", trainable=True)
     for m in (model, reference):
@@ -114,7 +114,7 @@ def test_gradient_checkpointing(strategy):
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_mixed_precision(strategy):
     model, reference, inputs = pair("wan-t2v", trainable=True)
     handle = enable(model, strategy)
@@ -127,7 +127,7 @@ def test_mixed_precision(strategy):
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 @pytest.mark.parametrize("name", ["flux2", "qwen-image", "wan-t2v"])
 def test_lora_training_loop_matches_bit_for_bit(name, strategy):
     """Five AdamW steps on a peft LoRA over a frozen base: the adapter weights after every step

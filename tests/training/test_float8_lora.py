@@ -16,6 +16,7 @@ import offload_core
 from offload_core.strategies import autograd
 from offload_core.weights.binding import CAST_COPIES
 
+from contract_models import ENABLE_OPTIONS
 from denoisers import build_transformer
 from helpers import chaos_backend, first_tensor
 
@@ -23,7 +24,6 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.fake_only("references are computed on the CPU, as the fake's device")
 
 FP8 = torch.float8_e4m3fn
-STRATEGIES = {"layerwise": {"enable_layerwise_offload": True}, "model": {"enable_cpu_offload": True}}
 
 
 def with_adapter(name: str):
@@ -42,7 +42,7 @@ def loss(model, inputs: dict) -> torch.Tensor:
     return first_tensor(model(**inputs)).float().square().mean()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_OPTIONS)
 @pytest.mark.parametrize("name", ["flux2", "wan-t2v"])
 def test_lora_on_a_float8_dit_trains_as_without_offload(name, strategy, monkeypatch):
     saved = []  # under layerwise offload, each saved copy of a slot view: what the graph keeps of it
@@ -59,7 +59,7 @@ def test_lora_on_a_float8_dit_trains_as_without_offload(name, strategy, monkeypa
     model, inputs = with_adapter(name)
     reference = copy.deepcopy(model)
     reference.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.bfloat16)
-    handle = offload_core.enable_offload(model, backend=chaos_backend(), storage_dtype=FP8, **STRATEGIES[strategy])
+    handle = offload_core.enable_offload(model, backend=chaos_backend(), storage_dtype=FP8, **ENABLE_OPTIONS[strategy])
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n and p.dtype == torch.bfloat16 for n, p in trained.items())
     base = [p for n, p in model.named_parameters() if n.endswith(("to_q.base_layer.weight", "to_v.base_layer.weight"))]

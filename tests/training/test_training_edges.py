@@ -17,7 +17,7 @@ import offload_core
 
 from helpers import chaos_backend
 
-STRATEGIES = {
+ENABLE_VARIANTS = {
     "layerwise": {"enable_layerwise_offload": True},
     "layerwise2": {"enable_layerwise_offload": True, "prefetch_depth": 2},
     "model": {"enable_cpu_offload": True},
@@ -66,11 +66,11 @@ def pair(mode: str = ""):
 
 
 def enable(model, strategy):
-    return offload_core.enable_offload(model, backend=chaos_backend(), **STRATEGIES[strategy])
+    return offload_core.enable_offload(model, backend=chaos_backend(), **ENABLE_VARIANTS[strategy])
 
 
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_an_in_place_edit_of_a_saved_activation_is_refused_as_without_offload(strategy, trainable):
     model, reference, x = pair("inplace")
     for m in (model, reference):
@@ -83,7 +83,7 @@ def test_an_in_place_edit_of_a_saved_activation_is_refused_as_without_offload(st
 
 
 @pytest.mark.parametrize("change", ["mul_", "optimizer", "load_state_dict"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_a_backward_after_the_weights_changed_is_refused(strategy, change):
     model, reference, x = pair()
     handle = enable(model, strategy)
@@ -107,7 +107,7 @@ def test_a_backward_after_the_weights_changed_is_refused(strategy, change):
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_a_weight_stepped_inside_backward_before_a_later_saved_use_is_refused(strategy):
     model, reference, x = pair("stepped")
 
@@ -124,7 +124,7 @@ def test_a_weight_stepped_inside_backward_before_a_later_saved_use_is_refused(st
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_an_optimizer_stepping_each_weight_in_backward_is_exact_and_race_free(strategy):
     """An optimizer in backward (``register_post_accumulate_grad_hook``) steps a block's home
     while its backward runs; under the chaos backend's race sanitizer, a copy for that backward
@@ -167,7 +167,7 @@ def _train_across_a_new_layout(model, reference, x) -> None:
         assert a.stride() == b.stride(), name
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_a_weight_given_another_layout_between_steps_trains_exactly(strategy):
     """Layerwise finds the new layout as the block binds (a pass starts with the buffers' check
     alone) and runs that call on a device copy of it: the gradients, and the refusal of a weight
@@ -198,7 +198,7 @@ class Checkpointed(Model):
         return self.head(x)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_a_weight_given_another_layout_trains_exactly_under_checkpointing(strategy):
     """Layerwise re-packs a block given another layout before the call after the one that ran it
     on a device copy; the recompute inside that call's backward must not re-pack (the backward
@@ -211,7 +211,7 @@ def test_a_weight_given_another_layout_trains_exactly_under_checkpointing(strate
     handle.disable()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
 def test_train_mode_batchnorm_running_statistics_come_home(strategy):
     model, reference, x = pair("bn")
     handle = enable(model, strategy)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .arguments import HELP_EPILOG, STRATEGIES, add_arguments
+from .arguments import HELP_EPILOG, STRATEGY_CHOICES, add_arguments
 
-__all__ = ["STRATEGIES", "add_run", "run_command"]
+__all__ = ["STRATEGY_CHOICES", "add_run", "run_command"]
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ...tiny import PipelineSpec
 
 #: "none" runs the pipeline without offload; the others are the strategies a flag selects, coarsest first
-STRATEGIES = ("none", *(s.name for s in reversed(FLAGGED)))
+STRATEGY_CHOICES = ("none", *(s.name for s in reversed(FLAGGED)))
 DEFAULT_PIPELINE = "flux2-deep"
 #: the demo's denoising steps unless --steps is given: enough after the first for its figures to
 #: be a steady state with a range (the zoo's pipelines keep their two)
@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"embedded tiny pipeline to run (default: {DEFAULT_PIPELINE}); 'list' lists them",
     )
     source.add_argument("--model", metavar="PATH", help="local diffusers pipeline folder (with model_index.json)")
-    parser.add_argument("--strategy", choices=STRATEGIES,
+    parser.add_argument("--strategy", choices=STRATEGY_CHOICES,
                         help="default: layerwise, or with --device-memory the one the planner picks")
     parser.add_argument("--device-memory", metavar="SIZE", type=budget_type("the device's memory"),
                         help="a device budget (bytes, 16GiB, or a fraction of the device such as 0.5): the planner "
