@@ -165,7 +165,7 @@ def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> Ru
     arguments.check_applies(type(target.pipe), overrides)
     loading.check_size(target.pipe, overrides)
     target.pipe.set_progress_bar_config(disable=args.json or ranks.rank() != 0)
-    plan_bytes = weight_bytes(target.pipe)  # before enable rebinds the weights
+    bytes_without_offload = weight_bytes(target.pipe)  # before enable rebinds the weights
 
     handle = _enable(target.pipe, args, backend)
     clock = StepClock()
@@ -189,7 +189,7 @@ def _run_pipeline(args: argparse.Namespace, backend: DeviceBackend | None) -> Ru
                                 [((t - origin_ns) / 1e6, b) for t, b in memory.samples] if memory else [],
                                 (clock.loop_start_ns - origin_ns) / 1e6 if clock.loop_start_ns is not None else None,
                                 clock.collected_seconds(collections.pauses))
-            report = make_report(args, target, handle, output, measured, settings, timeline, plan_bytes, before)
+            report = make_report(args, target, handle, output, measured, settings, timeline, bytes_without_offload, before)
             if args.compare:
                 handle.disable()
                 report["compare"] = compare(target, overrides, args.seed, handle.backend, output, wall,

@@ -86,7 +86,7 @@ def make_report(
     measured: Measured,
     settings: dict[str, Any],
     timeline: Timeline | None,
-    plan_bytes: int,
+    bytes_without_offload: int,
     before: dict[str, int],
 ) -> dict[str, Any]:
     frames = frames_of(output)
@@ -123,9 +123,9 @@ def make_report(
         "first_step_s": measured.uncollected_step_s[0] if measured.step_s else None,
         "step_s": statistics.median(later_steps) if later_steps else None,
         "device_peak_bytes": peak,
-        "device_bytes_without_offload": plan_bytes,
-        "device_saved_bytes": plan_bytes - peak if peak is not None else None,
-        "device_saved_fraction": (plan_bytes - peak) / plan_bytes if peak is not None and plan_bytes > 0 else None,
+        "device_bytes_without_offload": bytes_without_offload,
+        "device_saved_bytes": bytes_without_offload - peak if peak is not None else None,
+        "device_saved_fraction": (bytes_without_offload - peak) / bytes_without_offload if peak is not None and bytes_without_offload > 0 else None,
         "host_bytes": stats.get("host_bytes"),
         "pinned_host_bytes": stats.get("pinned_host_bytes"),
         "h2d_bytes": stats.get("h2d_bytes"),
