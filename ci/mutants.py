@@ -116,7 +116,7 @@ MUTANTS = [
     Mutant("layerwise: a block called out of order is loaded", L, "self.load(i)", (LIFECYCLE,),
            occurrence=3, occurrences=5),
     Mutant("layerwise backward: a slot is refilled only after the backward that read it", L,
-           "self.ring.mark_free(self.ring.slot_of(i), self.backend.current_stream())", (TRAINING,)),
+           "ring.mark_free(ring.slot_of(i), self.backend.current_stream())", (TRAINING,)),
     Mutant("layerwise backward: a block whose weights backward needs is loaded", L, "self.load(i)", (TRAINING,),
            occurrence=4, occurrences=5),
     Mutant("layerwise backward: its end marks every slot free for the next forward's copies", RING,

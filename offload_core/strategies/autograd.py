@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import weakref
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import torch
 from torch._C import _autograd
@@ -44,6 +45,9 @@ from ..errors import OffloadedModelError
 from ..locks import locked
 from ..weights.binding import CAST_COPIES
 from ..weights.layout import storage_key
+
+if TYPE_CHECKING:
+    from .ring import BlockPlan, SlotRing
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
@@ -203,19 +207,42 @@ class _Wrapped:
     parts: dict[str, Any]
 
 
+class StreamedPart(Protocol):
+    """What the backward reads of a layerwise part: the seam between autograd and the streaming,
+    kept narrow so that either can change without the other."""
+
+    lock: threading.RLock  # taken around a backward's reads, as around a forward's
+    ring: "SlotRing | None"  # its slot ring (None while parked)
+    plans: "list[BlockPlan]"  # one per streamed block: its binding (parameters, versions)
+
+    @property
+    def epoch(self) -> int | None:
+        """The enable whose slots autograd's references may read: None while disabled."""
+
+    def substituted(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a parameter the running block binds to a device copy of data given it,
+        which goes home before backward."""
+
+    def block_label(self, i: int) -> str:
+        """"block <name> of <model>", for error messages."""
+
+    def load_for_backward(self, i: int, miss: bool) -> None:
+        """Block ``i`` in its slot: loaded after the compute issued so far unless it is there."""
+
+    def wait_ready(self, i: int) -> None:
+        """Compute waits until block ``i`` is in its slot."""
+
+    def end_backward(self) -> None:
+        """Wait for the backward's copies, forget what the slots hold."""
+
+
 class SavedSlots:
     """The saved-tensor hooks of one layerwise strategy and the reloads of its backward.
 
-    ``strategy`` (held weakly: a graph kept after ``disable`` must not keep the model's device
-    memory alive) gives: ``enabled``, ``epoch`` (counts enables), ``slots`` (per slot, a flat
-    buffer per dtype), ``num_slots``, ``depth``, ``lock``, ``units``, ``block_names``,
-    ``describe()``, ``substituted(t)`` (whether ``t`` is a parameter the running block binds to a
-    device copy of data given it, which goes home before backward), ``load_for_backward(i, miss)``,
-    which loads block ``i`` into its slot after the compute issued so far, ``wait_ready(i)``, which
-    makes compute wait for it, ``occupant(slot)``, ``versions(i)`` (the version counters of block
-    ``i``'s parameters) and ``end_backward()`` (wait for the copies, forget the slots)."""
+    ``strategy`` (a :class:`StreamedPart`, held weakly: a graph kept after ``disable`` must not
+    keep the model's device memory alive)."""
 
-    def __init__(self, strategy) -> None:
+    def __init__(self, strategy: StreamedPart) -> None:
         self._strategy = weakref.ref(strategy)
         self._slot_of: dict[int, tuple[int, torch.dtype]] = {}  # storage address -> (slot, dtype)
         self._order: list[int] = []  # blocks in the order their forwards saved weights
@@ -231,14 +258,10 @@ class SavedSlots:
         self._outer: Any = None
 
     # -- the slots' memory ---------------------------------------------------------------------
-    def index(self, slots: list[dict[torch.dtype, torch.Tensor]]) -> None:
-        """Learn which storage is which slot (again after a slot was replaced)."""
-        self._slot_of = {
-            buffer.untyped_storage().data_ptr(): (s, dtype)
-            for s, buffers in enumerate(slots)
-            for dtype, buffer in buffers.items()
-            if buffer.numel()
-        }
+    def index(self, slot_of: dict[int, tuple[int, torch.dtype]]) -> None:
+        """Learn which storage is which slot (``SlotRing.views_index``; again after a slot was
+        replaced)."""
+        self._slot_of = slot_of
 
     # -- forward ---------------------------------------------------------------------------------
     def begin_block(self) -> None:
@@ -255,7 +278,7 @@ class SavedSlots:
             _pop(self._hooks, self._pack)  # then forgotten: an interrupt in between is finished by the next call
             self._hooks = self._outer = None
             if self._block is not None:
-                self._versions[self._block] = self._strategy().versions(self._block)
+                self._versions[self._block] = self._strategy().plans[self._block].binding.versions()
                 self._block = None
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -279,14 +302,15 @@ class SavedSlots:
             return _keep_alias(t) if self._strategy().substituted(t) else _keep(t)
         slot, dtype = where
         strategy = self._strategy()
-        block = strategy.occupant(slot)
+        ring = strategy.ring
+        block = ring.occupant(slot)
         self._block, self.recorded = block, True
         if not self._order or self._order[-1] != block:
             if self._stale:
                 self._order, self._stale = [], False
             self._order.append(block)
             self._trim()
-        base = strategy.ring.slots[slot][dtype]
+        base = ring.buffer(slot, dtype)
         offset = t.storage_offset() - base.storage_offset()
         binding = strategy.plans[block].binding
         param = _parameter_of(t, zip(binding.params, binding.params_device))
@@ -308,7 +332,7 @@ class SavedSlots:
     def _trim(self) -> None:
         """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
         grow the order for ever: keep the most recent forwards."""
-        limit = 4 * max(len(self._strategy().units), 1)
+        limit = 4 * max(len(self._strategy().plans), 1)
         if len(self._order) > limit:
             del self._order[: len(self._order) - limit]
 
@@ -326,7 +350,7 @@ class SavedSlots:
         if type(packed) is not SlotRef:
             return packed
         strategy = self._strategy()
-        if strategy is None or not strategy.enabled or strategy.epoch != packed.epoch:
+        if strategy is None or strategy.epoch != packed.epoch:
             raise RuntimeError(
                 "this backward reads weights of an offloaded block, but the offload was disabled or re-packed "
                 "(a structural change) since the forward that saved them: run backward before handle.disable() "
@@ -349,14 +373,14 @@ class SavedSlots:
         if param is not None and param._version != packed.version:
             self._checked.discard(i)
             self._check_versions(strategy, i, force=True)
-        _ensure_loaded(strategy, i, miss=not first)
+        strategy.load_for_backward(i, miss=not first)
         self._prefetch(i)
         return _view(strategy, packed)
 
     def _check_versions(self, strategy, i: int, force: bool = False) -> None:
-        if force or strategy.versions(i) != self._versions.get(i):
+        if force or strategy.plans[i].binding.versions() != self._versions.get(i):
             raise RuntimeError(
-                f"a weight of block {strategy.block_names[i]} of {strategy.describe()} that this backward needs was "
+                f"a weight of {strategy.block_label(i)} that this backward needs was "
                 "modified in place after the forward that used it (an optimizer step, load_state_dict, a write "
                 "under no_grad); without offload autograd refuses this too. Run backward before changing weights"
             )
@@ -373,7 +397,7 @@ class SavedSlots:
 
     def _read_outside_backward(self, strategy, packed: SlotRef) -> torch.Tensor:
         """A saved weight read outside a backward: a copy of it, which no later load can change."""
-        _ensure_loaded(strategy, packed.block, miss=True)
+        strategy.load_for_backward(packed.block, miss=True)
         copy = _view(strategy, packed).clone()
         strategy.end_backward()
         return copy
@@ -388,14 +412,15 @@ class SavedSlots:
             if not below:
                 return
             cursor = self._cursor = below[0]
-        taken = {i % strategy.num_slots}
+        ring = strategy.ring
+        taken = {ring.slot_of(i)}
         k = cursor - 1
-        while k >= 0 and len(taken) <= strategy.depth:
+        while k >= 0 and len(taken) < len(ring):  # the other slots, each once
             j = order[k]
-            slot = j % strategy.num_slots
+            slot = ring.slot_of(j)
             if slot not in taken:
                 taken.add(slot)
-                _ensure_loaded(strategy, j, miss=False)
+                strategy.load_for_backward(j, miss=False)
             k -= 1
 
     def forget_backward(self) -> bool:
@@ -410,23 +435,17 @@ class SavedSlots:
         if not self._in_backward or task != self._task:
             return  # a backward already ended (by a later one that found it unfinished)
         strategy = self._strategy()
-        if strategy is not None and strategy.enabled:
+        if strategy is not None and strategy.epoch is not None:
             locked(strategy.lock, strategy.end_backward)
         # only now: an end interrupted half-way is still to do, by the next forward (forget_backward)
         self._in_backward = False
         self._stale = True
 
 
-def _ensure_loaded(strategy, i: int, miss: bool) -> None:
-    """Block ``i`` in its slot, loaded now unless it is there already."""
-    if strategy.occupant(i % strategy.num_slots) != i:
-        strategy.load_for_backward(i, miss=miss)
-
-
 def _view(strategy, packed: SlotRef) -> torch.Tensor:
     """The saved tensor again: a view of its block's slot, once compute waits for the block."""
     strategy.wait_ready(packed.block)
-    base = strategy.ring.slots[packed.block % strategy.num_slots][packed.dtype]
+    base = strategy.ring.buffers_of(packed.block)[packed.dtype]
     return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
 
 

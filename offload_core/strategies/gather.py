@@ -238,7 +238,7 @@ class ShardedGather(RankCopy):
         backend, ring = self._backend, self.at.ring
         self._placement.drain()  # the stager appends the headers of the loads it issues
         self._check_headers()
-        slot = ring.slots[ring.slot_of(i)]
+        slot = ring.buffers_of(i)
         stream = backend.current_stream()
         with backend.batch(stream):
             for dtype, shard in self.shards[i].items():
@@ -399,7 +399,7 @@ class ShardedGather(RankCopy):
     def read_back(self, i: int, reader) -> None:
         """Block ``i`` is in its slot for ``reader`` (after its gathers): copy it to new host buffers."""
         at = self.at
-        slot = at.ring.slots[at.ring.slot_of(i)]
+        slot = at.ring.buffers_of(i)
         buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in at.units[i].numel.items()}
         with self._backend.batch(reader):
             for dtype, buf in buffers.items():

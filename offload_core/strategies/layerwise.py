@@ -134,7 +134,7 @@ class LayerwiseOffload(Part):
         self._relayout: tuple[int, ...] | None = None  # the kept blocks a re-plan chose, taken as the part next begins
         self.parks = False  # it gives up the device while other components' phases run (set before enable)
         self.saved = SavedSlots(self)
-        self.epoch = 0  # counts enables: autograd's references to slots are valid within one
+        self._enables = 0  # autograd's references to slots are valid within one enable (``epoch``)
         self.activation_bytes: int | None = None  # device memory a forward took beyond the weights, once measured
         self._measure_from = 0  # device memory allocated when the first pass began
         self._plan(list(blocks))
@@ -206,7 +206,7 @@ class LayerwiseOffload(Part):
 
     @property
     def slots(self) -> list[dict[torch.dtype, torch.Tensor]]:
-        return self.ring.slots
+        return list(self.ring)
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
@@ -222,7 +222,7 @@ class LayerwiseOffload(Part):
         if not self.parks:
             txn.on_rollback(self._unbind_held)
             self._fill()
-        self.epoch += 1
+        self._enables += 1
         # each undo registered before its step: an interrupt inside the step is undone too
         txn.on_rollback(self._remove_hooks)
         self._instrument()
@@ -265,7 +265,7 @@ class LayerwiseOffload(Part):
         self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
         self.homes = Homes([plan.binding for plan in self.plans])
         self._images = tuple(plan.image for plan in self.plans)  # what the read-ahead is told about
-        self.saved.index(self.ring.slots)
+        self.saved.index(self.ring.views_index())
         # the ring's own references to each slot, counted at rest: more, later, means that
         # something outside the ring still holds the slot (see ring.py)
         self.ring.settle()
@@ -369,8 +369,8 @@ class LayerwiseOffload(Part):
 
     def _block_plan(self, i: int, ready, ticket=None) -> BlockPlan:
         """Block ``i``'s transfers into its slot and its binding to the slot's views."""
-        unit, slot = self.units[i], i % self.num_slots
-        buffers = self.ring.slots[slot]
+        unit, slot = self.units[i], self.ring.slot_of(i)
+        buffers = self.ring.buffers_at(slot)
         transfers, copies, nbytes, image = self.transport.plan(i, unit, buffers)
         binding = Binding(unit, self.home_views(i), unit.views(buffers))
         return BlockPlan(i, unit, slot, binding, transfers, copies, nbytes, image, self.transport.write_back(i), ready,
@@ -455,7 +455,7 @@ class LayerwiseOffload(Part):
         self.homes = None
         while self._grad_hooks:
             self._grad_hooks.popitem()[1].remove()
-        self.saved.index([])
+        self.saved.index({})
         if self.held is not None:
             self.held.free()
         self._queued = False
@@ -578,7 +578,7 @@ class LayerwiseOffload(Part):
         slot's blocks onto the new memory the ring gives the slot."""
         occupant = self.ring.occupant(slot)
         holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
-        old = self.ring.slots[slot]
+        old = self.ring.buffers_at(slot)
         if not self.ring.renew(slot, self.copy_stream, holding, self.describe()):
             return
         for where in kept_views(self.model, old):
@@ -588,9 +588,10 @@ class LayerwiseOffload(Part):
                 "forward, or keep a .clone()", self.describe(), where,
             )
         self.counters.retired_slot_bytes += self.ring.nbytes
-        for plan in self.plans[slot :: self.num_slots]:
-            self.plans[plan.index] = self._block_plan(plan.index, plan.ready, plan.ticket)
-        self.saved.index(self.ring.slots)
+        for j in self.ring.blocks_of(slot, len(self.plans)):
+            plan = self.plans[j]
+            self.plans[j] = self._block_plan(j, plan.ready, plan.ticket)
+        self.saved.index(self.ring.views_index())
         self.ring.settle(slot)
 
     def _stage_load(self, plan: BlockPlan) -> None:
@@ -816,9 +817,14 @@ class LayerwiseOffload(Part):
             if alone:
                 self.transport.finish(failed)
 
-    # -- autograd (see autograd.py) ------------------------------------------------------------
-    def occupant(self, slot: int) -> int:
-        return self.ring.occupant(slot) if self.ring is not None else -1
+    # -- autograd (see autograd.py: what it reads of the part is its ``StreamedPart``) ----------
+    @property
+    def epoch(self) -> int | None:
+        """The enable whose slots autograd's references may read: None while disabled."""
+        return self._enables if self.enabled else None
+
+    def block_label(self, i: int) -> str:
+        return f"block {self.block_names[i]} of {self.describe()}"
 
     def substituted(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a parameter the running block binds to a device copy of data given it
@@ -827,9 +833,12 @@ class LayerwiseOffload(Part):
         return binding is not None and binding.base is not None and any(p is t for p in binding.params)
 
     def load_for_backward(self, i: int, miss: bool) -> None:
-        """Load block ``i`` for its backward, once the backward issued so far (which read the
-        slot's last block) is done."""
-        self.ring.mark_free(self.ring.slot_of(i), self.backend.current_stream())
+        """Block ``i`` in its slot for its backward: unless it is there, loaded once the backward
+        issued so far (which read the slot's last block) is done."""
+        ring = self.ring
+        if ring is not None and ring.holds(i):
+            return
+        ring.mark_free(ring.slot_of(i), self.backend.current_stream())
         if miss:
             self._count_miss(i)
         self.load(i)

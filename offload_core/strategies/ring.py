@@ -3,8 +3,9 @@
 A :class:`SlotRing` owns a few device slots (each as large as the largest streamed block, one
 flat buffer per dtype), the event that says when each slot's last reader is done, and which block
 each slot holds. Block ``i`` always goes through slot ``i % len(ring)`` (``slot_of``). Only the
-ring writes its bookkeeping; the part asks it through verbs (``claim``, ``release``, ``holds``,
-``mark_free``, ``wait_free``, ``forget``).
+ring reads its slots and writes its bookkeeping; the part, its transports and autograd ask it through
+verbs (``claim``, ``release``, ``holds``, ``mark_free``, ``wait_free``, ``forget``; ``buffers_of``,
+``buffer``, ``views_index`` for the slots' memory), so that the slot arithmetic lives in one place.
 
 A slot is refilled only when nothing outside the ring references its memory: the ring counts the
 uses of each slot's storages at rest (its own views: bindings, transfers, autograd's index) and,
@@ -66,21 +67,49 @@ class SlotRing:
         self.backend = backend
         self.shape = shape
         self._name = name  # slot -> its label in error reports
-        self.slots = [allocate_device(backend, shape, functools.partial(name, s)) for s in range(count)]
+        self._slots = [allocate_device(backend, shape, functools.partial(name, s)) for s in range(count)]
         self._freed = [backend.new_event() for _ in range(count)]
         self._occupant = [-1] * count
         # per slot: (its storages, kept alive, their addresses, their use counts at rest)
         self._uses: list[tuple[list, list[int], list[int]]] = [([], [], []) for _ in range(count)]
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self._slots)
+
+    def __iter__(self):
+        """Each slot's buffers (per dtype), in slot order."""
+        return iter(self._slots)
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.shape)
 
     def slot_of(self, block: int) -> int:
-        return block % len(self.slots)
+        return block % len(self._slots)
+
+    def blocks_of(self, slot: int, blocks: int) -> range:
+        """Which of ``blocks`` blocks go through ``slot``."""
+        return range(slot, blocks, len(self._slots))
+
+    def buffers_of(self, block: int) -> dict[torch.dtype, torch.Tensor]:
+        """The buffers (per dtype) of the slot block ``block`` goes through."""
+        return self._slots[block % len(self._slots)]
+
+    def buffers_at(self, slot: int) -> dict[torch.dtype, torch.Tensor]:
+        return self._slots[slot]
+
+    def buffer(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._slots[slot][dtype]
+
+    def views_index(self) -> dict[int, tuple[int, torch.dtype]]:
+        """Which slot and dtype each slot buffer's storage is, by its address: how autograd tells a
+        saved slot view (built again after a slot was renewed)."""
+        return {
+            buffer.untyped_storage().data_ptr(): (s, dtype)
+            for s, buffers in enumerate(self._slots)
+            for dtype, buffer in buffers.items()
+            if buffer.numel()
+        }
 
     def occupant(self, slot: int) -> int:
         """The block ``slot`` holds, -1 for none (also for a slot past the ring, which a label
@@ -93,7 +122,7 @@ class SlotRing:
         return list(self._occupant)
 
     def holds(self, block: int) -> bool:
-        return self._occupant[block % len(self.slots)] == block
+        return self._occupant[block % len(self._slots)] == block
 
     def claim(self, slot: int, block: int) -> None:
         """``slot`` holds ``block`` from now (its load is queued)."""
@@ -105,7 +134,7 @@ class SlotRing:
 
     def forget(self) -> None:
         """No slot holds a block any more (they are refilled before use)."""
-        self._occupant = [-1] * len(self.slots)
+        self._occupant = [-1] * len(self._slots)
 
     def mark_free(self, slot: int, stream) -> None:
         """``slot`` may be refilled once ``stream``'s work issued so far is done."""
@@ -123,8 +152,8 @@ class SlotRing:
     def settle(self, *slots: int) -> None:
         """Count the uses of ``slots`` (default: all) now, when only the ring's own views
         reference them."""
-        for s in slots or range(len(self.slots)):
-            self._uses[s] = _uses(self.slots[s])
+        for s in slots or range(len(self._slots)):
+            self._uses[s] = _uses(self._slots[s])
 
     def at_rest(self, slot: int) -> bool:
         _, addresses, counts = self._uses[slot]
@@ -153,7 +182,7 @@ class SlotRing:
         )
         # the new memory may have been freed by compute still queued: copy into it after that
         self.backend.wait_stream(copy_stream, self.backend.current_stream())
-        self.slots[slot] = replacement
+        self._slots[slot] = replacement
         return True
 
 
