@@ -96,7 +96,7 @@ def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **k
     _state.armed = None  # that model only: adapters and nested loads read as usual
     try:
         given = state_dict is not None or any(a is not None for a in (*args, *kwargs.values()))
-        found, missing, unexpected = _plan(model, given, checkpoint_files, load_config)
+        found, missing, unexpected = _match_keys(model, given, checkpoint_files, load_config)
     except _Uncovered as why:
         logger.info("%s (%s): %s; transformers reads its checkpoint into memory",
                     load_config.pretrained_model_name_or_path, type(model).__name__, why)
@@ -107,7 +107,7 @@ def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **k
 
     def dtype_of(key: str, t: torch.Tensor, source: FileSlice) -> torch.dtype:
         # the meta model was built under the load's dtype: its tensors' dtypes are the targets,
-        # except where the fp32 plan matches (convert_and_load_state_dict_in_model)
+        # except where the load's dtype_plan (transformers' name) matches (convert_and_load_state_dict_in_model)
         match = policy.search(key) if dtype_plan else None
         return dtype_plan[groups[match.lastgroup]] if match else t.dtype
 
@@ -120,7 +120,7 @@ def _read_as_slices(model, state_dict, checkpoint_files, load_config, *args, **k
     return info, None
 
 
-def _plan(model, given: bool, files, load_config) -> tuple[dict[str, FileSlice], set[str], set[str]]:
+def _match_keys(model, given: bool, files, load_config) -> tuple[dict[str, FileSlice], set[str], set[str]]:
     """The slice of each model key the checkpoint holds (its renames applied as transformers
     applies them), the keys it lacks, and the checkpoint keys the model has no place for.
     ``given``: the step was given a state dict or the keys to expect."""

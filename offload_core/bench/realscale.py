@@ -167,7 +167,7 @@ def _free_bytes(path: str) -> int:
 def prepare(models: list[Model], cache: str, dry_run: bool) -> dict[str, dict[str, Any]]:
     """Each model's checkpoint folder in ``cache``, written unless its marker matches; before
     writing anything, a :class:`NotEnoughDisk` naming the shortfall when the disk lacks room."""
-    plans = {}
+    checkpoints = {}
     for model in models:
         config = model.config_of(dry_run)
         nbytes = checkpoint_bytes(model, config)
@@ -175,8 +175,8 @@ def prepare(models: list[Model], cache: str, dry_run: bool) -> dict[str, dict[st
         shard = max(nbytes // 3, 1) if dry_run else model.max_shard_size
         marker = _marker(model, config, shard)
         folder = model.folder(cache, dry_run)
-        plans[model.key] = {"folder": folder, "bytes": nbytes, "marker": marker, "cached": _cached(folder, marker)}
-    needed = sum(p["bytes"] for p in plans.values() if not p["cached"])
+        checkpoints[model.key] = {"folder": folder, "bytes": nbytes, "marker": marker, "cached": _cached(folder, marker)}
+    needed = sum(p["bytes"] for p in checkpoints.values() if not p["cached"])
     if needed:
         free = _free_bytes(cache)
         if free < needed + DISK_MARGIN:
@@ -186,12 +186,12 @@ def prepare(models: list[Model], cache: str, dry_run: bool) -> dict[str, dict[st
                 f"({needed / GB:.1f} GB, and {DISK_MARGIN / GB:.1f} GB to spare); it has {free / GB:.1f} GB: "
                 f"{missing / GB:.1f} GB missing (free space, or choose another folder with --cache-dir)")
     for model in models:
-        plan = plans[model.key]
-        if plan["cached"]:
-            logger.info("realscale: reusing %s (%.1f GB)", plan["folder"], plan["bytes"] / GB)
+        facts = checkpoints[model.key]
+        if facts["cached"]:
+            logger.info("realscale: reusing %s (%.1f GB)", facts["folder"], facts["bytes"] / GB)
             continue
-        _write(model, plan["folder"], plan["marker"])
-    return plans
+        _write(model, facts["folder"], facts["marker"])
+    return checkpoints
 
 
 def _write(model: Model, folder: str, marker: dict[str, Any]) -> None:
@@ -462,7 +462,7 @@ def _host_memory(model: Model, nbytes: int, dry_run: bool) -> int:
     return max(int(nbytes * HOST_MEMORY / checkpoint_bytes(model, model.config)), 1)
 
 
-def _compare(plan: dict[str, Any], ours: _Child, theirs: _Child) -> dict[str, Any]:
+def _compare(facts: dict[str, Any], ours: _Child, theirs: _Child) -> dict[str, Any]:
     import torch
 
     a, b = torch.load(ours.out), torch.load(theirs.out)
@@ -472,9 +472,9 @@ def _compare(plan: dict[str, Any], ours: _Child, theirs: _Child) -> dict[str, An
     bound = ours.host_memory + SLACK
     return {
         "model": ours.model.label,
-        "folder": plan["folder"],
-        "reused_cache": plan["cached"],
-        "checkpoint_bytes": plan["bytes"],
+        "folder": facts["folder"],
+        "reused_cache": facts["cached"],
+        "checkpoint_bytes": facts["bytes"],
         "host_memory": ours.host_memory,
         "peak_rss": mine["peak_rss"],
         "peak_rss_over_bound": mine["peak_rss"] / bound,
@@ -506,13 +506,13 @@ def realscale(dry_run: bool = False, cache_dir: str | None = None, models: list[
     chosen = [BY_NAME[name] for name in models] if models else list(MODELS)
     with tempfile.TemporaryDirectory(prefix="offload-core-realscale-") as work:
         cache = cache_dir or (os.path.join(work, "cache") if dry_run else default_cache_dir())
-        plans = prepare(chosen, cache, dry_run)
+        checkpoints = prepare(chosen, cache, dry_run)
         pairs = {}
         for name, model in BY_NAME.items():
             if model in chosen:
-                plan = plans[model.key]
-                host_memory = _host_memory(model, plan["bytes"], dry_run)
-                pairs[name] = [_Child(model, role, plan["folder"], dry_run, host_memory,
+                facts = checkpoints[model.key]
+                host_memory = _host_memory(model, facts["bytes"], dry_run)
+                pairs[name] = [_Child(model, role, facts["folder"], dry_run, host_memory,
                                       os.path.join(work, f"{model.key}-{role}.pt")) for role in ROLES]
         children = [child for pair in pairs.values() for child in pair]
         if dry_run:  # tiny: all at once, to finish sooner on a CI machine's cores
@@ -522,7 +522,7 @@ def realscale(dry_run: bool = False, cache_dir: str | None = None, models: list[
             child.wait()
         results: dict[str, Any] = {"cache_dir": cache, "dry_run": dry_run}
         for name, (ours, theirs) in pairs.items():
-            results[name] = _compare(plans[ours.model.key], ours, theirs)
+            results[name] = _compare(checkpoints[ours.model.key], ours, theirs)
     return results
 
 

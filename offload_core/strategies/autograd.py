@@ -47,7 +47,7 @@ from ..weights.binding import CAST_COPIES
 from ..weights.layout import storage_key
 
 if TYPE_CHECKING:
-    from .ring import BlockPlan, SlotRing
+    from .ring import LoadRecord, SlotRing
 
 #: the hooks active around a block, to which saved tensors that are not slot views go (torch builds
 #: without this accessor shadow them: the outer hooks then see no tensor saved inside a block)
@@ -213,7 +213,7 @@ class StreamedPart(Protocol):
 
     lock: threading.RLock  # taken around a backward's reads, as around a forward's
     ring: "SlotRing | None"  # its slot ring (None while parked)
-    plans: "list[BlockPlan]"  # one per streamed block: its binding (parameters, versions)
+    records: "list[LoadRecord]"  # one per streamed block: its binding (parameters, versions)
 
     @property
     def epoch(self) -> int | None:
@@ -278,7 +278,7 @@ class SavedSlots:
             _pop(self._hooks, self._pack)  # then forgotten: an interrupt in between is finished by the next call
             self._hooks = self._outer = None
             if self._block is not None:
-                self._versions[self._block] = self._strategy().plans[self._block].binding.versions()
+                self._versions[self._block] = self._strategy().records[self._block].binding.versions()
                 self._block = None
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -312,7 +312,7 @@ class SavedSlots:
             self._trim()
         base = ring.buffer(slot, dtype)
         offset = t.storage_offset() - base.storage_offset()
-        binding = strategy.plans[block].binding
+        binding = strategy.records[block].binding
         param = _parameter_of(t, zip(binding.params, binding.params_device))
         owner = (weakref.ref(param), param._version) if param is not None else (None, 0)
         return SlotRef(strategy.epoch, block, dtype, offset, t.shape, t.stride(), *owner)
@@ -332,7 +332,7 @@ class SavedSlots:
     def _trim(self) -> None:
         """Forwards with autograd on and no backward (a model run without ``no_grad``) must not
         grow the order for ever: keep the most recent forwards."""
-        limit = 4 * max(len(self._strategy().plans), 1)
+        limit = 4 * max(len(self._strategy().records), 1)
         if len(self._order) > limit:
             del self._order[: len(self._order) - limit]
 
@@ -378,7 +378,7 @@ class SavedSlots:
         return _view(strategy, packed)
 
     def _check_versions(self, strategy, i: int, force: bool = False) -> None:
-        if force or strategy.plans[i].binding.versions() != self._versions.get(i):
+        if force or strategy.records[i].binding.versions() != self._versions.get(i):
             raise RuntimeError(
                 f"a weight of {strategy.block_label(i)} that this backward needs was "
                 "modified in place after the forward that used it (an optimizer step, load_state_dict, a write "

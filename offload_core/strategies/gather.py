@@ -178,7 +178,7 @@ class ShardedGather(RankCopy):
         self._backend.copy_async(self._header_in, self._rows, self.at.copy_stream)
 
     # -- loads ------------------------------------------------------------------------------------
-    def plan(self, i: int, unit, slot):
+    def prepare_load(self, i: int, unit, slot):
         shards, staging = self.shards[i], self._staging[self.at.ring.slot_of(i)]
         direct = self._placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
         transfers = [
@@ -189,14 +189,14 @@ class ShardedGather(RankCopy):
         copies = self._placement.copies([(staged, src) for staged, src, _ in transfers])
         return transfers, copies, sum(s.numel() * s.element_size() for s in shards.values()), None
 
-    def issue(self, plan, stream) -> None:
+    def issue(self, record, stream) -> None:
         """The block's header gather, then per dtype its shard's copy and gather, all under one
         stream context (``stream`` is the copy stream the headers are gathered on too)."""
         backend, placement = self._backend, self._placement
         with backend.batch(stream):
-            self._gather_header(plan.index, self._header_status(plan.index))
-            self._loaded_in_pass = max(self._loaded_in_pass, plan.index)
-            for staging, shard, out in plan.transfers:
+            self._gather_header(record.index, self._header_status(record.index))
+            self._loaded_in_pass = max(self._loaded_in_pass, record.index)
+            for staging, shard, out in record.transfers:
                 placement.issue([(staging, shard)], stream)
                 backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)
 
@@ -337,12 +337,12 @@ class ShardedGather(RankCopy):
         return self._label(block)
 
     # -- changes, training, copies --------------------------------------------------------------
-    def replaced(self, blocks, plans, homes, dirty: bool, before_pass: bool):
+    def replaced(self, blocks, records, homes, dirty: bool, before_pass: bool):
         """A rank holds only shards: any change to a block's tensors is refused."""
         at = self.at
         changed = [f"{at.block_names[i]}:{owner.name}" for i in blocks
                    for _, owner in at.units[i].foreign(at.units[i].host_views)]
-        changed += [f"{at.block_names[i]} (changed in place)" for i in blocks if plans[i].binding.touched()]
+        changed += [f"{at.block_names[i]} (changed in place)" for i in blocks if records[i].binding.touched()]
         if changed or dirty:
             raise DistributedOffloadError(
                 f"tensors of {at.what} were replaced while its blocks are sharded across ranks "

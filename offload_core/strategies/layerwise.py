@@ -6,7 +6,7 @@ after, they show the block's host buffer, the truth. So whatever the user does b
 elsewhere) reads and writes the truth, and a copy never computes on another block's weights.
 
 The part has three pieces: the slot ring (ring.py: slots, their free events and occupants, the
-check that nothing outside the ring still holds a slot), one :class:`BlockPlan` per streamed block
+check that nothing outside the ring still holds a slot), one :class:`LoadRecord` per streamed block
 (its binding, transfers and ready event), and a transport (transport.py: a plain copy of the
 block's home; gather.py: a rank's shard plus an all-gather) that fills a slot. The part is the
 protocol that ties them together, and does every load itself: the transport only says what a load
@@ -83,7 +83,7 @@ from .calls import calls_running
 from .common import default_placement, device_copy, unpack_units
 from .held import HeldWeights
 from .part import Part, adopt_foreign, blocks_now, changed_during_call
-from .ring import BlockPlan, SlotRing, kept_views, slot_numel
+from .ring import LoadRecord, SlotRing, kept_views, slot_numel
 from .transport import CopyTransport, Served
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class LayerwiseOffload(Part):
         self._queued = False  # copies were queued since the host last waited for the copy stream
         self._grad_hooks: dict[int, object] = {}  # id(parameter) -> its gradient hook
         self.ring: SlotRing | None = None  # made by enable, dropped by disable, like the rest of this group
-        self.plans: list[BlockPlan] = []
+        self.records: list[LoadRecord] = []
         self.homes: Homes | None = None  # what every streamed block shows at home, checked before each pass
         self.copy_stream = None
         self.held: HeldWeights | None = None  # the resident weights and kept blocks on the device, made by enable
@@ -137,9 +137,9 @@ class LayerwiseOffload(Part):
         self._enables = 0  # autograd's references to slots are valid within one enable (``epoch``)
         self.activation_bytes: int | None = None  # device memory a forward took beyond the weights, once measured
         self._measure_from = 0  # device memory allocated when the first pass began
-        self._plan(list(blocks))
+        self._split_blocks(list(blocks))
 
-    def _plan(self, blocks: list[tuple[str, nn.Module]]) -> None:
+    def _split_blocks(self, blocks: list[tuple[str, nn.Module]]) -> None:
         kept = set(self.kept_names)
         kept_blocks = [(name, block) for name, block in blocks if name in kept]
         self.kept = [block for _, block in kept_blocks]
@@ -161,10 +161,10 @@ class LayerwiseOffload(Part):
         by_name = dict(zip([*self.block_names, *self.kept_names], [*self.units, *self.kept_units]))
         return [by_name[name] for name in self.all_names]
 
-    def _replan(self) -> None:
+    def _split_units(self) -> None:
         found = blocks_now(self.model, self.all_names)  # by name, or found again after a shortened list
         self.kept_names = [name for name, _ in found if name in set(self.kept_names)]
-        self._plan(found)
+        self._split_blocks(found)
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step; kept
@@ -252,7 +252,7 @@ class LayerwiseOffload(Part):
 
     def _fill(self) -> None:
         """Copy the resident weights and kept blocks into the device memory :meth:`_allocate`
-        made, bind them, and plan the blocks' loads into the new slots."""
+        made, bind them, and record the blocks' loads into the new slots."""
         backend = self.backend
         # The new buffers may reuse memory that compute issued earlier still reads (a caching
         # allocator hands freed blocks to the next allocation at once): copy after that compute.
@@ -262,9 +262,9 @@ class LayerwiseOffload(Part):
         done.record(self.copy_stream)
         done.synchronize()
         self.held.bind()
-        self.plans = [self._block_plan(i, backend.new_event()) for i in range(len(self.units))]
-        self.homes = Homes([plan.binding for plan in self.plans])
-        self._images = tuple(plan.image for plan in self.plans)  # what the read-ahead is told about
+        self.records = [self._load_record(i, backend.new_event()) for i in range(len(self.units))]
+        self.homes = Homes([record.binding for record in self.records])
+        self._images = tuple(record.image for record in self.records)  # what the read-ahead is told about
         self.saved.index(self.ring.views_index())
         # the ring's own references to each slot, counted at rest: more, later, means that
         # something outside the ring still holds the slot (see ring.py)
@@ -367,13 +367,13 @@ class LayerwiseOffload(Part):
             if self.switch is not None:
                 self.switch.loaded_back(self.label)
 
-    def _block_plan(self, i: int, ready, ticket=None) -> BlockPlan:
+    def _load_record(self, i: int, ready, ticket=None) -> LoadRecord:
         """Block ``i``'s transfers into its slot and its binding to the slot's views."""
         unit, slot = self.units[i], self.ring.slot_of(i)
         buffers = self.ring.buffers_at(slot)
-        transfers, copies, nbytes, image = self.transport.plan(i, unit, buffers)
+        transfers, copies, nbytes, image = self.transport.prepare_load(i, unit, buffers)
         binding = Binding(unit, self.home_views(i), unit.views(buffers))
-        return BlockPlan(i, unit, slot, binding, transfers, copies, nbytes, image, self.transport.write_back(i), ready,
+        return LoadRecord(i, unit, slot, binding, transfers, copies, nbytes, image, self.transport.write_back(i), ready,
                          ticket)
 
     def _instrument(self) -> None:
@@ -412,7 +412,7 @@ class LayerwiseOffload(Part):
             return
         if self.ring is not None:  # else parked, or a disable interrupted after releasing it: nothing in flight
             self.quiesce()
-        self.plans, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
+        self.records, self.homes = [], None  # what references the homes goes first: each is freed once unpacked
         if self.held.bindings:  # a part that parks goes home as it parks
             self._send_held_home()
         held = [(unit, views) for unit, views, _ in self.held.truth()]
@@ -448,10 +448,10 @@ class LayerwiseOffload(Part):
 
     def _drop_device(self) -> None:
         """Forget every device buffer the part holds (the slots, the held weights) and what refers
-        to them: the blocks' plans, their gradient hooks (bound to a plan's ready event), the
+        to them: the blocks' load records, their gradient hooks (bound to a record's ready event), the
         backward's slot index."""
         self.ring = None
-        self.plans = []
+        self.records = []
         self.homes = None
         while self._grad_hooks:
             self._grad_hooks.popitem()[1].remove()
@@ -474,8 +474,8 @@ class LayerwiseOffload(Part):
     def landed(self) -> None:
         """Every load queued so far has landed (the host waited for the copy stream)."""
         self._queued = False
-        for plan in self.plans:
-            plan.ticket = None
+        for record in self.records:
+            record.ticket = None
 
     def repack_refusal(self) -> Exception | None:
         return self.transport.repack_refusal()
@@ -489,7 +489,7 @@ class LayerwiseOffload(Part):
         self.reconcile(self._replaced(blocks, before_pass))
 
     def _check_placeholders(self, i: int) -> None:
-        if self.plans[i].image is not None:
+        if self.records[i].image is not None:
             check_placeholders(self.units[i].host_views, f"block {self.block_names[i]} of {self.describe()}")
 
     def _retake(self, i: int) -> None:
@@ -503,41 +503,41 @@ class LayerwiseOffload(Part):
         (``_substitute``), and the next re-packs. Any other structural change is refused for this
         call (docs/design.md, row 11)."""
         self._check_placeholders(i)
-        plan = self.plans[i]
-        if plan.binding.at_home():
+        record = self.records[i]
+        if record.binding.at_home():
             return
-        if not list(self.transport.replaced([i], self.plans, self.homes, False, False)):
+        if not list(self.transport.replaced([i], self.records, self.homes, False, False)):
             return
         self.quiesce(forget=False)  # copies queued earlier read the host as it was
-        relaid = plan.binding.relaid() if self.repack_refusal() is None else []
+        relaid = record.binding.relaid() if self.repack_refusal() is None else []
         if relaid:
             self.dirty = True  # first: an interrupt in the substitution still re-packs before the next call
-            self._substitute(plan, relaid)
+            self._substitute(record, relaid)
         # as Part.reconcile, less its ``dirty`` (set by the substitution above, in this or an earlier block)
-        if adopt_foreign(self.backend, plan.unit, self._home_now(plan)):
+        if adopt_foreign(self.backend, record.unit, self._home_now(record)):
             raise changed_during_call(self, f"code run in this call before block {self.block_names[i]}")
         self.load(i)
         self.wait_ready(i)
 
-    def _substitute(self, plan: BlockPlan, relaid: list[int]) -> None:
-        """Parameters ``relaid`` of ``plan``'s block show data of another layout than their home:
+    def _substitute(self, record: LoadRecord, relaid: list[int]) -> None:
+        """Parameters ``relaid`` of ``record``'s block show data of another layout than their home:
         until the next call re-packs the block, it binds a device copy of that data, and goes
         home to the data itself (changes a forward makes copied into it)."""
-        binding = plan.binding
+        binding = record.binding
         ids = {id(binding.params[k]) for k in relaid}
-        names = ", ".join(name for name, p in self.blocks[plan.index].named_parameters() if id(p) in ids)
+        names = ", ".join(name for name, p in self.blocks[record.index].named_parameters() if id(p) in ids)
         logger.info(
             "%s: %s of block %s were given data of another shape, strides or dtype; this call computes with a device "
-            "copy of it, the next packs the block again", self.describe(), names, self.block_names[plan.index],
+            "copy of it, the next packs the block again", self.describe(), names, self.block_names[record.index],
         )
-        plan.binding = binding.substituted({
+        record.binding = binding.substituted({
             k: device_copy(self.backend, binding.params[k].data, f"new data of {names} ({self.name})") for k in relaid
         })
 
-    def _home_now(self, plan: BlockPlan) -> list:
+    def _home_now(self, record: LoadRecord) -> list:
         """What each of the block's tensors shows at home now: its home view, or the data of a
         parameter its binding substitutes (``_substitute``)."""
-        binding, views = plan.binding, self.home_views(plan.index)
+        binding, views = record.binding, self.home_views(record.index)
         if binding.base is None:
             return views
         shown = {id(home): now for home, now in zip(binding.base.params_home, binding.params_home)}
@@ -546,36 +546,36 @@ class LayerwiseOffload(Part):
     def _replaced(self, blocks, before_pass: bool = False):
         """(unit, home views) of each of ``blocks`` the transport finds replaced (``Part.reconcile``),
         once the copies queued earlier (which read the host as it was) are done."""
-        for i in self.transport.replaced(blocks, self.plans, self.homes, self.dirty, before_pass):
+        for i in self.transport.replaced(blocks, self.records, self.homes, self.dirty, before_pass):
             self.quiesce()
             yield self.units[i], self.home_views(i)
 
     # -- streaming ------------------------------------------------------------------------
     def load(self, i: int) -> None:
         """Queue block ``i``'s transfers into its slot once the slot's last reader is done."""
-        plan, ring = self.plans[i], self.ring
-        slot = plan.slot
+        record, ring = self.records[i], self.ring
+        slot = record.slot
         if not ring.at_rest(slot):
             self._renew(slot)
-            plan = self.plans[i]
+            record = self.records[i]
         ring.release(slot)  # an interrupted load leaves the slot empty, not stale
         self._queued = True
         stager = self.placement.stager
         if stager is None:
-            self._queue_load(plan)
+            self._queue_load(record)
         else:
             # The stager waits on the slot's free event later: safe, because it is recorded again
             # only after block i has run, and block i runs only after this load's ticket.
-            plan.ticket = stager.submit(functools.partial(self._stage_load, plan))
+            record.ticket = stager.submit(functools.partial(self._stage_load, record))
         ring.claim(slot, i)
         counters = self.counters
         counters.loads += 1
-        counters.h2d_copies += plan.copies
-        counters.h2d_bytes += plan.nbytes
+        counters.h2d_copies += record.copies
+        counters.h2d_bytes += record.nbytes
 
     def _renew(self, slot: int) -> None:
-        """Something outside the ring still references ``slot``: leave it that memory, re-plan the
-        slot's blocks onto the new memory the ring gives the slot."""
+        """Something outside the ring still references ``slot``: leave it that memory and make
+        the load records of the slot's blocks again, for the new memory the ring gives the slot."""
         occupant = self.ring.occupant(slot)
         holding = f"block {self.block_names[occupant]}" if occupant >= 0 else "no block"
         old = self.ring.buffers_at(slot)
@@ -588,29 +588,29 @@ class LayerwiseOffload(Part):
                 "forward, or keep a .clone()", self.describe(), where,
             )
         self.counters.retired_slot_bytes += self.ring.nbytes
-        for j in self.ring.blocks_of(slot, len(self.plans)):
-            plan = self.plans[j]
-            self.plans[j] = self._block_plan(j, plan.ready, plan.ticket)
+        for j in self.ring.blocks_of(slot, len(self.records)):
+            record = self.records[j]
+            self.records[j] = self._load_record(j, record.ready, record.ticket)
         self.saved.index(self.ring.views_index())
         self.ring.settle(slot)
 
-    def _stage_load(self, plan: BlockPlan) -> None:
+    def _stage_load(self, record: LoadRecord) -> None:
         """A load on the stager thread: the blocks on disk after this one are read ahead while
         it is staged (see ``hostmem.staging.ReadAhead``)."""
-        self.placement.staging_block(self._images, plan.index)
-        self._queue_load(plan)
+        self.placement.staging_block(self._images, record.index)
+        self._queue_load(record)
 
-    def _queue_load(self, plan: BlockPlan) -> None:
+    def _queue_load(self, record: LoadRecord) -> None:
         stream = self.copy_stream
-        self.ring.wait_free(plan.slot, stream)
+        self.ring.wait_free(record.slot, stream)
         try:
             if self.timeline is None:
-                self.transport.issue(plan, stream)
+                self.transport.issue(record, stream)
             else:
-                issue = functools.partial(self.transport.issue, plan, stream)
-                self.timeline.copy(stream, self._span_name(plan.index), plan.nbytes, issue)
+                issue = functools.partial(self.transport.issue, record, stream)
+                self.timeline.copy(stream, self._span_name(record.index), record.nbytes, issue)
         finally:  # also after a failure half-way: what waits for block i waits for what was queued
-            plan.ready.record(stream)
+            record.ready.record(stream)
 
     def _begin_pass(self) -> None:
         refuse_function_transforms(self.describe())
@@ -736,8 +736,8 @@ class LayerwiseOffload(Part):
         if self._bound >= 0:
             self.ring.free_all(self.backend.current_stream())  # its end never marked its slot free
             bound, self._bound = self._bound, -1
-            plan = self.plans[bound]
-            if plan.binding.to_home(plan.write_back):
+            record = self.records[bound]
+            if record.binding.to_home(record.write_back):
                 self.dirty = True
         if passes == 0:
             self._passes, self._starting = 0, False
@@ -771,7 +771,7 @@ class LayerwiseOffload(Part):
         if checked_at_bind:
             self._retake(i)
         self._bound = i
-        self.plans[i].binding.to_device()
+        self.records[i].binding.to_device()
         if torch.is_grad_enabled():
             self._hook_gradients(i)
             self.saved.begin_block()
@@ -779,16 +779,16 @@ class LayerwiseOffload(Part):
     def wait_ready(self, i: int, reader=None) -> None:
         """Make compute (a trace records the wait), or the stream ``reader``, wait until block
         ``i`` is in its slot."""
-        plan = self.plans[i]
-        if plan.ticket is not None:
-            ticket, plan.ticket = plan.ticket, None
+        record = self.records[i]
+        if record.ticket is not None:
+            ticket, record.ticket = record.ticket, None
             self.placement.wait(ticket)
         if reader is not None:  # not compute: the distributed read-back at disable
-            plan.ready.wait(reader)
+            record.ready.wait(reader)
             return
         stream = self.backend.current_stream()
         with UNTRACED if self.timeline is None else self.timeline.compute_after(stream, self._span_name(i)):
-            plan.ready.wait(stream)
+            record.ready.wait(stream)
 
     def _count_miss(self, i: int) -> None:
         """Block ``i`` is needed now and no prefetch brought it: its load cannot overlap."""
@@ -803,13 +803,13 @@ class LayerwiseOffload(Part):
         self.saved.end_block()
         if self._bound != i:
             return  # _before_block stopped before binding
-        plan, alone = self.plans[i], self._passes == 0
+        record, alone = self.records[i], self._passes == 0
         try:
-            self.ring.mark_free(plan.slot, self.backend.current_stream())
+            self.ring.mark_free(record.slot, self.backend.current_stream())
             if self.timeline is not None:
                 self.timeline.end_compute(self.backend.current_stream())
             self._bound = -1
-            if plan.binding.to_home(plan.write_back):
+            if record.binding.to_home(record.write_back):
                 self.dirty = True  # a tensor of another layout was kept (Binding.to_home): re-pack next pass
             if alone:
                 self.quiesce()
@@ -829,7 +829,7 @@ class LayerwiseOffload(Part):
     def substituted(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a parameter the running block binds to a device copy of data given it
         (``_substitute``): it goes home to that data when the block ends, before a backward reads it."""
-        binding = self.plans[self._bound].binding if self._bound >= 0 else None
+        binding = self.records[self._bound].binding if self._bound >= 0 else None
         return binding is not None and binding.base is not None and any(p is t for p in binding.params)
 
     def load_for_backward(self, i: int, miss: bool) -> None:
@@ -844,7 +844,7 @@ class LayerwiseOffload(Part):
         self.load(i)
 
     def versions(self, i: int) -> tuple[int, ...]:
-        return self.plans[i].binding.versions()
+        return self.records[i].binding.versions()
 
     def end_backward(self) -> None:
         """The backward is over: check its end as a pass's (the sharded transport's headers), wait
@@ -860,11 +860,11 @@ class LayerwiseOffload(Part):
     def _hook_gradients(self, i: int) -> None:
         """Gradients of block ``i``'s trainable weights accumulate beside their home, the truth
         an optimizer updates (see docs/layerwise.md, "Training and gradients")."""
-        plan = self.plans[i]
-        binding = plan.binding
+        record = self.records[i]
+        binding = record.binding
         for param, home in zip(binding.params, binding.params_home):
             if param.requires_grad and id(param) not in self._grad_hooks:
-                hook = functools.partial(_to_home, plan.ready, home.device) if self.units[i].host else functools.partial(
+                hook = functools.partial(_to_home, record.ready, home.device) if self.units[i].host else functools.partial(
                     _raise, self.transport.untrainable(i))
                 self._grad_hooks[id(param)] = param.register_hook(hook)
 

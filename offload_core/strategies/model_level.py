@@ -97,7 +97,7 @@ class ModelLevelOffload(ComponentCalls, SavedCopies):
         if not self.groups:
             raise ValueError("model-level offload found no module with weights to offload")
 
-    _replan = _form_groups  # a re-pack (Part.repack) forms the groups again from the modules now
+    _split_units = _form_groups  # a re-pack (Part.repack) forms the groups again from the modules now
 
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: each swaps in once per call."""

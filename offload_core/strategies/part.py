@@ -139,7 +139,7 @@ class Part:
                     apply()
             finally:
                 try:
-                    self._replan()
+                    self._split_units()
                     with Transaction() as txn:
                         if handle is not None:
                             handle.place(self, txn)  # the new units need homes
@@ -169,7 +169,7 @@ class Part:
         """Why this part cannot be packed again on its own (None: it can)."""
         return None
 
-    def _replan(self) -> None:
+    def _split_units(self) -> None:
         raise NotImplementedError
 
     def describe(self) -> str:

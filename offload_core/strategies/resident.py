@@ -29,9 +29,9 @@ class ResidentModules(Part):
         self.members = list(modules)
         self._activations: dict[str, int] = {}  # component -> device bytes its first call took beyond the weights
         self._measuring: tuple[str, int] | None = None  # (component, memory allocated as its first call began)
-        self._replan()
+        self._split_units()
 
-    def _replan(self) -> None:
+    def _split_units(self) -> None:
         self.units = [WeightUnit(name, collect_tensors([m])) for name, m in self.members]
 
     def host_units(self) -> list:

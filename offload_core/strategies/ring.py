@@ -1,4 +1,4 @@
-"""The slot ring of a streamed model, and the plan of each streamed block.
+"""The slot ring of a streamed model, and the load record of each streamed block.
 
 A :class:`SlotRing` owns a few device slots (each as large as the largest streamed block, one
 flat buffer per dtype), the event that says when each slot's last reader is done, and which block
@@ -13,7 +13,7 @@ before a refill, compares. A tensor that escaped its block (a kept ``detach()``,
 views a weight, a saved tensor) raises the count; the slot's memory is then left to its holder
 and the slot gets new memory, so the holder keeps reading the weights it took.
 
-A :class:`BlockPlan` is what the hot path needs of one block, built at enable and dropped at
+A :class:`LoadRecord` is what the hot path needs of one block, built at enable and dropped at
 disable, instead of parallel lists indexed by block.
 """
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
-class BlockPlan:
+class LoadRecord:
     """What loading and binding block ``index`` takes."""
 
     index: int
@@ -161,7 +161,7 @@ class SlotRing:
 
     def renew(self, slot: int, copy_stream, holding: str, owner: str) -> bool:
         """Before ``slot`` is refilled: True if its memory had to be left to a holder outside the
-        ring and the slot now has new memory (the caller re-plans the blocks of this slot)."""
+        ring and the slot now has new memory (the caller records the loads of this slot's blocks again)."""
         if self.at_rest(slot):
             return False
         copy_stream.synchronize()  # a finished transfer (a collective's work) may still hold views

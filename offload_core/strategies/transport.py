@@ -111,18 +111,18 @@ class CopyTransport:
         return hooks
 
     # -- loads ------------------------------------------------------------------------------------
-    def plan(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, int, int, Any]:
+    def prepare_load(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, int, int, Any]:
         """(transfers, copies, bytes, disk image) of a load of block ``i`` (``unit``) into ``slot``."""
         placement = self._placement
         transfers = placement.transfers(unit, slot)
         return transfers, placement.copies(transfers), unit.nbytes, unit.image
 
-    def issue(self, plan, stream) -> None:
-        """Queue on ``stream`` what fills ``plan``'s slot: one stream context for all of it. A
+    def issue(self, record, stream) -> None:
+        """Queue on ``stream`` what fills ``record``'s slot: one stream context for all of it. A
         block of one dtype from a host buffer is one copy, which selects its stream once itself:
         a batch around it would select nothing less and cost a context per block."""
         backend, placement = self._backend, self._placement
-        transfers = plan.transfers
+        transfers = record.transfers
         if placement.stager is None and len(transfers) == 1:
             backend.copy_async(*transfers[0], stream)
             return
@@ -138,7 +138,7 @@ class CopyTransport:
         transport tells the other ranks."""
 
     def write_back(self, i: int):
-        """How a forward's changes to block ``i``'s tensors go home (asked once per block plan)."""
+        """How a forward's changes to block ``i``'s tensors go home (asked once per load record)."""
         if not self.at.units[i].host:
             return functools.partial(self._no_ram_home, i)
         return functools.partial(write_back, self._backend)
@@ -154,7 +154,7 @@ class CopyTransport:
         )
 
     # -- keeping the model in step ----------------------------------------------------------------
-    def replaced(self, blocks, plans, homes, dirty: bool, before_pass: bool):
+    def replaced(self, blocks, records, homes, dirty: bool, before_pass: bool):
         """Each of ``blocks`` whose owners no longer all show their home views, for
         ``Part.reconcile`` (the part waits for the copies queued earlier, which read the host as it
         was, before it takes each). A block with no home in RAM cannot take a change.
@@ -163,9 +163,9 @@ class CopyTransport:
         if before_pass and self.unchanged(homes):  # the rule: one check
             return
         for i in blocks:
-            plan = plans[i]
-            if not plan.binding.at_home():
-                if not plan.unit.host:
+            record = records[i]
+            if not record.binding.at_home():
+                if not record.unit.host:
                     raise self.no_ram_home(i)
                 yield i
 

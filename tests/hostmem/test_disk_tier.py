@@ -80,7 +80,7 @@ class Recorder:
     def __init__(self, monkeypatch, handle) -> None:
         self.events: list[tuple[str, int]] = []
         self.lock = threading.Lock()
-        index = {id(plan.image): plan.index for plan in handle.parts[0].plans}
+        index = {id(record.image): record.index for record in handle.parts[0].records}
         advise, read = disk.DiskImage.advise, disk.DiskImage.read
 
         def asked(image):
@@ -140,7 +140,7 @@ def test_read_ahead_stays_within_its_window(checkpoint, kib_chunks, page_cache_r
     always the next block), and the output is exact."""
     folder, inputs, expected = checkpoint
     handle = on_disk(folder)
-    sizes = [plan.image.file_bytes for plan in handle.parts[0].plans]
+    sizes = [record.image.file_bytes for record in handle.parts[0].records]
     handle.disable()
     window = max(sizes) + 1  # one block ahead at a time
     monkeypatch.setattr(staging, "READ_AHEAD_BYTES", window)
@@ -171,7 +171,7 @@ def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_
     monkeypatch.setattr(disk.os, "posix_fadvise", recorded)
     handle = on_disk(folder)
     assert torch.equal(forward(handle.target, inputs), expected)
-    images = [plan.image for plan in handle.parts[0].plans]
+    images = [record.image for record in handle.parts[0].records]
     handle.disable()  # the read-ahead has made every request
     assert asked and max(length for _, length in asked) <= 4096
     covered = set()
@@ -190,7 +190,7 @@ def test_disk_blocks_are_read_past_the_page_cache_in_pieces_in_flight_together(c
     (it would read the same bytes a second time), and the output is exact."""
     folder, inputs, expected = checkpoint
     handle = on_disk(folder)
-    if not direct.usable(handle.parts[0].plans[0].image.extents()[0][0]):
+    if not direct.usable(handle.parts[0].records[0].image.extents()[0][0]):
         handle.disable()
         pytest.skip("this file system refuses O_DIRECT")
     calls: list[int] = []

@@ -368,7 +368,7 @@ def test_a_failed_enable_with_spilled_blocks_restores_them_and_removes_the_files
         assert list(tmp_path.rglob("*.safetensors"))  # the blocks are on disk by now
         raise RuntimeError("a failure after spilling")
 
-    monkeypatch.setattr(LayerwiseOffload, "_block_plan", fail)
+    monkeypatch.setattr(LayerwiseOffload, "_load_record", fail)
     with pytest.raises(RuntimeError, match="after spilling"):
         offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(), host_memory=0,
                                     offload_folder=tmp_path)
