@@ -103,6 +103,21 @@ class OffloadHandle:
         totals["host_bytes"] = sum(p.host_bytes for p in self.parts) - totals["disk_bytes"]
         return totals
 
+    def describe(self) -> list[dict[str, Any]]:
+        """What each part of the handle (one per streamed model, one for the resident modules, one
+        for model-level groups) holds now, as plain data for tools and tests that would otherwise
+        reach into the strategies: ``part`` (what it covers), ``streamed_blocks`` and
+        ``kept_blocks`` (block names: copied in per forward, or kept on the device), ``slots`` and
+        ``slot_bytes`` (the device ring streamed blocks are copied into, one slot's bytes),
+        ``resident_bytes`` (what a streamed part keeps on the device besides its slots),
+        ``device_weight_bytes`` and ``host_bytes``. Block and slot keys are empty or 0 for parts
+        that stream no blocks. Read live: after a re-pack it shows the new layout."""
+        return [{"part": part.describe(), "streamed_blocks": list(getattr(part, "block_names", ())),
+                 "kept_blocks": list(getattr(part, "kept_names", ())), "slots": getattr(part, "num_slots", 0),
+                 "slot_bytes": getattr(part, "slot_bytes", 0), "resident_bytes": getattr(part, "resident_bytes", 0),
+                 "device_weight_bytes": part.device_weight_bytes, "host_bytes": part.host_bytes}
+                for part in self.parts]
+
     @contextlib.contextmanager
     def measured_call(self) -> Iterator[None]:
         """Around a pipeline call. Until the budget has been planned again from a first call, the

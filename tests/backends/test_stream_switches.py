@@ -39,7 +39,7 @@ def test_layerwise_one_switch_per_block_and_one_for_the_blocks_prefetched_togeth
     with torch.no_grad():
         expected = model(X)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, prefetch_depth=depth, backend=backend)
-    slots = handle.parts[0].num_slots
+    slots = handle.describe()[0]["slots"]
     assert slots == depth + 1
     for _ in range(2):  # the first forward is like every other
         switches, loads = _forward_switches(backend, handle, model, X, expected)

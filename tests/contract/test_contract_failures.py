@@ -54,7 +54,7 @@ def test_ctrl_c_during_a_pipeline_call_leaves_the_pipeline_working(strategy):
 def test_model_level_out_of_memory_during_a_load_does_not_break_later_calls():
     model, reference = build(), build()
     probe = offload_core.enable_offload(model, enable_cpu_offload=True, backend=chaos_backend())
-    nbytes = probe.parts[0].host_bytes  # the packed model: what one call copies in
+    nbytes = probe.describe()[0]["host_bytes"]  # the packed model: what one call copies in
     probe.disable()
     backend = chaos_backend(device_memory=nbytes + 64)
     handle = offload_core.enable_offload(model, enable_cpu_offload=True, backend=backend)

@@ -105,7 +105,8 @@ def test_the_next_blocks_are_asked_for_before_the_current_one_is_read_wrapping_t
         checkpoint, kib_chunks, page_cache_reads, monkeypatch):
     folder, inputs, expected = checkpoint
     handle = on_disk(folder)
-    blocks, slots = len(handle.parts[0].units), handle.parts[0].num_slots
+    part = handle.describe()[0]
+    blocks, slots = len(part["streamed_blocks"]), part["slots"]
     assert blocks > slots
     record = Recorder(monkeypatch, handle)
     with handle.frozen():
@@ -211,7 +212,7 @@ def test_disk_blocks_are_read_past_the_page_cache_in_pieces_in_flight_together(c
     before = handle.stats()["disk_read_bytes"]
     assert torch.equal(forward(handle.target, inputs), expected)
     assert sum(calls) == handle.stats()["disk_read_bytes"] - before == block_bytes_in_checkpoint(folder)
-    assert len(calls) > len(handle.parts[0].units) and not willneed
+    assert len(calls) > len(handle.describe()[0]["streamed_blocks"]) and not willneed
     handle.disable()
 
 

@@ -135,7 +135,7 @@ def test_failure_in_a_later_component_rolls_back_the_earlier_ones(flux2):
     """Packing succeeds for the DiT, then the device runs out for the resident encoder: all undone."""
     before = {n: snapshot(m) for n, m in flux2.pipe.components.items() if isinstance(m, nn.Module)}
     probe = offload_core.enable_offload(flux2.pipe, enable_layerwise_offload=True, backend=chaos_backend())
-    streamed = probe.parts[0].device_weight_bytes
+    streamed = probe.describe()[0]["device_weight_bytes"]
     probe.disable()
     backend = chaos_backend(device_memory=streamed + 16)
     with pytest.raises(torch.OutOfMemoryError):

@@ -6,6 +6,8 @@ homes. Model-level, layerwise (a bare model and a pipeline) and distributed (two
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -78,6 +80,37 @@ def test_a_model_level_model_without_a_budget_has_the_plan_it_runs():
     assert measured.component("Stack").activation_source == "measured"
     assert after["device_peak_bytes"] == measured.device_peak == c.weight_bytes + measured.component("Stack").activation_bytes
     assert after["host_bytes"] == host_planned(handle.plan)
+    handle.disable()
+
+
+def test_describe_says_per_part_what_streams_what_stays_and_its_slots():
+    """``handle.describe()``: plain data per part that names the blocks the plan keeps and streams,
+    with slot and byte figures that agree with ``stats()``, the same after a re-pack; a part that
+    streams no blocks (model-level) says so with empty lists and zeros."""
+    model = stack()
+    handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend(),
+                                         resident_blocks=2, prefetch_depth=1)
+    (c,) = handle.plan.components
+    (part,) = handle.describe()
+    assert json.loads(json.dumps(part)) == part
+    assert part["part"] == "Stack"
+    assert part["kept_blocks"] == [f"blocks.{i}" for i in c.resident_blocks] and len(c.resident_blocks) == 2
+    assert part["streamed_blocks"] == [f"blocks.{i}" for i in c.streamed_blocks]
+    assert part["slots"] == 2 and part["slot_bytes"] == c.slot_bytes // 2 > 0
+    stats = handle.stats()
+    assert part["device_weight_bytes"] == part["resident_bytes"] + 2 * part["slot_bytes"]
+    assert part["device_weight_bytes"] == stats["device_weight_bytes"]
+    assert part["host_bytes"] == stats["host_bytes"]
+    model.blocks[4].double()  # a block that no longer fits its slot: the part re-packs with larger slots
+    (after,) = handle.describe()
+    assert after["slot_bytes"] > part["slot_bytes"] and after["streamed_blocks"] == part["streamed_blocks"]
+    handle.disable()
+
+    handle = offload_core.enable_offload(stack(), enable_cpu_offload=True, backend=chaos_backend())
+    (part,) = handle.describe()
+    assert part["streamed_blocks"] == part["kept_blocks"] == []
+    assert part["slots"] == part["slot_bytes"] == part["resident_bytes"] == 0
+    assert part["host_bytes"] == handle.stats()["host_bytes"] == handle.plan.components[0].weight_bytes
     handle.disable()
 
 

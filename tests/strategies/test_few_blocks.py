@@ -99,7 +99,7 @@ def _one_block_worker(rank: int, port: int) -> None:
     expected = [run(model, X + i) for i in range(2)]
     before = snapshot(model)
     handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend)
-    assert handle.parts[0].num_slots == 1
+    assert handle.describe()[0]["slots"] == 1
     for i in range(2):
         assert torch.equal(run(model, X + i), expected[i]), f"rank {rank}"
     handle.disable()  # collective: reloads the one block into its slot to rebuild the host weights
@@ -249,7 +249,7 @@ def test_transformers_encoders_stream_the_stack_beside_their_embeddings(name):
     with torch.no_grad():
         expected = model(**inputs, output_hidden_states=True).hidden_states[-1]
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=chaos_backend())
-    assert len(handle.parts[0].units) == len(expected_blocks)
+    assert len(handle.describe()[0]["streamed_blocks"]) == len(expected_blocks)
     for _ in range(2):
         with torch.no_grad():
             assert torch.equal(model(**inputs, output_hidden_states=True).hidden_states[-1], expected)

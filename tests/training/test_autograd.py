@@ -39,14 +39,14 @@ def assert_streamed_twice(handle, steps: int) -> None:
     """Layerwise: each block was loaded once per forward and once per backward (less the last
     blocks, still in their slots when the backward starts), none late, and the device never held
     more than the resident weights and the slots."""
-    part = handle.parts[0]
+    part = handle.describe()[0]
     stats = handle.stats()
     assert stats["prefetch_misses"] == 0
-    blocks = len(part.units)
-    assert stats["loads"] == steps * (2 * blocks - min(part.num_slots, blocks))
+    blocks = len(part["streamed_blocks"])
+    assert stats["loads"] == steps * (2 * blocks - min(part["slots"], blocks))
     assert stats["retired_slot_bytes"] == 0
     if exact_accounting():
-        assert stats["device_peak_bytes"] == part.device_weight_bytes
+        assert stats["device_peak_bytes"] == part["device_weight_bytes"]
 
 
 @pytest.mark.parametrize("strategy", ENABLE_VARIANTS)
@@ -211,9 +211,10 @@ def test_a_kept_detach_reads_its_own_block(depth, caplog):
             assert torch.equal(model(x), expected)
     assert all(torch.equal(k, w) for k, w in zip(kept, expected_weights)), "a kept weight shows another block"
     assert "still referenced outside its block" in caplog.text
-    part = handle.parts[0]
+    part = handle.describe()[0]
     # every slot refilled in a pass held a kept weight: one new slot each, and no other
-    assert handle.stats()["retired_slot_bytes"] == 2 * (len(part.units) - part.num_slots) * part.slot_bytes
+    refilled = len(part["streamed_blocks"]) - part["slots"]
+    assert handle.stats()["retired_slot_bytes"] == 2 * refilled * part["slot_bytes"]
     for h in hooks:
         h.remove()
     handle.disable()
@@ -249,7 +250,7 @@ def test_a_new_slot_is_filled_after_compute_on_memory_it_may_reuse():
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
-    assert handle.stats()["retired_slot_bytes"] == handle.parts[0].slot_bytes
+    assert handle.stats()["retired_slot_bytes"] == handle.describe()[0]["slot_bytes"]
     hook.remove()
     handle.disable()
 
@@ -287,7 +288,7 @@ def test_no_device_memory_for_a_new_slot_is_a_clear_error():
     with torch.no_grad():
         expected = model(x)
     probe = offload_core.enable_offload(copy.deepcopy(model), enable_layerwise_offload=True, backend=chaos_backend())
-    needed = probe.parts[0].device_weight_bytes
+    needed = probe.describe()[0]["device_weight_bytes"]
     probe.disable()
     backend = chaos_backend(device_memory=needed)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=backend)

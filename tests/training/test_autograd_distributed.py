@@ -48,8 +48,8 @@ def _worker(rank: int, port: int) -> None:
                 assert_equal(input_grads(got), input_grads(expected), f"{name} shard={shard} step {step} rank {rank}")
             stats = handle.stats()
             assert stats["prefetch_misses"] == 0 and stats["retired_slot_bytes"] == 0
-            part = handle.parts[0]
-            assert stats["loads"] == 2 * (2 * len(part.units) - part.num_slots)
+            part = handle.describe()[0]
+            assert stats["loads"] == 2 * (2 * len(part["streamed_blocks"]) - part["slots"])
             block = next(p for n, p in model.named_parameters() if ".0." in n)
             if shard:  # a shard cannot be trained: a clear error on every rank, and still in step
                 block.requires_grad_(True)
