@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import CheckpointError
+from ..weights.slices import FileSlice
 from . import direct
 from .descriptors import DESCRIPTORS
 from .safetensors_header import DTYPES, read_header
@@ -30,24 +31,6 @@ from .safetensors_header import DTYPES, read_header
 _PAGE = 4096  # read-ahead extents start and end on page boundaries
 _EXTENT_GAP = 2**20  # file slices closer than this are read ahead as one extent (the gap comes along)
 _DEFAULT_ADVISE_BYTES = 128 * 1024  # Linux's default read-ahead: where a file's device says nothing
-
-
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """The memory of a flat contiguous tensor as a writable byte buffer."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill ``out`` (flat, contiguous) with the bytes of ``fd`` at ``offset``."""
-    if out.numel() == 0:
-        return
-    view = as_bytes(out)
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise EOFError(f"file ends {len(view)} bytes short of a tensor at offset {offset}")
-        view = view[n:]
-        offset += n
 
 
 class DataFile:
@@ -102,40 +85,6 @@ def checkpoint_slices(path: str | os.PathLike) -> dict[str, FileSlice]:
                                   "cannot read (no torch dtype holds it one element at a time)")
         slices[name] = FileSlice(file, header.data_start + entry.begin, dtype, entry.shape)
     return slices
-
-
-class FileSlice:
-    """A tensor stored in a file; reads any element range, converting to the reader's dtype."""
-
-    __slots__ = ("file", "offset", "dtype", "shape")
-
-    def __init__(self, file: DataFile, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.file = file
-        self.offset = offset  # absolute byte offset of the first element
-        self.dtype = dtype
-        self.shape = shape
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def read(self, start: int, count: int, out: torch.Tensor) -> int:
-        """Elements ``start .. start + count`` into ``out`` (flat); one read, plus a conversion
-        through a buffer of this slice's size when the dtypes differ. Returns the bytes read."""
-        where = self.offset + start * self.dtype.itemsize
-        raw = out if out.dtype == self.dtype else torch.empty(count, dtype=self.dtype)
-        with self.file.reading() as fd:
-            pread_into(fd, raw, where)
-        if raw is not out:
-            out.copy_(raw)
-        return count * self.dtype.itemsize
 
 
 class MemorySlice:

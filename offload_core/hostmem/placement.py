@@ -42,7 +42,8 @@ from ..device.backend import Capability
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .machine import auto_pinned_budget, physical_memory, size_text as _size
-from .disk import FileSlice, checkpoint_image
+from ..weights.slices import FileSlice
+from .disk import checkpoint_image
 from .spill import SpillFolder
 from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_chunk_bytes
 
