@@ -28,10 +28,9 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from ..weights.slices import ALIGN
 from .descriptors import DescriptorCache
 
-#: the alignment of an O_DIRECT request's offset, length and buffer (4 KiB: 512-byte and 4 KiB devices)
-ALIGN = 4096
 #: the most one request reads (and each reader's scratch buffer, less the alignment slack)
 PIECE_BYTES = 2 * 2**20
 #: requests in flight: a drive's queue is deeper, but eight of 2 MiB keep an NVMe drive streaming
@@ -111,8 +110,9 @@ def _read_piece(piece: Job) -> None:
 
 
 def _scratch_buffer() -> tuple[mmap.mmap, int]:
-    """This thread's aligned scratch buffer (an anonymous mapping: page-aligned) and its address."""
-    if getattr(_scratch, "buffer", None) is None:
+    """This thread's aligned scratch buffer (an anonymous mapping: page-aligned) and its address;
+    made anew where :data:`PIECE_BYTES` has grown since this thread made it."""
+    if getattr(_scratch, "buffer", None) is None or len(_scratch.buffer[0]) < PIECE_BYTES + 2 * ALIGN:
         buffer = mmap.mmap(-1, PIECE_BYTES + 2 * ALIGN)
         _scratch.buffer = (buffer, ctypes.addressof(ctypes.c_char.from_buffer(buffer)))
     return _scratch.buffer
