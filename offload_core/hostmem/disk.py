@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import CheckpointError
-from ..weights.slices import FileSlice
+from ..weights.slices import ALIGN, DIRECT_MIN_BYTES, FileSlice
 from . import direct
 from .descriptors import DESCRIPTORS
 from .safetensors_header import DTYPES, read_header
@@ -109,10 +109,27 @@ class DiskImage:
         self.segments: dict[torch.dtype, list[tuple[int, int, object]]] = {}  # (start, count, slice)
         self._extents: list[tuple[DataFile, int, int]] | None = None
         self._file_bytes = 0
+        self._residues: dict[torch.dtype, int | None] = {}
 
     def add(self, dtype: torch.dtype, start: int, count: int, source) -> None:
         self.segments.setdefault(dtype, []).append((start, count, source))
         self._extents = None
+        self._residues.pop(dtype, None)
+
+    def residue(self, dtype: torch.dtype) -> int | None:
+        """Where the ``dtype`` home's large file slices lie in their files relative to their place
+        in the home, modulo a page (:data:`ALIGN`): the value most of their bytes share, None where
+        it is no whole number of elements or there are none. The bounce ring lays the home out at
+        that offset within a page, so that those slices are read straight into place."""
+        if dtype not in self._residues:
+            weight: dict[int, int] = {}
+            for start, count, source in self.segments.get(dtype, ()):
+                if isinstance(source, FileSlice) and source.dtype == dtype and source.nbytes >= DIRECT_MIN_BYTES:
+                    delta = (source.offset - start * dtype.itemsize) % ALIGN
+                    weight[delta] = weight.get(delta, 0) + count
+            best = max(weight, key=weight.__getitem__, default=None)
+            self._residues[dtype] = best if best is not None and best % dtype.itemsize == 0 else None
+        return self._residues[dtype]
 
     def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
         """Elements ``start .. start + count`` of the ``dtype`` home into ``out``; returns the

@@ -17,6 +17,10 @@ import torch
 #: the alignment of a read past the page cache (``O_DIRECT``): its file offset, length and memory
 #: address (4 KiB: 512-byte and 4 KiB devices)
 ALIGN = 4096
+#: a file slice this large has its whole pages read straight into place where the bounce ring lays
+#: it out as its file does within a page, and its bytes count in choosing that layout (a smaller
+#: one goes through a scratch buffer: its pages are mostly partial anyway)
+DIRECT_MIN_BYTES = 64 * 2**10
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
