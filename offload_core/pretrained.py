@@ -49,10 +49,11 @@ from .handle import OffloadHandle
 from .hostmem.machine import auto_host_budget
 from .model_folder import ModelFolder
 from .pipelines import inventory
-from .hostmem.disk import FileSlice, read_index
+from .hostmem.disk import read_index
 from .hostmem.safetensors_header import read_header
 from .weights.checkpoint import attach_slices
 from .weights.owners import SOURCE_ATTRIBUTE
+from .weights.slices import FileSlice
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,10 @@ from transformers.core_model_loading import (
 from transformers.integrations import is_deepspeed_zero3_enabled, is_fsdp_enabled
 from transformers.utils.loading_report import LoadStateDictInfo
 
-from .hostmem.disk import FileSlice, read_index
+from .hostmem.disk import read_index
 from .locks import locked
 from .weights.checkpoint import attach_slices
+from .weights.slices import FileSlice
 
 logger = logging.getLogger(__name__)
 

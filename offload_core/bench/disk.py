@@ -19,7 +19,8 @@ the drive, as ``--quick``'s small model does; above 1 by more than its spread, t
 is too weak a baseline), the forward's time over its ideal, max(in-RAM forward, bytes read / the
 drive's speed) (below 1 by more than its spread: the same), and the CPU time the tier spends per
 GB read (the process's CPU time in the disk-bound forward above the in-RAM forward's, over the
-bytes read).
+bytes read), with the share of those bytes a reader copied into place from its scratch buffer
+(``tier_scratch_share``: the rest the drive wrote straight into the bounce buffers).
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
     import torch
 
     import offload_core
+    from offload_core.hostmem import direct
 
     from .timing import ratio, spread
 
@@ -179,7 +181,7 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
         inputs = _inputs(config)
         samples: dict[str, list[float]] = {name: [] for name in (
             "raw_s", "raw_bytes", "buffered_s", "buffered_bytes", "tier_s", "tier_bytes", "tier_read_s", "tier_cpu_s",
-            "compute_s", "compute_cpu_s")}
+            "tier_scratch_bytes", "compute_s", "compute_cpu_s")}
 
         raw_method = [direct_method()]
 
@@ -201,11 +203,12 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
 
         def tier() -> None:
             cold_cache(files)
-            before = on_disk.stats()
+            before, scratch = on_disk.stats(), direct.scratch_bytes
             cpu, start = cpu_seconds(), time.perf_counter()
             on_disk.target(**inputs)
             samples["tier_s"].append(time.perf_counter() - start)
             samples["tier_cpu_s"].append(cpu_seconds() - cpu)
+            samples["tier_scratch_bytes"].append(direct.scratch_bytes - scratch)
             after = on_disk.stats()
             samples["tier_bytes"].append(after["disk_read_bytes"] - before["disk_read_bytes"])
             samples["tier_read_s"].append(after["disk_read_seconds"] - before["disk_read_seconds"])
@@ -251,6 +254,9 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
         "disk_bound": disk_bound,
         "tier_over_raw": tier_over_raw,
         "tier_cpu_s_per_gb": median(tier_cpu),
+        # of the bytes read, those copied into place from a reader's scratch buffer (the rest the
+        # drive wrote straight into the bounce buffers)
+        "tier_scratch_share": median([c / b for c, b in zip(samples["tier_scratch_bytes"], samples["tier_bytes"])]),
         "compute_s": median(samples["compute_s"]),
         "forward_s": median(samples["tier_s"]),
         "forward_over_ideal": over_ideal,

@@ -9,9 +9,12 @@ and reclaim, and a drive that serves many requests at once waits for the next. R
 
 ``O_DIRECT`` needs the file offset, the length and the memory address aligned to the device's
 logical block size (:data:`ALIGN` covers every common one). A tensor in a safetensors file starts
-anywhere, and its place in the bounce buffer is set by its unit's layout, so each piece is read as
-the aligned range that covers it into its reader's own aligned scratch buffer and copied from
-there into place: one copy of each byte, in user space, spread over the readers. A file system
+anywhere, and its place in the bounce buffer is set by its unit's layout and the ring. Where the
+two lie alike within a page (the layout and the ring see to it for large tensors), the whole
+pages of a piece are read straight into place, and only its partial first and last pages go
+through the reader's own aligned scratch buffer; a piece whose two differ is read whole as the
+aligned range that covers it into the scratch buffer and copied from there into place (a copy of
+each byte, in user space, which costs a core per few GB/s). A file system
 that refuses ``O_DIRECT`` (tmpfs) is read through the page cache, as are files when
 :data:`ENABLED` is False. Descriptors opened with ``O_DIRECT`` come from a cache of their own,
 bounded as the page-cache readers' is (:mod:`.descriptors`).
@@ -28,10 +31,9 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from ..weights.slices import ALIGN
 from .descriptors import DescriptorCache
 
-#: the alignment of an O_DIRECT request's offset, length and buffer (4 KiB: 512-byte and 4 KiB devices)
-ALIGN = 4096
 #: the most one request reads (and each reader's scratch buffer, less the alignment slack)
 PIECE_BYTES = 2 * 2**20
 #: requests in flight: a drive's queue is deeper, but eight of 2 MiB keep an NVMe drive streaming
@@ -50,6 +52,10 @@ _refused: weakref.WeakSet = weakref.WeakSet()  # files whose file system refused
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the readers)
 _pool_lock = threading.Lock()
 _scratch = threading.local()
+_count_lock = threading.Lock()
+#: bytes copied from the readers' scratch buffers into place since the process started (the rest
+#: of what :func:`read` read went straight into place)
+scratch_bytes = 0
 
 
 def usable(file) -> bool:
@@ -92,27 +98,56 @@ def _readers() -> ThreadPoolExecutor:
 
 
 def _read_piece(piece: Job) -> None:
-    """The aligned range covering ``piece`` into this thread's scratch buffer, then its bytes into place."""
+    """``piece`` into place: where its destination address and file offset lie alike within a
+    page, the whole pages between them straight into the destination, and only the partial first
+    and last pages through the scratch buffer; elsewhere the aligned range covering all of it."""
     fd, offset, address, nbytes = piece
+    head = -offset % ALIGN
+    if (address - offset) % ALIGN or nbytes < head + ALIGN:
+        _through_scratch(fd, offset, address, nbytes)
+        return
+    body = (nbytes - head) // ALIGN * ALIGN
+    if head:
+        _through_scratch(fd, offset, address, head)
+    _read_exact(fd, (ctypes.c_char * body).from_address(address + head), offset + head, offset)
+    if nbytes > head + body:
+        _through_scratch(fd, offset + head + body, address + head + body, nbytes - head - body)
+
+
+def _through_scratch(fd: int, offset: int, address: int, nbytes: int) -> None:
+    """The aligned range covering ``nbytes`` at ``offset`` into this thread's scratch buffer, then
+    its bytes to ``address``."""
+    global scratch_bytes
     begin = offset - offset % ALIGN
     end = -(-(offset + nbytes) // ALIGN) * ALIGN
     scratch, base = _scratch_buffer()
-    view = memoryview(scratch)[: end - begin]
+    with memoryview(scratch)[: end - begin] as view:
+        _read_exact(fd, view, begin, offset, offset + nbytes - begin)
+    ctypes.memmove(address, base + offset - begin, nbytes)  # a foreign call: the GIL is released
+    with _count_lock:
+        scratch_bytes += nbytes
+
+
+def _read_exact(fd: int, buffer, at: int, tensor_offset: int, need: int | None = None) -> None:
+    """Fill ``buffer`` from ``at`` until ``need`` bytes (default: all of it) have come; a file
+    that ends first raises ``EOFError``, naming the offset of the read it belongs to."""
+    view = memoryview(buffer).cast("B")
+    need = len(view) if need is None else need
     got = 0
     try:
-        while got < offset + nbytes - begin:
-            n = os.preadv(fd, [view[got:]], begin + got)
+        while got < need:
+            n = os.preadv(fd, [view[got:]], at + got)
             if n <= 0:
-                raise EOFError(f"file ends {offset + nbytes - begin - got} bytes short of a tensor at offset {offset}")
+                raise EOFError(f"file ends {need - got} bytes short of a tensor at offset {tensor_offset}")
             got += n
     finally:
         view.release()
-    ctypes.memmove(address, base + offset - begin, nbytes)  # a foreign call: the GIL is released
 
 
 def _scratch_buffer() -> tuple[mmap.mmap, int]:
-    """This thread's aligned scratch buffer (an anonymous mapping: page-aligned) and its address."""
-    if getattr(_scratch, "buffer", None) is None:
+    """This thread's aligned scratch buffer (an anonymous mapping: page-aligned) and its address;
+    made anew where :data:`PIECE_BYTES` has grown since this thread made it."""
+    if getattr(_scratch, "buffer", None) is None or len(_scratch.buffer[0]) < PIECE_BYTES + 2 * ALIGN:
         buffer = mmap.mmap(-1, PIECE_BYTES + 2 * ALIGN)
         _scratch.buffer = (buffer, ctypes.addressof(ctypes.c_char.from_buffer(buffer)))
     return _scratch.buffer

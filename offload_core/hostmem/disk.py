@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import CheckpointError
+from ..weights.slices import ALIGN, DIRECT_MIN_BYTES, FileSlice
 from . import direct
 from .descriptors import DESCRIPTORS
 from .safetensors_header import DTYPES, read_header
@@ -30,24 +31,6 @@ from .safetensors_header import DTYPES, read_header
 _PAGE = 4096  # read-ahead extents start and end on page boundaries
 _EXTENT_GAP = 2**20  # file slices closer than this are read ahead as one extent (the gap comes along)
 _DEFAULT_ADVISE_BYTES = 128 * 1024  # Linux's default read-ahead: where a file's device says nothing
-
-
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """The memory of a flat contiguous tensor as a writable byte buffer."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill ``out`` (flat, contiguous) with the bytes of ``fd`` at ``offset``."""
-    if out.numel() == 0:
-        return
-    view = as_bytes(out)
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise EOFError(f"file ends {len(view)} bytes short of a tensor at offset {offset}")
-        view = view[n:]
-        offset += n
 
 
 class DataFile:
@@ -104,40 +87,6 @@ def checkpoint_slices(path: str | os.PathLike) -> dict[str, FileSlice]:
     return slices
 
 
-class FileSlice:
-    """A tensor stored in a file; reads any element range, converting to the reader's dtype."""
-
-    __slots__ = ("file", "offset", "dtype", "shape")
-
-    def __init__(self, file: DataFile, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.file = file
-        self.offset = offset  # absolute byte offset of the first element
-        self.dtype = dtype
-        self.shape = shape
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def read(self, start: int, count: int, out: torch.Tensor) -> int:
-        """Elements ``start .. start + count`` into ``out`` (flat); one read, plus a conversion
-        through a buffer of this slice's size when the dtypes differ. Returns the bytes read."""
-        where = self.offset + start * self.dtype.itemsize
-        raw = out if out.dtype == self.dtype else torch.empty(count, dtype=self.dtype)
-        with self.file.reading() as fd:
-            pread_into(fd, raw, where)
-        if raw is not out:
-            out.copy_(raw)
-        return count * self.dtype.itemsize
-
-
 class MemorySlice:
     """A small region kept in memory inside an otherwise on-disk unit (a buffer that no file
     holds, such as a non-persistent rotary table)."""
@@ -160,10 +109,27 @@ class DiskImage:
         self.segments: dict[torch.dtype, list[tuple[int, int, object]]] = {}  # (start, count, slice)
         self._extents: list[tuple[DataFile, int, int]] | None = None
         self._file_bytes = 0
+        self._residues: dict[torch.dtype, int | None] = {}
 
     def add(self, dtype: torch.dtype, start: int, count: int, source) -> None:
         self.segments.setdefault(dtype, []).append((start, count, source))
         self._extents = None
+        self._residues.pop(dtype, None)
+
+    def residue(self, dtype: torch.dtype) -> int | None:
+        """Where the ``dtype`` home's large file slices lie in their files relative to their place
+        in the home, modulo a page (:data:`ALIGN`): the value most of their bytes share, None where
+        it is no whole number of elements or there are none. The bounce ring lays the home out at
+        that offset within a page, so that those slices are read straight into place."""
+        if dtype not in self._residues:
+            weight: dict[int, int] = {}
+            for start, count, source in self.segments.get(dtype, ()):
+                if isinstance(source, FileSlice) and source.dtype == dtype and source.nbytes >= DIRECT_MIN_BYTES:
+                    delta = (source.offset - start * dtype.itemsize) % ALIGN
+                    weight[delta] = weight.get(delta, 0) + count
+            best = max(weight, key=weight.__getitem__, default=None)
+            self._residues[dtype] = best if best is not None and best % dtype.itemsize == 0 else None
+        return self._residues[dtype]
 
     def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
         """Elements ``start .. start + count`` of the ``dtype`` home into ``out``; returns the

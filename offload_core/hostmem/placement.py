@@ -42,9 +42,10 @@ from ..device.backend import Capability
 from ..errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .machine import auto_pinned_budget, physical_memory, size_text as _size
-from .disk import FileSlice, checkpoint_image
+from ..weights.slices import FileSlice
+from .disk import checkpoint_image
 from .spill import SpillFolder
-from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_chunk_bytes
+from .staging import BOUNCE_BUFFERS, BounceRing, ReadAhead, Stager, Ticket, ring_buffer_bytes, ring_chunk_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,12 @@ class HostUnit:
         return sum(aligned(b) for b in self.buffer_bytes())
 
 
+def ring_reserve(largest: int, disk: bool) -> int:
+    """What the bounce ring takes in a pinned slab, for host buffers of at most ``largest`` bytes
+    (``disk``: some are on disk, its buffers a page larger, see :func:`.staging.ring_buffer_bytes`)."""
+    return BOUNCE_BUFFERS * aligned(ring_buffer_bytes(ring_chunk_bytes(largest, disk), disk))
+
+
 def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placement":
     """The tiers of every unit of ``parts`` under ``config``'s budgets. Raises
     :class:`OffloadConfigError` (before anything is touched) when blocks must go to disk and
@@ -98,17 +105,19 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
     if pinned is None and pin:
         pinned = auto_pinned_budget(backend)
     largest = max((n * d.itemsize for h in units for d, n in h.unit.numel.items()), default=0)
-    ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))  # what the ring takes in a pinned slab
     # registration pins a buffer of any size chunk by chunk; an allocator, no more than a chunk at once
     chunk = None if Capability.HOST_REGISTER in backend.capabilities else backend.pinned_chunk_bytes
     # what is read once per switch may go to disk only where it can be read back from there
     units = [h if h.role != SWITCH or h.unit.from_checkpoint or config.offload_folder is not None
              else dataclasses.replace(h, role=ONCE) for h in units]
     tiers = _assign(units, pin, host, pinned or 0, reserve=0, chunk=chunk)
+    ring = 0
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
+        ring = ring_reserve(largest, disk=True)
         tiers = _assign(units, pin, host, pinned or 0, reserve=ring, chunk=chunk)
-    else:
-        ring = 0
+        if not any(t is Tier.DISK for t in tiers.values()):  # nothing on disk under a smaller reserve either
+            ring = ring_reserve(largest, disk=False)
+            tiers = _assign(units, pin, host, pinned or 0, reserve=ring, chunk=chunk)
     disk = [h for h in units if tiers[id(h.unit)] is Tier.DISK]
     if config.offload_folder is None:
         _refuse_unreadable(parts, [h for h in disk if not h.unit.from_checkpoint], config)
@@ -123,7 +132,7 @@ def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placemen
             "%s of homes (%d units) have a buffer larger than %s's largest pinned allocation (%s): "
             "they are pageable, staged through the bounce ring", _size(sum(h.nbytes for h in oversized)),
             len(oversized), backend.name, _size(chunk))
-    placement = Placement(backend, units, tiers, ring_chunk_bytes(largest) if ring else 0, pin,
+    placement = Placement(backend, units, tiers, ring_chunk_bytes(largest, bool(disk)) if ring else 0, pin,
                           config.offload_folder, largest)
     logger.info("host placement: %s", placement.summary())
     return placement
@@ -199,12 +208,13 @@ class Placement:
         for h in self._units:
             self.bytes[tiers[id(h.unit)]] += h.nbytes
         self._chunk_bytes = chunk_bytes
+        self._paged = self.bytes[Tier.DISK] > 0  # the ring stages disk homes: its chunks start on a page
         self._pin_memory = pin_memory
         # Pinned homes (and the bounce ring) are cut from slabs planned for all of them at once,
         # so that the host allocator's rounding wastes nothing (see offload_core.hostmem.slabs).
         planned = [b for h in self._units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
         if chunk_bytes and pin_memory:
-            planned += [chunk_bytes] * BOUNCE_BUFFERS
+            planned += [ring_buffer_bytes(chunk_bytes, self._paged)] * BOUNCE_BUFFERS
         self.slabs = SlabAllocator(backend, planned) if pin_memory else None
         self._spill = SpillFolder(folder) if folder is not None else None
         self._files: set = set()  # checkpoint and spill files the units are read from: closed with the placement
@@ -265,13 +275,14 @@ class Placement:
         memory is not pinned or pinning them fails."""
         if self._pin_memory:
             try:
-                return BounceRing(self.backend, self._pinned, self._chunk_bytes, copy=self.backend.copy_async)
+                return BounceRing(self.backend, self._pinned, self._chunk_bytes, copy=self.backend.copy_async,
+                                  paged=self._paged)
             except torch.OutOfMemoryError as exc:
                 logger.warning("no pinned memory for the bounce ring (%s): its buffers are pageable, and each "
                                "copy from them is waited for", exc)
         if self._copied is None:
             self._copied = self.backend.new_event()
-        return BounceRing(self.backend, _pageable, self._chunk_bytes, copy=self._blocking_copy)
+        return BounceRing(self.backend, _pageable, self._chunk_bytes, copy=self._blocking_copy, paged=self._paged)
 
     @property
     def staging(self) -> bool:
@@ -373,22 +384,29 @@ class Placement:
         tier = self._tiers[id(unit)]
         if tier in (Tier.PINNED, Tier.PAGEABLE):
             return [(dst[dtype][: src.numel()], src) for dtype, src in unit.host.items()]
-        read = functools.partial(_read_image, unit) if tier is Tier.DISK else unit.read
-        return [(dst[dtype][:n], functools.partial(read, dtype)) for dtype, n in unit.numel.items()]
+        if tier is Tier.DISK:
+            return [(dst[dtype][:n], ImageReader(unit, dtype)) for dtype, n in unit.numel.items()]
+        return [(dst[dtype][:n], functools.partial(unit.read, dtype)) for dtype, n in unit.numel.items()]
 
     def copies(self, transfers) -> int:
         """The copies ``transfers`` take: one per direct buffer, one per bounce chunk."""
         return sum(
-            1 if isinstance(src, torch.Tensor) else -(-dst.numel() * dst.element_size() // self._chunk_bytes)
+            1 if isinstance(src, torch.Tensor) else self._chunks(dst.numel() * dst.element_size(), src)
             for dst, src in transfers
         )
+
+    def _chunks(self, nbytes: int, read) -> int:
+        residue = getattr(read, "residue", None)
+        if self.ring is None or residue is None:
+            return -(-nbytes // self._chunk_bytes)
+        return self.ring.copies(nbytes, residue)
 
     def issue(self, transfers, stream) -> None:
         """Queue ``transfers`` on ``stream`` (on the stager thread when anything is staged or
         pageable)."""
         for dst, src in transfers:
             if not isinstance(src, torch.Tensor):
-                self.ring.stage(dst, src, stream)
+                self.ring.stage(dst, src, stream, getattr(src, "residue", None))
             elif self._pin_memory:  # then every direct source is a pinned home
                 self.backend.copy_async(dst, src, stream)
             else:
@@ -428,9 +446,22 @@ class Placement:
             self.stager.drain()
 
 
-def _read_image(unit, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
-    """A disk unit's reader: the bytes it read from files count in ``disk_read_bytes``."""
-    return unit.image.read(dtype, start, count, out)
+class ImageReader:
+    """A disk unit's reader of one dtype: the bytes it read from files count in
+    ``disk_read_bytes``, and its ``residue`` lets the ring lay them out as their files do."""
+
+    __slots__ = ("unit", "dtype")
+
+    def __init__(self, unit, dtype: torch.dtype) -> None:
+        self.unit = unit
+        self.dtype = dtype
+
+    def __call__(self, start: int, count: int, out: torch.Tensor) -> int:
+        return self.unit.image.read(self.dtype, start, count, out)
+
+    @property
+    def residue(self) -> int | None:
+        return self.unit.image.residue(self.dtype)
 
 
 def _pageable(n: int, dtype: torch.dtype) -> torch.Tensor:

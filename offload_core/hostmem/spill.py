@@ -36,7 +36,8 @@ import threading
 
 import torch
 
-from .disk import DataFile, DiskImage, FileSlice, as_bytes, image_of, in_checkpoint
+from ..weights.slices import FileSlice, as_bytes
+from .disk import DataFile, DiskImage, image_of, in_checkpoint
 
 logger = logging.getLogger(__name__)
 

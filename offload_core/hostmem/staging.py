@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 from ..errors import StagingError
+from ..weights.slices import ALIGN
 
 
 logger = logging.getLogger(__name__)
@@ -51,22 +52,41 @@ READ_AHEAD_BYTES = 1536 * 2**20
 Reader = Callable[[int, int, torch.Tensor], "int | None"]
 
 
-def ring_chunk_bytes(largest: int) -> int:
-    """The size of one bounce buffer for staged buffers of at most ``largest`` bytes."""
-    return max(64, min(BOUNCE_CHUNK_BYTES, -(-largest // 64) * 64))
+def ring_chunk_bytes(largest: int, disk: bool = False) -> int:
+    """The size of one bounce chunk for staged buffers of at most ``largest`` bytes (``disk``:
+    some of them on disk, whole pages where that is two pages or more: :func:`page_chunks`)."""
+    step = ALIGN if disk and largest >= 2 * ALIGN else 64
+    return max(64, min(BOUNCE_CHUNK_BYTES, -(-largest // step) * step))
+
+
+def page_chunks(chunk_bytes: int) -> bool:
+    """Whether a ring of ``chunk_bytes`` chunks lays disk homes out as their files do within a
+    page (:meth:`BounceRing.shift`): chunks of whole pages, two at least."""
+    return chunk_bytes % ALIGN == 0 and chunk_bytes >= 2 * ALIGN
+
+
+def ring_buffer_bytes(chunk_bytes: int, paged: bool) -> int:
+    """What one bounce buffer of ``chunk_bytes`` chunks takes: a page more in a ring that stages
+    disk homes (``paged``) where its chunks are pages (:func:`page_chunks`), so that they start on
+    a page whatever the allocator's alignment."""
+    return chunk_bytes + ALIGN if paged and page_chunks(chunk_bytes) else chunk_bytes
 
 
 class BounceRing:
     """A few pinned buffers, filled on the host and copied to the device in turn."""
 
     def __init__(self, backend, allocate: Callable[[int, torch.dtype], torch.Tensor], chunk_bytes: int,
-                 count: int = BOUNCE_BUFFERS, copy: Callable | None = None) -> None:
+                 count: int = BOUNCE_BUFFERS, copy: Callable | None = None, paged: bool = False) -> None:
         """``copy(dst, src, stream)`` issues each chunk's copy: the backend's ``copy_async``, or,
-        for pageable buffers (``pin_memory=False``), the placement's blocking copy."""
+        for pageable buffers (``pin_memory=False``), the placement's blocking copy. ``paged``: the
+        ring stages disk homes, its chunks start on a page (:meth:`shift`)."""
         self.backend = backend
         self.copy = copy if copy is not None else backend.copy_async
         self.chunk_bytes = chunk_bytes
-        self.buffers = [allocate(chunk_bytes, torch.uint8) for _ in range(count)]
+        self.paged = paged and page_chunks(chunk_bytes)
+        self.buffers = [allocate(ring_buffer_bytes(chunk_bytes, self.paged), torch.uint8) for _ in range(count)]
+        if self.paged:
+            self.buffers = [b[-b.data_ptr() % ALIGN :][:chunk_bytes] for b in self.buffers]
         self.read_done = [backend.new_event() for _ in range(count)]
         self._used = [False] * count
         self._next = 0
@@ -77,25 +97,35 @@ class BounceRing:
 
     @property
     def nbytes(self) -> int:
-        return self.chunk_bytes * len(self.buffers)
+        return ring_buffer_bytes(self.chunk_bytes, self.paged) * len(self.buffers)
 
-    def copies(self, nbytes: int) -> int:
-        """Copies needed to stage ``nbytes``."""
-        return -(-nbytes // self.chunk_bytes)
+    def copies(self, nbytes: int, residue: int | None = None) -> int:
+        """Copies needed to stage ``nbytes`` (read as :meth:`stage` reads with ``residue``)."""
+        return -(-(nbytes + self.shift(residue)) // self.chunk_bytes)
 
-    def stage(self, dst: torch.Tensor, read: Reader, stream) -> None:
+    def shift(self, residue: int | None) -> int:
+        """Where in its bounce buffer the first chunk of a staged buffer starts: ``residue``
+        (its file bytes' offset less their place in the buffer, modulo a page: :data:`ALIGN`), so
+        that every byte then lies in the ring as it lies in its file modulo a page and the readers
+        read whole pages straight into place. 0 (chunks at the buffers' starts, as for a buffer
+        in RAM) without a residue, or in a ring that does not start its chunks on a page."""
+        return residue if residue and self.paged else 0
+
+    def stage(self, dst: torch.Tensor, read: Reader, stream, residue: int | None = None) -> None:
         """Queue on ``stream`` the copy of ``read``'s elements into ``dst`` (flat, on the device),
-        one bounce buffer at a time."""
+        one bounce buffer at a time; the first chunk starts ``shift(residue)`` bytes into its
+        buffer and holds that much less, the others fill theirs."""
         dtype = dst.dtype
-        per_chunk = self.chunk_bytes // dtype.itemsize
         total = dst.numel()
-        for start in range(0, total, per_chunk):
-            count = min(per_chunk, total - start)
+        shift = self.shift(residue)
+        start = 0
+        while start < total:
+            count = min((self.chunk_bytes - shift) // dtype.itemsize, total - start)
             k = self._next
             self._next = (k + 1) % len(self.buffers)
             if self._used[k]:
                 self.read_done[k].synchronize()  # the copy that last read buffer k has run
-            bounce = self.buffers[k][: count * dtype.itemsize].view(dtype)
+            bounce = self.buffers[k][shift : shift + count * dtype.itemsize].view(dtype)
             began = time.perf_counter()
             from_disk = read(start, count, bounce)
             if from_disk:
@@ -105,6 +135,8 @@ class BounceRing:
             self.read_done[k].record(stream)
             self._used[k] = True
             self.staged_bytes += count * dtype.itemsize
+            start += count
+            shift = 0
 
 
 class ReadAhead:

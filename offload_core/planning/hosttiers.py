@@ -50,7 +50,7 @@ def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], 
                                       disk_blocks=()) for p in parts]
         return filled, NO_BUDGET_NOTE
     from ..hostmem.machine import AUTO_PINNED_SHARE, physical_memory
-    from ..hostmem.placement import BOUNCE_BUFFERS, HostUnit, Tier, _assign, aligned, ring_chunk_bytes
+    from ..hostmem.placement import HostUnit, Tier, _assign, ring_reserve
 
     owned = [(p.name, block, HostUnit(object(), role, nbytes, (nbytes,)))
              for p in parts for role, nbytes, block in _units(p, by_name[p.name], world_size)]
@@ -62,8 +62,10 @@ def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], 
     # as plan_placement does: the bounce ring takes its pinned share only when something is staged
     tiers = _assign(units, True, host, pinned, reserve=0)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
-        ring = BOUNCE_BUFFERS * aligned(ring_chunk_bytes(max(u.nbytes for u in units)))
-        tiers = _assign(units, True, host, pinned, reserve=ring)
+        largest = max(u.nbytes for u in units)
+        tiers = _assign(units, True, host, pinned, reserve=ring_reserve(largest, disk=True))
+        if not any(t is Tier.DISK for t in tiers.values()):
+            tiers = _assign(units, True, host, pinned, reserve=ring_reserve(largest, disk=False))
     names = {Tier.PINNED: "pinned", Tier.STAGED: "pageable", Tier.PAGEABLE: "pageable", Tier.DISK: "disk"}
     bytes_of = {p.name: dict.fromkeys(TIER_NAMES, 0) for p in parts}
     disk: dict[str, list[int]] = {p.name: [] for p in parts}

@@ -5,15 +5,13 @@ under its library's rules for the dtype of what it loads."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from .owners import SOURCE_ATTRIBUTE
-
-if TYPE_CHECKING:
-    from ..hostmem.disk import FileSlice
+from .slices import FileSlice
 
 
 def attach_slices(model: nn.Module, sources: Mapping[str, FileSlice],

@@ -22,7 +22,7 @@ import torch
 import offload_core
 from offload_core import CheckpointError
 from offload_core.errors import StagingError
-from offload_core.hostmem import disk
+from offload_core.weights import slices
 
 from checkpoints import WEIGHTS, read_header, save, tiny_wan
 from helpers import chaos_backend, forward
@@ -55,7 +55,7 @@ def descriptors_of(path) -> int:
 @pytest.mark.parametrize("host_memory", [None, 0], ids=["ram", "disk"])
 def test_a_read_that_fails_while_loading_surfaces_as_itself_and_leaves_nothing_behind(wan, host_memory, monkeypatch):
     folder, inputs, expected, output = wan
-    reads, pread = [0], disk.pread_into
+    reads, pread = [0], slices.pread_into
 
     def failing(fd, out, offset):
         reads[0] += 1
@@ -63,13 +63,13 @@ def test_a_read_that_fails_while_loading_surfaces_as_itself_and_leaves_nothing_b
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return pread(fd, out, offset)
 
-    monkeypatch.setattr(disk, "pread_into", failing)
+    monkeypatch.setattr(slices, "pread_into", failing)
     with pytest.raises(OSError) as failed:
         load(folder, host_memory)
     assert failed.value.errno == errno.EIO  # not NotImplementedError from the undo
     assert not [t for t in threading.enumerate() if t.name in ("offload-core-stager", "offload-core-readahead")]
     assert descriptors_of(folder) == 0
-    monkeypatch.setattr(disk, "pread_into", pread)
+    monkeypatch.setattr(slices, "pread_into", pread)
     handle = load(folder, host_memory)
     assert torch.equal(forward(handle.target, inputs), output)
     handle.disable()

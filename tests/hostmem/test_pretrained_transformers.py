@@ -251,7 +251,7 @@ def test_ram_goes_to_the_blocks_read_every_step_before_a_text_encoders(tmp_path)
     """A budget that holds every DiT block and half of the encoder's: the encoder (read once per
     prompt) is the one whose blocks stay in its checkpoint, not the DiTs (read every step), though
     the pipeline runs the encoder first; and the plan's host tiers say the same."""
-    from offload_core.hostmem.placement import BOUNCE_BUFFERS, aligned, ring_chunk_bytes
+    from offload_core.hostmem.placement import BOUNCE_BUFFERS, aligned, ring_chunk_bytes, ring_reserve
     from offload_core.planning.components import Component
     from offload_core.planning.hosttiers import host_tiers
     from offload_core.planning.plan import ComponentPlan
@@ -267,7 +267,7 @@ def test_ram_goes_to_the_blocks_read_every_step_before_a_text_encoders(tmp_path)
     everything = sum(h.nbytes for p in handle.parts for h in p.host_units())
     largest = max(n * d.itemsize for p in handle.parts for h in p.host_units() for d, n in h.unit.numel.items())
     handle.disable()
-    budget = everything - encoder_blocks // 2 + BOUNCE_BUFFERS * aligned(ring_chunk_bytes(largest))
+    budget = everything - encoder_blocks // 2 + ring_reserve(largest, disk=True)
     # nothing pinned but the bounce ring: its reserve is taken whatever the budget
     handle = offload_core.from_pretrained(tmp_path, host_memory=budget, pinned_memory=0, **options)
     streamed = [p for p in handle.parts if hasattr(p, "transport")]
