@@ -28,7 +28,7 @@ from .device.plugins import get_backend
 from .errors import AlreadyEnabledError, OffloadConfigError
 from .fitting import Fit, describe_parts, fit, out_of_memory
 from .handle import HANDLE_ATTRIBUTE, OffloadHandle
-from .hostmem.placement import plan_placement
+from .hostmem.placement import place_homes
 from .installs import Mark, PipelineClass
 from .other_hooks import weight_hooks
 from .pipelines import Inventory, layerwise_layout
@@ -100,7 +100,7 @@ def _open(target: Inventory, config: OffloadConfig, backend: DeviceBackend, fitt
         plan = fitted.plan if fitted is not None else describe_parts(target, config, backend, parts)
         handle = OffloadHandle(target.target, config, backend, baseline=baseline, plan=plan,
                                replan=fitted.replan if fitted is not None else None)
-        placement = plan_placement(parts, config, backend)
+        placement = place_homes(parts, config, backend)
         placement.attach(parts, txn)
         for part in parts:
             part.join(handle)

@@ -247,11 +247,11 @@ class OffloadHandle:
 
     # -- what the parts ask of the handle ----------------------------------------------------
     def place(self, part: Any, txn: Any) -> None:
-        """Homes for a part packed again (its units are new): planned under the handle's options,
+        """Homes for a part packed again (its units are new): placed under the handle's options,
         for that part alone. A part that had the handle's placement to itself gives it up."""
-        from .hostmem.placement import plan_placement
+        from .hostmem.placement import place_homes
 
-        placement = plan_placement([part], self.config, self.backend)
+        placement = place_homes([part], self.config, self.backend)
         placement.attach([part], txn)
         if self.parts == [part] and not self._placements:
             old, self.placement = self.placement, placement

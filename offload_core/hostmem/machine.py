@@ -12,7 +12,7 @@ anything (``inactive_file`` of ``memory.stat``), as container runtimes count it.
 
 What the user may write for ``pinned_memory=`` / ``host_memory=`` is parsed with the other options
 (:class:`offload_core.config.Budget`); a fraction of RAM is turned into bytes here, when a
-placement is planned, against the RAM of the machine that runs it.
+placement is decided, against the RAM of the machine that runs it.
 
 Tests point every read at a fake tree: :envvar:`OFFLOAD_CORE_SYSTEM_ROOT` (or ``root=``) names a
 folder read in place of ``/`` (its ``proc/meminfo``, ``proc/self/cgroup``,

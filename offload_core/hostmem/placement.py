@@ -1,7 +1,7 @@
 """Where each weight unit's host home lives: the budget policy of one ``enable``.
 
 Every unit gets one tier, decided once over all the parts of an enable call before anything is
-packed (so a refused plan leaves the model untouched):
+packed (so a refused placement leaves the model untouched):
 
 * ``PINNED``: page-locked memory, copied straight to the device;
 * ``PAGEABLE``: ordinary memory copied straight (``pin_memory=False``), each copy waited for on the
@@ -18,7 +18,7 @@ first (when anything is staged), then units in order of how often they are copie
 streamed every step, then a text encoder's blocks and swapped components, then weights copied once. This module decides; the
 allocation itself stays with the strategies (``pack_units``) and the backend.
 
-Pinned memory can run out where the plan did not foresee it: a driver or ``memlock`` limit, an
+Pinned memory can run out where the placement did not foresee it: a driver or ``memlock`` limit, an
 allocator that refuses. No pinned allocation is larger than ``backend.pinned_chunk_bytes`` (a
 buffer larger than it is pageable unless the backend registers host memory), and when the backend
 refuses one during packing, that unit and every pinned home not yet allocated go to pageable
@@ -93,7 +93,7 @@ def ring_reserve(largest: int, disk: bool) -> int:
     return BOUNCE_BUFFERS * aligned(ring_buffer_bytes(ring_chunk_bytes(largest, disk), disk))
 
 
-def plan_placement(parts: Sequence, config: OffloadConfig, backend) -> "Placement":
+def place_homes(parts: Sequence, config: OffloadConfig, backend) -> "Placement":
     """The tiers of every unit of ``parts`` under ``config``'s budgets. Raises
     :class:`OffloadConfigError` (before anything is touched) when blocks must go to disk and
     have nowhere to be read from."""
@@ -203,19 +203,19 @@ class Placement:
         self._units = list(units)
         self._largest = largest  # the largest host buffer: what a bounce chunk made later must hold
         self._homed: set[int] = set()  # units whose home has been asked for
-        self.pinned_fallback_bytes = 0  # homes planned pinned that went pageable when pinning failed
+        self.pinned_fallback_bytes = 0  # homes placed pinned that went pageable when pinning failed
         self.bytes = {tier: 0 for tier in Tier}
         for h in self._units:
             self.bytes[tiers[id(h.unit)]] += h.nbytes
         self._chunk_bytes = chunk_bytes
         self._paged = self.bytes[Tier.DISK] > 0  # the ring stages disk homes: its chunks start on a page
         self._pin_memory = pin_memory
-        # Pinned homes (and the bounce ring) are cut from slabs planned for all of them at once,
+        # Pinned homes (and the bounce ring) are cut from slabs sized for all of them at once,
         # so that the host allocator's rounding wastes nothing (see offload_core.hostmem.slabs).
-        planned = [b for h in self._units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
+        expected = [b for h in self._units if tiers[id(h.unit)] is Tier.PINNED for b in h.buffer_bytes()]
         if chunk_bytes and pin_memory:
-            planned += [ring_buffer_bytes(chunk_bytes, self._paged)] * BOUNCE_BUFFERS
-        self.slabs = SlabAllocator(backend, planned) if pin_memory else None
+            expected += [ring_buffer_bytes(chunk_bytes, self._paged)] * BOUNCE_BUFFERS
+        self.slabs = SlabAllocator(backend, expected) if pin_memory else None
         self._spill = SpillFolder(folder) if folder is not None else None
         self._files: set = set()  # checkpoint and spill files the units are read from: closed with the placement
         self.ring: BounceRing | None = None
@@ -256,9 +256,9 @@ class Placement:
             self.bytes[Tier.STAGED] += h.nbytes
         total = sum(h.nbytes for h in moved)
         self.pinned_fallback_bytes += total
-        self.slabs.unplan(sum(h.pinned_bytes for h in moved))
+        self.slabs.withdraw(sum(h.pinned_bytes for h in moved))
         logger.warning(
-            "pinned memory ran out after %s: the backend refused %s (%s); %s of homes (%d units) planned "
+            "pinned memory ran out after %s: the backend refused %s (%s); %s of homes (%d units) placed "
             "pinned are pageable instead, staged through the bounce ring", _size(self.slabs.live_bytes),
             _size(nbytes), exc, _size(total), len(moved))
         if self.ring is None:
@@ -308,7 +308,7 @@ class Placement:
             # copies from pageable memory (homes, or the ring's buffers), each waited for on the
             # stager thread: they cannot overlap compute the way pinned ones do
             "blocking_copy_bytes": self.blocking_copy_bytes,
-            # homes planned pinned that are pageable because the backend refused pinned memory
+            # homes placed pinned that are pageable because the backend refused pinned memory
             "pinned_fallback_bytes": self.pinned_fallback_bytes,
         }
 

@@ -6,7 +6,7 @@ and keeps freed blocks cached. So a weight unit's host buffers are views into sl
 is always a size the backend hands out without rounding (``DeviceBackend.pinned_allocation_size``)
 or the whole rounded block, used to its end.
 
-Slab sizes follow what is left to pack (the caller plans every request up front): a slab holds at
+Slab sizes follow what is left to pack (the caller announces every request up front): a slab holds at
 least ``REQUESTS_PER_SLAB`` of the largest request (and ``MIN_SLAB_BYTES``) unless less is left,
 and when the rounded block for what is left would waste more than one request, the slab is the
 next size down and the rest goes into later, smaller slabs.
@@ -25,7 +25,7 @@ and its memory goes as soon as its unit is unpacked.
 
 No allocation is larger than ``backend.pinned_chunk_bytes``: drivers refuse a single huge pinned
 allocation, so slabs are capped at it, and the placement gives a buffer larger than it pageable
-memory (:func:`offload_core.hostmem.placement.plan_placement`). A backend that registers host
+memory (:func:`offload_core.hostmem.placement.place_homes`). A backend that registers host
 memory (:data:`~offload_core.Capability.HOST_REGISTER`) gets slabs of registered memory instead
 (:mod:`.registered`), sized as above but exact to the page, so the pinned bytes are the packed
 bytes plus their alignment; each is registered in chunks, so a buffer of any size can be pinned
@@ -75,13 +75,13 @@ class Slab:
 class SlabAllocator:
     """Sub-allocates host buffers from pinned slabs of ``backend``.
 
-    ``planned``: the byte sizes of every request to come, so that slabs fit what is packed;
-    requests beyond the plan still work, in slabs of the usual size. ``slab_bytes`` overrides the
+    ``expected``: the byte sizes of every request to come, so that slabs fit what is packed;
+    requests beyond those still work, in slabs of the usual size. ``slab_bytes`` overrides the
     largest slab size.
     """
 
-    def __init__(self, backend, planned: Iterable[int] = (), slab_bytes: int | None = None) -> None:
-        sizes = [aligned(n) for n in planned]
+    def __init__(self, backend, expected: Iterable[int] = (), slab_bytes: int | None = None) -> None:
+        sizes = [aligned(n) for n in expected]
         self.backend = backend
         self.largest = max(sizes, default=0)
         self.slab_bytes = slab_bytes or max(MIN_SLAB_BYTES, REQUESTS_PER_SLAB * self.largest)
@@ -139,11 +139,11 @@ class SlabAllocator:
             return None, None
         return slab, storage
 
-    def unplan(self, nbytes: int) -> None:
-        """``nbytes`` of the planned requests will not come (their homes went pageable)."""
-        locked(self._lock, self._unplan, nbytes)
+    def withdraw(self, nbytes: int) -> None:
+        """``nbytes`` of the expected requests will not come (their homes went pageable)."""
+        locked(self._lock, self._withdraw, nbytes)
 
-    def _unplan(self, nbytes: int) -> None:
+    def _withdraw(self, nbytes: int) -> None:
         self._remaining = max(self._remaining - nbytes, 0)
 
     def close(self) -> None:
@@ -153,7 +153,7 @@ class SlabAllocator:
 
     def _size(self, need: int) -> int:
         """The next slab's size: see the module docstring."""
-        left = self._remaining or self.slab_bytes  # beyond the plan: slabs of the usual size
+        left = self._remaining or self.slab_bytes  # beyond those expected: slabs of the usual size
         if self.registered is not None:
             return page_round(max(min(self.slab_bytes, left), need))
         if self.backend.pinned_allocation_size(need) > self.backend.pinned_chunk_bytes:

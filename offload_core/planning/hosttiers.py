@@ -59,7 +59,7 @@ def host_tiers(parts: Sequence[ComponentPlan], components: Sequence[Component], 
     pinned = parse_budget(pinned_memory).resolve(physical_memory())
     if pinned is None:
         pinned = int(AUTO_PINNED_SHARE * physical_memory())
-    # as plan_placement does: the bounce ring takes its pinned share only when something is staged
+    # as place_homes does: the bounce ring takes its pinned share only when something is staged
     tiers = _assign(units, True, host, pinned, reserve=0)
     if any(t in (Tier.STAGED, Tier.DISK) for t in tiers.values()):
         largest = max(u.nbytes for u in units)

@@ -11,7 +11,7 @@ import torch
 
 from ..config import OffloadConfig
 from ..hostmem.machine import Trimmer
-from ..hostmem.placement import Tier, plan_placement
+from ..hostmem.placement import Tier, place_homes
 from ..labels import Label, label
 from ..transaction import Transaction
 
@@ -83,7 +83,7 @@ def default_placement(part, txn: Transaction) -> None:
     """A part enabled on its own, not through ``enable_offload``, gets the default placement
     (every home pinned within the default budget)."""
     if part.placement is None:
-        plan_placement([part], OffloadConfig(), part.backend).attach([part], txn)
+        place_homes([part], OffloadConfig(), part.backend).attach([part], txn)
 
 
 def pack_units(units, placement, txn: Transaction, desc: str) -> None:
