@@ -171,7 +171,7 @@ class CopyTransport:
 
     def unchanged(self, homes) -> bool:
         """Before a pass: True if nothing the pass must take in first changed. On one process the
-        buffers alone: each block's parameters are checked as it binds (the part's ``_retake``),
+        buffers alone: each block's parameters are checked as it binds (``Checks.retake``),
         which takes in what changed since, and runs a parameter given data of another layout on a
         device copy of it for that call, re-packing before the next."""
         return homes.buffers_at_home()
