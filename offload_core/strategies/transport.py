@@ -12,7 +12,7 @@ refilled, what a block shows) and does every load; the transport decides what a 
 load issues, and what the end of a pass must check. It is one-way: at each enable the part hands
 it a :class:`Served` (what it serves and the machinery it may use), and where the transport needs
 blocks loaded (a failed rank's remaining gathers, disable's rebuilding of shards) it says which,
-and the part loads them. The one method of the part it calls is ``landed`` (through ``Served``):
+and the part's loader loads them. The one method it calls back is the loader's ``landed`` (through ``Served``):
 a transport that waited for the copy stream says so.
 """
 
@@ -52,7 +52,7 @@ class Served:
     units: list  # one WeightUnit per streamed block
     what: str  # the model, for messages
     name: str  # the part, for buffer labels
-    landed: Callable[[], None]  # the part's: every load queued so far has landed
+    landed: Callable[[], None]  # the part's loader's: every load queued so far has landed
     kept: list = dataclasses.field(default_factory=list)  # one WeightUnit per kept block (held whole, never streamed)
 
 
