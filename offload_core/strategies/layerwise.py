@@ -400,7 +400,8 @@ class LayerwiseOffload(Part):
             return
         if self.loader.ring is not None:  # else parked, or a disable interrupted after releasing it: nothing in flight
             self.quiesce()
-        self.loader.records, self.loader.homes = [], None  # what references the homes goes first: each is freed once unpacked
+        # what references the homes goes first: each is freed once unpacked
+        self.loader.records, self.loader.homes = [], None
         if self.held.bindings:  # a part that parks goes home as it parks
             self._send_held_home()
         held = [(unit, views) for unit, views, _ in self.held.truth()]

@@ -257,8 +257,8 @@ class Passes:
         binding = record.binding
         for param, home in zip(binding.params, binding.params_home):
             if param.requires_grad and id(param) not in self.grad_hooks:
-                hook = functools.partial(_to_home, record.ready, home.device) if self.part.units[i].host else functools.partial(
-                    _raise, self.transport.untrainable(i))
+                hook = (functools.partial(_to_home, record.ready, home.device) if self.part.units[i].host
+                        else functools.partial(_raise, self.transport.untrainable(i)))
                 self.grad_hooks[id(param)] = param.register_hook(hook)
 
     def substituted(self, t: torch.Tensor) -> bool:

@@ -8,12 +8,13 @@ rank, and a structural change is refused. The sharded transport (gather.py) copi
 shard and all-gathers the block across ranks instead.
 
 The layerwise part (layerwise.py) keeps the protocol (which block is where, when a slot may be
-refilled, what a block shows) and does every load; the transport decides what a home is, what a
-load issues, and what the end of a pass must check. It is one-way: at each enable the part hands
-it a :class:`Served` (what it serves and the machinery it may use), and where the transport needs
-blocks loaded (a failed rank's remaining gathers, disable's rebuilding of shards) it says which,
-and the part's loader loads them. The one method it calls back is the loader's ``landed`` (through ``Served``):
-a transport that waited for the copy stream says so.
+refilled, what a block shows) and does every load (its loader, loader.py); the transport decides
+what a home is, what a load issues, and what the end of a pass must check. It is one-way: at
+each enable the part hands it a :class:`Served` (what it serves and the machinery it may use),
+and where the transport needs blocks loaded (a failed rank's remaining gathers, disable's
+rebuilding of shards) it says which, and the part's loader loads them. The one method it calls
+back is the loader's ``landed`` (through ``Served``): a transport that waited for the copy
+stream says so.
 """
 
 from __future__ import annotations
