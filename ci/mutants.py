@@ -77,6 +77,9 @@ class Mutant:
 
 C = "offload_core/strategies/part.py"
 L = "offload_core/strategies/layerwise.py"
+LOADER = "offload_core/strategies/loader.py"
+PASSES = "offload_core/strategies/passes.py"
+CHECKS = "offload_core/strategies/checks.py"
 M = "offload_core/strategies/model_level.py"
 MC = "offload_core/strategies/model_calls.py"
 MS = "offload_core/strategies/model_saved.py"
@@ -93,45 +96,44 @@ MUTANTS = [
     Mutant("layerwise: resident copy's done event recorded", L, "done.record(self.copy_stream)", (LIFECYCLE,)),
     Mutant("layerwise: host waits for the resident copy before binding", L, "done.synchronize()", (LIFECYCLE,)),
     Mutant("layerwise: the host waits for queued copies before it may write host memory (end of a forward, "
-           "disable)", L, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,)),
+           "disable)", LOADER, "self.copy_stream.synchronize()", (WRITE_AFTER_FORWARD,)),
     Mutant("layerwise: a slot is judged kept only once finished transfers let go of it (a collective's work)", RING,
            "copy_stream.synchronize()", (LET_GO,)),
     Mutant("layerwise: a gradient reaches its weight only after the block's latest load (an optimizer in "
-           "backward steps the home a copy may still read)", L, "ready.synchronize()", (OPTIMIZER_IN_BACKWARD,)),
-    Mutant("layerwise: a copy into a slot waits for the slot's free event", L, "self.ring.wait_free(record.slot, stream)",
+           "backward steps the home a copy may still read)", PASSES, "ready.synchronize()", (OPTIMIZER_IN_BACKWARD,)),
+    Mutant("layerwise: a copy into a slot waits for the slot's free event", LOADER, "self.ring.wait_free(record.slot, stream)",
            (STRATEGIES,)),
     Mutant("ring: waiting for a slot's free event", RING, "self._freed[slot].wait(stream)", (STRATEGIES,)),
-    Mutant("layerwise: the slot's occupant is recorded", L, "ring.claim(slot, i)", (PROPERTIES,)),
-    Mutant("layerwise: the block's ready event is recorded after its copies", L, "record.ready.record(stream)",
+    Mutant("layerwise: the slot's occupant is recorded", LOADER, "ring.claim(slot, i)", (PROPERTIES,)),
+    Mutant("layerwise: the block's ready event is recorded after its copies", LOADER, "record.ready.record(stream)",
            (LIFECYCLE,)),
-    Mutant("layerwise: compute waits for the block's ready event", L, "record.ready.wait(stream)", (LIFECYCLE,)),
-    Mutant("layerwise: a reader other than compute waits for the block's ready event", L,
+    Mutant("layerwise: compute waits for the block's ready event", LOADER, "record.ready.wait(stream)", (LIFECYCLE,)),
+    Mutant("layerwise: a reader other than compute waits for the block's ready event", LOADER,
            "record.ready.wait(reader)", (DISTRIBUTED,)),
-    Mutant("layerwise: the slot of a block that ran is marked free", L,
-           "self.ring.mark_free(record.slot, self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
+    Mutant("layerwise: the slot of a block that ran is marked free", PASSES,
+           "loader.ring.mark_free(record.slot, self.backend.current_stream())", (STRATEGIES, LIFECYCLE)),
     Mutant("ring: marking a slot free records its event", RING, "self._freed[slot].record(stream)",
            (STRATEGIES, LIFECYCLE)),
-    Mutant("layerwise: a block given new data after its load was queued is loaded again", L, "self.load(i)",
-           (NEW_DATA_MID_PASS,), occurrence=1, occurrences=5),
-    Mutant("layerwise: a block called out of order is loaded", L, "self.load(i)", (LIFECYCLE,),
-           occurrence=3, occurrences=5),
-    Mutant("layerwise backward: a slot is refilled only after the backward that read it", L,
+    Mutant("layerwise: a block given new data after its load was queued is loaded again", CHECKS, "loader.load(i)",
+           (NEW_DATA_MID_PASS,)),
+    Mutant("layerwise: a block called out of order is loaded", PASSES, "loader.load(i)", (LIFECYCLE,)),
+    Mutant("layerwise backward: a slot is refilled only after the backward that read it", LOADER,
            "ring.mark_free(ring.slot_of(i), self.backend.current_stream())", (TRAINING,)),
-    Mutant("layerwise backward: a block whose weights backward needs is loaded", L, "self.load(i)", (TRAINING,),
-           occurrence=4, occurrences=5),
+    Mutant("layerwise backward: a block whose weights backward needs is loaded", LOADER, "self.load(i)", (TRAINING,),
+           occurrence=0, occurrences=2),
     Mutant("layerwise backward: its end marks every slot free for the next forward's copies", RING,
            "freed.record(stream)", (TRAINING,)),
     Mutant("layerwise: a new slot (the old one kept by its holder) is filled after earlier compute", RING,
            "self.backend.wait_stream(copy_stream, self.backend.current_stream())", (NEW_SLOT,)),
-    Mutant("layerwise: a block shows its slot only while it runs", L, "self.records[i].binding.to_device()", (LIFECYCLE,)),
+    Mutant("layerwise: a block shows its slot only while it runs", PASSES, "loader.records[i].binding.to_device()", (LIFECYCLE,)),
     # -- changes copied home ------------------------------------------------------------------
     Mutant("write-back: the event after the copies home is recorded", C, "done.record(stream)", (CHANGES,)),
     Mutant("write-back: the host waits for the copies home", C, "done.synchronize()", (CHANGES,)),
     Mutant("layerwise: the resident weights' copy is issued (by the stager) before its done event", H,
            "placement.wait(copy_unit(unit, buffers, placement, stream, counters))", (STAGED_LAYERWISE_RESIDENT,),
            replacement="copy_unit(unit, buffers, placement, stream, counters)"),
-    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", L,
-           "self.placement.wait(ticket)", (STAGED,)),
+    Mutant("layerwise: compute waits for a staged load's ticket before its ready event", LOADER,
+           "self.part.placement.wait(ticket)", (STAGED,)),
     # -- distributed --------------------------------------------------------------------------
     Mutant("distributed: the slot is used only after its all-gather", G,
            "backend.all_gather_into_tensor(out, staging, self.group, stream).wait(stream)", (DISTRIBUTED,),
@@ -142,7 +144,7 @@ MUTANTS = [
     Mutant("distributed: a shard takes a forward's buffer changes only once they have landed", G,
            "done.synchronize()", (SHARDED,)),
     Mutant("distributed: the event after a shard's update is recorded", G, "done.record(stream)", (SHARDED,)),
-    Mutant("distributed disable: the read-back waits for the block's gather", L, "self.wait_ready(i, reader)",
+    Mutant("distributed disable: the read-back waits for the block's gather", LOADER, "self.wait_ready(i, reader)",
            (DISTRIBUTED,)),
     Mutant("distributed disable: host waits for the read-back", G, "reader.synchronize()", (DISTRIBUTED,)),
     # -- model-level --------------------------------------------------------------------------

@@ -8,12 +8,13 @@ rank, and a structural change is refused. The sharded transport (gather.py) copi
 shard and all-gathers the block across ranks instead.
 
 The layerwise part (layerwise.py) keeps the protocol (which block is where, when a slot may be
-refilled, what a block shows) and does every load; the transport decides what a home is, what a
-load issues, and what the end of a pass must check. It is one-way: at each enable the part hands
-it a :class:`Served` (what it serves and the machinery it may use), and where the transport needs
-blocks loaded (a failed rank's remaining gathers, disable's rebuilding of shards) it says which,
-and the part loads them. The one method of the part it calls is ``landed`` (through ``Served``):
-a transport that waited for the copy stream says so.
+refilled, what a block shows) and does every load (its loader, loader.py); the transport decides
+what a home is, what a load issues, and what the end of a pass must check. It is one-way: at
+each enable the part hands it a :class:`Served` (what it serves and the machinery it may use),
+and where the transport needs blocks loaded (a failed rank's remaining gathers, disable's
+rebuilding of shards) it says which, and the part's loader loads them. The one method it calls
+back is the loader's ``landed`` (through ``Served``): a transport that waited for the copy
+stream says so.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Served:
     units: list  # one WeightUnit per streamed block
     what: str  # the model, for messages
     name: str  # the part, for buffer labels
-    landed: Callable[[], None]  # the part's: every load queued so far has landed
+    landed: Callable[[], None]  # the part's loader's: every load queued so far has landed
     kept: list = dataclasses.field(default_factory=list)  # one WeightUnit per kept block (held whole, never streamed)
 
 
@@ -171,7 +172,7 @@ class CopyTransport:
 
     def unchanged(self, homes) -> bool:
         """Before a pass: True if nothing the pass must take in first changed. On one process the
-        buffers alone: each block's parameters are checked as it binds (the part's ``_retake``),
+        buffers alone: each block's parameters are checked as it binds (``Checks.retake``),
         which takes in what changed since, and runs a parameter given data of another layout on a
         device copy of it for that call, re-packing before the next."""
         return homes.buffers_at_home()
