@@ -113,7 +113,7 @@ class Passes:
         streamed blocks after it are queued as far as the ring allows (their slots' previous
         occupants ran already)."""
         if self.running == 0 and self.loader.ring is None:  # a kept block called on its own while the part is parked
-            self.self.enter()
+            self.enter()
         if self.starting:
             self.start()
         if self.running > 0:

@@ -178,3 +178,24 @@ def test_distributed_layerwise_offload_never_parks():
     ranks = make_plan(dits, 300_000, phases=phases, steps=10, world_size=2, strategy="distributed")
     assert ranks.strategy == "distributed" and not any(c.parks for c in ranks.components)
     assert all(c.mode == "streamed" for c in ranks.components)
+
+
+def test_a_kept_block_of_a_parked_component_called_on_its_own_loads_it_back():
+    """A block kept on the device, called outside a pipeline call while its component is parked,
+    brings the component back (as a streamed block does) and computes what it computes without
+    offload."""
+    tiny, reference, handle = parked_pipeline()
+    kept = handle.plan.component("transformer").resident_blocks[0]
+    seen = []
+    hook = reference.pipe.transformer.blocks[kept].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args, kwargs)) if not seen else None, with_kwargs=True)
+    pipeline_reference(reference)
+    hook.remove()
+    tiny.run()
+    (args, kwargs), before = seen[0], handle.stats()["switch_h2d_bytes"]
+    with torch.no_grad():
+        ours = tiny.pipe.transformer.blocks[kept](*args, **kwargs)
+        theirs = reference.pipe.transformer.blocks[kept](*args, **kwargs)
+    assert torch.equal(ours, theirs)
+    assert handle.stats()["switch_h2d_bytes"] > before, "the component was parked and came back"
+    handle.disable()
