@@ -3,8 +3,8 @@ pipeline alike.
 
 In order: refuse a target that is offloaded already (or shares a module or parameter with one) or
 whose weights another library's hooks manage; choose the parts (one path: a module is a pipeline
-of one component, laid out by :mod:`.pipelines` as a pipeline's are); plan where their homes
-live; enable each part; put the installs on the target (a pipeline's subclass, the handle mark
+of one component, laid out by :mod:`.pipelines` as a pipeline's are); place their homes (where
+they live); enable each part; put the installs on the target (a pipeline's subclass, the handle mark
 with diffusers' weight-hook methods refused); hand all of it to the handle in one call
 (:meth:`OffloadHandle.open`); record what the handle owns (:mod:`.changes`). Any error on the way
 rolls every step back and leaves the target as it was. A distributed enable (where ranks exist)
