@@ -28,11 +28,11 @@ class Checks:
     def __init__(self, part, loader) -> None:
         self.part = weakref.proxy(part)
         self.loader = loader
-        self.transport = part.transport
+        self.homes = part.homes
 
     def reconcile(self, blocks, before_pass: bool = False) -> None:
         """Before a pass (``before_pass``: every block) or a block called alone: each of ``blocks``
-        must still show its host views (see ``Part.reconcile`` and the transport's ``replaced``)."""
+        must still show its host views (see ``Part.reconcile`` and the home policy's ``replaced``)."""
         for i in blocks:
             self.check_placeholders(i)
         self.part.reconcile(self._replaced(blocks, before_pass))
@@ -57,7 +57,7 @@ class Checks:
         record = loader.records[i]
         if record.binding.at_home():
             return
-        if not list(self.transport.replaced([i], loader.records, loader.homes, False, False)):
+        if not list(self.homes.replaced([i], loader.records, loader.homes, False, False)):
             return
         loader.quiesce(forget=False)  # copies queued earlier read the host as it was
         relaid = record.binding.relaid() if part.repack_refusal() is None else []
@@ -95,9 +95,9 @@ class Checks:
         return [shown.get(id(view), view) for view in views]
 
     def _replaced(self, blocks, before_pass: bool = False):
-        """(unit, home views) of each of ``blocks`` the transport finds replaced (``Part.reconcile``),
+        """(unit, home views) of each of ``blocks`` the home policy finds replaced (``Part.reconcile``),
         once the copies queued earlier (which read the host as it was) are done."""
         loader, part = self.loader, self.part
-        for i in self.transport.replaced(blocks, loader.records, loader.homes, part.dirty, before_pass):
+        for i in self.homes.replaced(blocks, loader.records, loader.homes, part.dirty, before_pass):
             loader.quiesce()
             yield part.units[i], part.home_views(i)

@@ -22,6 +22,7 @@ from torch import nn
 from ..device.backend import DeviceBackend
 from ..errors import DistributedOffloadError
 from .gather import ShardedGather
+from .homes import RankHomes, ShardHomes
 from .layerwise import LayerwiseOffload
 from .transport import RankCopy
 
@@ -58,8 +59,12 @@ def distributed_part(
 ) -> LayerwiseOffload:
     """A layerwise part across the ranks of ``process_group``: two slots (prefetch depth 1)."""
     ranks = Ranks.of(process_group)
-    transport = ShardedGather(ranks) if shard_host_weights and ranks.world > 1 else RankCopy(ranks)
-    return LayerwiseOffload(model, blocks, backend, 1, transport, resident_blocks)
+    if shard_host_weights and ranks.world > 1:
+        homes = ShardHomes(ranks)
+        transport = ShardedGather(ranks, homes)
+    else:
+        homes, transport = RankHomes(ranks), RankCopy()
+    return LayerwiseOffload(model, blocks, backend, 1, transport, resident_blocks, homes)
 
 
 def agreement(config: Any) -> "Agreement | contextlib.AbstractContextManager":
@@ -91,12 +96,12 @@ class Agreement:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        transports = [p.transport for p in self.parts if getattr(getattr(p, "transport", None), "ranks", None)]
+        ranked = [p for p in self.parts if getattr(getattr(p, "homes", None), "ranks", None)]
         mine = {
             "rank": dist.get_rank(self.group),
             "ok": exc_type is None,
             "error": f"{exc_type.__name__}: {exc}" if exc_type is not None else "",
-            "layout": [t.layout() for t in transports] if exc_type is None else None,
+            "layout": [p.homes.layout(p.strategy) for p in ranked] if exc_type is None else None,
         }
         everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -116,7 +121,7 @@ class Agreement:
                 "dtypes or, with sharded host weights, the weights themselves): every rank must offload the same "
                 "model with the same weights; rolled back on every rank"
             )
-        for k, transport in enumerate(transports):
-            transport.agreed(_serials["next"] + k)
-        _serials["next"] += len(transports)
+        for k, part in enumerate(ranked):
+            part.transport.agreed(_serials["next"] + k)
+        _serials["next"] += len(ranked)
         return False

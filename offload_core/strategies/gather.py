@@ -41,16 +41,15 @@ import functools
 import logging
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import DistributedOffloadError
-from ..hostmem.placement import ONCE, STREAM, HostUnit, Tier
+from ..hostmem.placement import Tier
 from ..labels import label
 from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
-from ..weights.placeholders import placeholders
-from .common import allocate_device, pack_units
-from .transport import RankCopy, show_placeholders_on_disk
+from .common import allocate_device
+from .homes import ShardHomes
+from .transport import RankCopy
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +65,15 @@ STATUSES = (OK, ABORTED, DISABLING, PRELOADED)
 END = -1
 
 
-def padded(n: int, world: int) -> int:
-    return -(-n // world) * world
-
-
 class ShardedGather(RankCopy):
     """Loads a block as this rank's shard plus an all-gather; see the module docstring."""
 
     sharded = True
 
-    def __init__(self, ranks) -> None:
-        super().__init__(ranks)
+    def __init__(self, ranks, homes: ShardHomes) -> None:
+        super().__init__()
         self.world, self.rank, self.group = ranks.world, ranks.rank, ranks.group
-        self.shards: list[dict[torch.dtype, torch.Tensor]] = []
-        self.fingerprints: list[tuple[int, ...]] = []
+        self.homes = homes  # the shards it loads from and writes a forward's changes back into
         self.serial = -1
         self._aborted: set[int] = set()  # blocks whose next load carries an aborted header
         self._preloading: set[int] = set()  # blocks whose next load carries a preloaded header
@@ -90,81 +84,27 @@ class ShardedGather(RankCopy):
         self._rebuilt: list = []  # full host buffers of the blocks restore read back so far
         self._header_in = self._header_out = self._rows = None
 
-    # -- sizes and homes ------------------------------------------------------------------------
-    def slot_shape(self, shape):
-        return {dtype: padded(n, self.world) for dtype, n in shape.items()}
-
-    def _shard_buffers(self, unit) -> tuple[int, ...]:
-        return tuple(padded(n, self.world) // self.world * dtype.itemsize for dtype, n in unit.numel.items())
-
-    def host_units(self, resident, units) -> list:
-        return [HostUnit(resident, ONCE, resident.nbytes),
-                *(HostUnit(u, STREAM, sum(self._shard_buffers(u)), self._shard_buffers(u)) for u in units)]
-
-    def host_bytes(self, units) -> int:
-        return sum(sum(self._shard_buffers(u)) for u in units)
-
     @property
     def _header_rows(self) -> int:
-        return 2 * (len(self.at.units) + 1)
+        return 2 * (len(self.at.names.blocks) + 1)
 
-    def device_bytes(self, units, slots: int, slot_shape) -> int:
+    def device_bytes(self, blocks: int, slots: int, slot_shape) -> int:
         staging = slots * nbytes_of({d: n // self.world for d, n in slot_shape.items()})
-        return staging + (len(units) + 1) * (GATHER_SENT_BYTES + GATHER_GATHERED_BYTES * self.world)
-
-    def pack(self, txn) -> None:
-        """Keep only this rank's shard of each block, building one block's padded copy at a time;
-        outside their forward the blocks show placeholders. The undo log keeps the original
-        tensors until enable succeeds, so a failure can put them back untouched."""
-        at = self.at
-        pack_units([at.resident, *at.kept], at.placement, txn, "resident weights")
-        show_placeholders_on_disk(at.kept)
-        self.shards, self.fingerprints = [], []
-        for unit in tqdm(at.units, desc=f"sharding blocks (rank {self.rank} of {self.world})", disable=None,
-                         leave=False):
-            txn.on_rollback(functools.partial(_rebind_all, unit.originals()))
-            self.shards.append(self._shard(unit))
-            unit.keep_on(at.backend.device())
-            unit.host_views = placeholders(unit)
-            unit.bind(unit.host_views)
-
-    def _shard(self, unit) -> dict[torch.dtype, torch.Tensor]:
-        """This rank's shard of ``unit``, per dtype, and its fingerprint; the padded copy they are
-        cut from dies on return."""
-        full = unit.take(lambda n, dtype: torch.zeros(padded(n, self.world), dtype=dtype))
-        self.fingerprints.append(fingerprint(full))
-        allocate = self._placement.allocator(unit)
-        shards = {}
-        for dtype, buffer in full.items():
-            size = buffer.numel() // self.world
-            shards[dtype] = allocate(size, dtype)
-            shards[dtype].copy_(buffer[self.rank * size : (self.rank + 1) * size])
-        return shards
+        return staging + (blocks + 1) * (GATHER_SENT_BYTES + GATHER_GATHERED_BYTES * self.world)
 
     def allocate(self) -> None:
         at = self.at
+        blocks = len(at.names.blocks)
         self._staging = [
             allocate_device(at.backend, {d: n // self.world for d, n in at.ring.shape.items()},
-                            f"all-gather staging buffer {s} of {at.name}")
+                            f"all-gather staging buffer {s} of {at.names.part}")
             for s in range(len(at.ring))
         ]
         self._header_out = at.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
-        self._header_in = at.backend.empty_device((len(at.units) + 1, len(STATUSES), HEADER), torch.int64)
-        label(self._header_out, f"gathered load headers of {at.name}")
-        label(self._header_in, f"load headers of {at.name}")
+        self._header_in = at.backend.empty_device((blocks + 1, len(STATUSES), HEADER), torch.int64)
+        label(self._header_out, f"gathered load headers of {at.names.part}")
+        label(self._header_in, f"load headers of {at.names.part}")
         self._pending, self._loaded_in_pass = [], -1
-
-    def instrument(self) -> list:
-        """A rank can neither produce nor take a full state dict: refused at every module."""
-        at = self.at
-        refuse = functools.partial(_refuse_state_dict, at.what)
-        modules = {id(m): m for b in at.blocks for m in b.modules()}
-        modules[id(at.model)] = at.model
-        hooks = []
-        for module in modules.values():
-            hooks.append(module.register_state_dict_pre_hook(refuse))
-            hooks.append(module.register_load_state_dict_pre_hook(refuse))
-        return hooks
 
     def agreed(self, serial: int) -> None:
         """Write the header rows every load gathers (one per block, then the end of a pass), now
@@ -172,14 +112,14 @@ class ShardedGather(RankCopy):
         and the host rows stay referenced until ``release``, so nothing waits here."""
         self.serial = serial
         self._rows = torch.tensor(
-            [[[MAGIC, serial, i, status] for status in STATUSES] for i in [*range(len(self.at.units)), END]],
+            [[[MAGIC, serial, i, status] for status in STATUSES] for i in [*range(len(self.at.names.blocks)), END]],
             dtype=torch.int64,
         )
         self._backend.copy_async(self._header_in, self._rows, self.at.copy_stream)
 
     # -- loads ------------------------------------------------------------------------------------
     def prepare_load(self, i: int, unit, slot):
-        shards, staging = self.shards[i], self._staging[self.at.ring.slot_of(i)]
+        shards, staging = self.homes.shards[i], self._staging[self.at.ring.slot_of(i)]
         direct = self._placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
         transfers = [
             (staging[dtype][: shard.numel()], shard if direct else functools.partial(_read_flat, shard),
@@ -187,7 +127,8 @@ class ShardedGather(RankCopy):
             for dtype, shard in shards.items()
         ]
         copies = self._placement.copies([(staged, src) for staged, src, _ in transfers])
-        return transfers, copies, sum(s.numel() * s.element_size() for s in shards.values()), None
+        nbytes = sum(s.numel() * s.element_size() for s in shards.values())
+        return transfers, copies, nbytes, None, functools.partial(self._write_back_shard, i)
 
     def issue(self, record, stream) -> None:
         """The block's header gather, then per dtype its shard's copy and gather, all under one
@@ -227,9 +168,6 @@ class ShardedGather(RankCopy):
         """The next loads of ``blocks`` are queued early, inside ``frozen()``."""
         self._preloading.update(blocks)
 
-    def write_back(self, i: int):
-        return functools.partial(self._write_back_shard, i)
-
     def _write_back_shard(self, i: int, pairs) -> None:
         """A forward changed block ``i``'s tensors (a buffer updated in place; the slot holds the
         new values): copy this rank's slice of the slot into its shard. Every rank runs the same
@@ -241,7 +179,7 @@ class ShardedGather(RankCopy):
         slot = ring.buffers_of(i)
         stream = backend.current_stream()
         with backend.batch(stream):
-            for dtype, shard in self.shards[i].items():
+            for dtype, shard in self.homes.shards[i].items():
                 size = shard.numel()
                 backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
         done = backend.new_event()
@@ -253,7 +191,7 @@ class ShardedGather(RankCopy):
         """This rank's forward failed: the loads the other ranks still run in this pass (the
         blocks after the furthest one loaded here), which the part issues, each ``aborted``."""
         self._placement.drain()  # the stager's loads have set how far this pass got
-        return range(self._loaded_in_pass + 1, len(self.at.units))
+        return range(self._loaded_in_pass + 1, len(self.at.names.blocks))
 
     @contextlib.contextmanager
     def aborted(self, i: int):
@@ -298,7 +236,7 @@ class ShardedGather(RankCopy):
             for rank, header in enumerate(row):
                 if header[:3] != [MAGIC, self.serial, block]:
                     raise DistributedOffloadError(
-                        f"ranks out of step in {at.what}: this rank (rank {self.rank}) was at "
+                        f"ranks out of step in {at.names.what}: this rank (rank {self.rank}) was at "
                         f"{self._label(block)} while rank {rank} was at {self._label_of(header)} in the same gather; "
                         "the output of this call is discarded (gathers that pair different blocks would mix their "
                         "weights). Every rank must run the same forwards in the same order"
@@ -307,7 +245,7 @@ class ShardedGather(RankCopy):
             for rank, header in enumerate(row):
                 if header[3] == ABORTED:
                     raise DistributedOffloadError(
-                        f"rank {rank} failed during this forward of {at.what}; its output is discarded on "
+                        f"rank {rank} failed during this forward of {at.names.what}; its output is discarded on "
                         "every rank. The ranks are still in step: the next forward can run"
                     )
 
@@ -321,48 +259,22 @@ class ShardedGather(RankCopy):
             for rank, header in enumerate(row):
                 if header[0] == MAGIC and header[1] == self.serial and (header[3] == DISABLING) != self._disabling:
                     raise DistributedOffloadError(
-                        f"ranks out of step in {self.at.what}: this rank (rank {self.rank}) ran "
+                        f"ranks out of step in {self.at.names.what}: this rank (rank {self.rank}) ran "
                         f"{doing[self._disabling]} while rank {rank} ran {doing[not self._disabling]}; "
                         "nothing was computed or changed on either rank. handle.disable() is collective: "
                         "call it on every rank, at the same point"
                     )
 
     def _label(self, block: int) -> str:
-        return "the end of a forward" if block == END else f"block {self.at.block_names[block]}"
+        return "the end of a forward" if block == END else f"block {self.at.names.blocks[block]}"
 
     def _label_of(self, header: list[int]) -> str:
         magic, serial, block, _ = header
-        if magic != MAGIC or serial != self.serial or not END <= block < len(self.at.units):
+        if magic != MAGIC or serial != self.serial or not END <= block < len(self.at.names.blocks):
             return "another model's gather or unrelated data"
         return self._label(block)
 
-    # -- changes, training, copies --------------------------------------------------------------
-    def replaced(self, blocks, records, homes, dirty: bool, before_pass: bool):
-        """A rank holds only shards: any change to a block's tensors is refused."""
-        at = self.at
-        changed = [f"{at.block_names[i]}:{owner.name}" for i in blocks
-                   for _, owner in at.units[i].foreign(at.units[i].host_views)]
-        changed += [f"{at.block_names[i]} (changed in place)" for i in blocks if records[i].binding.touched()]
-        if changed or dirty:
-            raise DistributedOffloadError(
-                f"tensors of {at.what} were replaced while its blocks are sharded across ranks "
-                f"({', '.join(changed[:4]) or 'a module or tensor was added'}); a rank holds only a shard of "
-                "each block, so changes need the collective handle.disable() first"
-            )
-        return iter(())
-
-    def untrainable(self, i: int) -> Exception:
-        return DistributedOffloadError(
-            f"weights of block {self.at.block_names[i]} of {self.at.what} require grad, but each rank holds only "
-            "a shard of them: freeze them (requires_grad_(False)), or enable with shard_host_weights=False to train them"
-        )
-
-    def truth(self) -> list:
-        raise DistributedOffloadError(
-            "this rank holds only a shard of each block: copying or pickling the model needs the "
-            "collective handle.disable() first, which rebuilds the full weights on every rank"
-        )
-
+    # -- disable ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def restoring(self):
         """Disable: the part loads every block once more (with DISABLING headers; the blocks come
@@ -380,27 +292,25 @@ class ShardedGather(RankCopy):
             self.at.landed()
             self._pending, self._rebuilt = [], []
             raise DistributedOffloadError(
-                f"handle.disable() cannot restore the exact weights of {self.at.what}: rank {self.rank} holds "
+                f"handle.disable() cannot restore the exact weights of {self.at.names.what}: rank {self.rank} holds "
                 f"only a shard of each block and rebuilding them with the other ranks failed ({exc}). Nothing was "
                 "changed: the model is still offloaded; call disable() again on every rank once they are in step"
             ) from exc
         finally:
             self._disabling = False
             self._loaded_in_pass = -1  # the next forward's loads start a pass
-        for unit, buffers in zip(self.at.units, self._rebuilt):
-            unit.host = buffers  # unpacked from here; owners still show their placeholders
-        self.shards, self._rebuilt = [], []
+        rebuilt, self._rebuilt = self._rebuilt, []
+        self.homes.unshard(rebuilt)  # unpacked from here
 
     def _rebuilding(self):
         self._check_headers()
         self._disabling = True
-        yield from range(len(self.at.units))
+        yield from range(len(self.at.names.blocks))
 
-    def read_back(self, i: int, reader) -> None:
-        """Block ``i`` is in its slot for ``reader`` (after its gathers): copy it to new host buffers."""
-        at = self.at
-        slot = at.ring.buffers_of(i)
-        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in at.units[i].numel.items()}
+    def read_back(self, i: int, unit, reader) -> None:
+        """Block ``i`` (``unit``) is in its slot for ``reader`` (after its gathers): copy it to new host buffers."""
+        slot = self.at.ring.buffers_of(i)
+        buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
         with self._backend.batch(reader):
             for dtype, buf in buffers.items():
                 self._backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
@@ -413,32 +323,6 @@ class ShardedGather(RankCopy):
         self._header_in = self._header_out = self._rows = None
 
 
-def fingerprint(buffers: dict[torch.dtype, torch.Tensor]) -> tuple[int, ...]:
-    """A cheap digest of a unit's bytes: sums of its words, and of every other word, per dtype.
-    Two ranks holding different weights for one block get different digests."""
-    digest = []
-    for dtype in sorted(buffers, key=str):
-        raw = buffers[dtype].reshape(-1).view(torch.uint8)
-        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-        digest += [int(words.sum(dtype=torch.int64)), int(words[::2].sum(dtype=torch.int64))]
-    return tuple(digest)
-
-
-def _rebind_all(originals) -> None:
-    for owner, tensor in originals:
-        if owner.param is not None and owner.param.is_meta != tensor.is_meta:
-            owner.replace(torch.nn.Parameter(tensor, requires_grad=owner.param.requires_grad))
-        else:
-            owner.rebind(tensor)
-
-
 def _read_flat(source: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:
     """A pageable shard read into the bounce ring."""
     out.copy_(source[start : start + count])
-
-
-def _refuse_state_dict(name: str, module, *args) -> None:
-    raise DistributedOffloadError(
-        f"this rank holds only a shard of each block of {name}: a state dict (saving or loading) needs the "
-        "collective handle.disable() first, which rebuilds the full weights on every rank"
-    )

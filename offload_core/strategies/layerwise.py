@@ -7,8 +7,9 @@ elsewhere) reads and writes the truth, and a copy never computes on another bloc
 
 The streaming has three pieces: the slot ring (ring.py: slots, their free events and occupants,
 the check that nothing outside the ring still holds a slot), one :class:`LoadRecord` per streamed
-block (its binding, transfers and ready event), and a transport (transport.py: a plain copy of the
-block's home; gather.py: a rank's shard plus an all-gather) that fills a slot. The part keeps its
+block (its binding, transfers and ready event), a home policy (homes.py: what each block's home
+is, and which changes it takes) and a transport (transport.py: a plain copy of the block's home;
+gather.py: a rank's shard plus an all-gather) that fills a slot. The part keeps its
 lifecycle here (enable, park and unpark, re-layout, disable) and composes the protocol that ties
 the pieces together: its loader (loader.py) does every load, the transport only says what a load
 issues and which blocks it needs loaded; its passes (passes.py) run the protocol below around each
@@ -18,7 +19,7 @@ The protocol, pass by pass:
 
 A model forward is one *pass*. It starts by re-packing the model if its structure changed (a
 module, Parameter or buffer added: the registration hooks say so) and checking the blocks'
-buffers (the transport's ``unchanged``: across ranks, every tensor, see transport.py); when its
+buffers (the home policy's ``unchanged``: across ranks, every tensor, see homes.py); when its
 first block is reached (after the model's own pre-hooks, which may have edited weights) it
 queues blocks ``0 .. prefetch_depth`` into their slots. Before block ``i`` runs, its wrapper
 makes sure ``i`` is the occupant of its slot (else loads it synchronously and counts a miss),
@@ -85,7 +86,8 @@ from .loader import BlockLoader
 from .part import Part, blocks_now
 from .passes import Passes
 from .ring import LoadRecord, SlotRing, slot_numel
-from .transport import CopyTransport, Served
+from .homes import CopyHomes, PartWeights
+from .transport import CopyTransport, LoadContext, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +105,9 @@ class LayerwiseOffload(Part):
         blocks: Sequence[tuple[str, nn.Module]],
         backend: DeviceBackend,
         prefetch_depth: int = 1,
-        transport: CopyTransport | None = None,
+        transport: Transport | None = None,
         resident_blocks: Sequence[int] = (),
+        homes: CopyHomes | None = None,
     ) -> None:
         if not blocks:
             raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
@@ -119,6 +122,7 @@ class LayerwiseOffload(Part):
         super().__init__(backend)
         self.model = model
         self.transport = transport or CopyTransport()
+        self.homes = homes or CopyHomes()  # what each block's home is, and which changes it takes (homes.py)
         self.strategy = self.transport.strategy
         self.label = type(model).__name__  # names timeline spans: "<label>.<block name>"
         self.kept_names = [name for k, (name, _) in enumerate(blocks) if k in kept]
@@ -157,7 +161,7 @@ class LayerwiseOffload(Part):
             split = [units[name] for name, _ in streamed + kept_blocks]
         self.units, self.kept_units = split[: len(streamed)], split[len(streamed):]
         self.num_slots = self.depth + 1
-        self.slot_shape = self.transport.slot_shape(slot_numel(self.units))
+        self.slot_shape = self.homes.slot_shape(slot_numel(self.units))
 
     @property
     def block_units(self) -> list:
@@ -173,7 +177,7 @@ class LayerwiseOffload(Part):
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step; kept
         blocks, and the resident weights of a part that parks, are read once per phase switch."""
-        units = self.transport.host_units(self.resident, self.units)
+        units = self.homes.host_units(self.resident, self.units)
         if self.parks:
             units[0] = dataclasses.replace(units[0], role=SWITCH)
         return units + [HostUnit(u, SWITCH, u.nbytes) for u in self.kept_units]
@@ -194,9 +198,7 @@ class LayerwiseOffload(Part):
     copy_stream = property(attrgetter("loader.copy_stream"))
     _queued = property(attrgetter("loader.queued"))
 
-    @property
-    def slots(self) -> list[dict[torch.dtype, torch.Tensor]]:
-        return list(self.loader.ring)
+    slots = property(lambda self: list(self.loader.ring))  # each slot's buffers, for tests
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -212,11 +214,11 @@ class LayerwiseOffload(Part):
     def device_weight_bytes(self) -> int:
         """Device bytes this strategy holds: resident + slots x largest block (per dtype)."""
         return (self.resident_bytes + self.num_slots * self.slot_bytes
-                + self.transport.device_bytes(self.units, self.num_slots, self.slot_shape))
+                + self.transport.device_bytes(len(self.units), self.num_slots, self.slot_shape))
 
     @property
     def host_bytes(self) -> int:
-        return self.resident_bytes + self.transport.host_bytes(self.units)
+        return self.resident_bytes + self.homes.host_bytes(self.units)
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
@@ -228,7 +230,7 @@ class LayerwiseOffload(Part):
         self._allocate() if not self.parks else self._serve(None)
         self.loader.queued = True  # from here copies may be in flight: a rollback waits for them before releasing
         txn.on_rollback(self.quiesce)
-        self.transport.pack(txn)
+        self.homes.pack(self.placement, txn)
         if not self.parks:
             txn.on_rollback(self._unbind_held)
             self._fill()
@@ -257,9 +259,11 @@ class LayerwiseOffload(Part):
         self.held.allocate(backend, self.name)
 
     def _serve(self, ring: SlotRing | None) -> None:
-        self.transport.serve(Served(
-            self.backend, self.placement, self.loader.copy_stream, ring, self.model, self.blocks, self.block_names,
-            self.resident, self.units, self.describe(), self.name, self.loader.landed, self.kept_units))
+        """Hand the home policy the weights it keeps, and the transport what its loads use."""
+        weights = PartWeights.of(self)
+        self.homes.serve(weights)
+        self.transport.serve(LoadContext(self.backend, self.placement, self.loader.copy_stream, ring,
+                                         self.loader.landed, weights.names))
 
     def _fill(self) -> None:
         """Copy the resident weights and kept blocks into the device memory :meth:`_allocate`
@@ -361,10 +365,9 @@ class LayerwiseOffload(Part):
         unit, ring = self.units[i], self.loader.ring
         slot = ring.slot_of(i)
         buffers = ring.buffers_at(slot)
-        transfers, copies, nbytes, image = self.transport.prepare_load(i, unit, buffers)
+        transfers, copies, nbytes, image, write_back = self.transport.prepare_load(i, unit, buffers)
         binding = Binding(unit, self.home_views(i), unit.views(buffers))
-        return LoadRecord(i, unit, slot, binding, transfers, copies, nbytes, image, self.transport.write_back(i), ready,
-                         ticket)
+        return LoadRecord(i, unit, slot, binding, transfers, copies, nbytes, image, write_back, ready, ticket)
 
     def _load_first(self) -> None:
         self.passes.load_first()
@@ -384,7 +387,7 @@ class LayerwiseOffload(Part):
 
     def truth(self) -> list:
         """(unit, views its owners show, buffers holding its true values) per unit."""
-        return [*self.held.truth(), *self.transport.truth()]
+        return [*self.held.truth(), *self.homes.truth()]
 
     def disable(self) -> None:
         """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
@@ -414,6 +417,7 @@ class LayerwiseOffload(Part):
     def _release(self) -> None:
         self._drop_device()
         self.transport.release()
+        self.homes.release()
 
     def _drop_device(self) -> None:
         """Forget every device buffer the part holds (the slots, the held weights) and what refers
@@ -428,7 +432,7 @@ class LayerwiseOffload(Part):
         self.passes.preloaded = []
 
     def repack_refusal(self) -> Exception | None:
-        return self.transport.repack_refusal()
+        return self.homes.repack_refusal()
 
     # -- autograd (see autograd.py: what it reads of the part is its ``StreamedPart``) ----------
     @property

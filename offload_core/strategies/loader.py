@@ -174,7 +174,7 @@ class BlockLoader:
                     if i not in preloaded or not self.ring.holds(i):
                         self.load(i)
                     self.wait_ready(i, reader)
-                    self.transport.read_back(i, reader)
+                    self.transport.read_back(i, self.records[i].unit, reader)
             finally:
                 self.quiesce()
 

@@ -4,17 +4,18 @@
 pageable memory, or through the placement's bounce ring for a home without pinned memory or on
 disk). :class:`RankCopy` does the same for a distributed part: its copies run on the copy stream
 every distributed part of the process shares, so that collectives run in the same order on every
-rank, and a structural change is refused. The sharded transport (gather.py) copies this rank's
-shard and all-gathers the block across ranks instead.
+rank. The sharded transport (gather.py) copies this rank's shard and all-gathers the block across
+ranks instead.
 
 The layerwise part (layerwise.py) keeps the protocol (which block is where, when a slot may be
-refilled, what a block shows) and does every load (its loader, loader.py); the transport decides
-what a home is, what a load issues, and what the end of a pass must check. It is one-way: at
-each enable the part hands it a :class:`Served` (what it serves and the machinery it may use),
-and where the transport needs blocks loaded (a failed rank's remaining gathers, disable's
+refilled, what a block shows) and does every load (its loader, loader.py); its home policy
+(homes.py) decides what a home is and which changes it takes; the transport says what a load
+issues, how a forward's changes go home and what the end of a pass must check. It is one-way: at
+each enable, park and unpark the part hands it a frozen :class:`LoadContext` (the machinery it may
+use), and where the transport needs blocks loaded (a failed rank's remaining gathers, disable's
 rebuilding of shards) it says which, and the part's loader loads them. The one method it calls
-back is the loader's ``landed`` (through ``Served``): a transport that waited for the copy
-stream says so.
+back is the loader's ``landed`` (through the context): a transport that waited for the copy stream
+says so. :class:`Transport` lists what the part calls.
 """
 
 from __future__ import annotations
@@ -23,14 +24,11 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterable, Protocol
 
 import torch
 
-from ..errors import DistributedOffloadError, OffloadedModelError
-from ..hostmem.placement import ONCE, STREAM, HostUnit
-from ..weights.placeholders import placeholders
-from .common import pack_units
+from .homes import BlockNames, no_ram_home
 from .part import write_back
 
 #: one copy stream per backend for every distributed part: collectives must run in the order they
@@ -38,23 +36,38 @@ from .part import write_back
 _COLLECTIVE_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@dataclasses.dataclass(eq=False)
-class Served:
-    """What a layerwise part hands its transport at enable; dropped again by ``release``."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadContext:
+    """What a layerwise part hands its transport at enable, park and unpark; dropped by ``release``."""
 
     backend: Any
     placement: Any
     copy_stream: Any
-    ring: Any  # the SlotRing (ring.py)
-    model: Any
-    blocks: list
-    block_names: list[str]
-    resident: Any  # the resident WeightUnit
-    units: list  # one WeightUnit per streamed block
-    what: str  # the model, for messages
-    name: str  # the part, for buffer labels
+    ring: Any  # the SlotRing (ring.py); None while the part is parked
     landed: Callable[[], None]  # the part's loader's: every load queued so far has landed
-    kept: list = dataclasses.field(default_factory=list)  # one WeightUnit per kept block (held whole, never streamed)
+    names: BlockNames
+
+
+class Transport(Protocol):
+    """What a layerwise part calls on its transport (``CopyTransport``, ``RankCopy``, ``ShardedGather``)."""
+
+    strategy: str
+    sharded: bool  # loads queued early carry a header the other ranks pair: the slots keep them
+
+    def new_stream(self, backend) -> Any: ...
+    def device_bytes(self, blocks: int, slots: int, slot_shape: dict[torch.dtype, int]) -> int: ...
+    def serve(self, context: LoadContext) -> None: ...
+    def allocate(self) -> None: ...
+    def prepare_load(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple: ...
+    def issue(self, record, stream) -> None: ...
+    def preloading(self, blocks: Iterable[int]) -> None: ...
+    def abort_pass(self) -> range: ...
+    def aborted(self, i: int) -> ContextManager: ...
+    def finish(self, failed: bool) -> None: ...
+    def restoring(self) -> ContextManager: ...
+    def read_back(self, i: int, reader) -> None: ...
+    def agreed(self, serial: int) -> None: ...
+    def release(self) -> None: ...
 
 
 class CopyTransport:
@@ -64,59 +77,34 @@ class CopyTransport:
     strategy = "layerwise"
 
     def __init__(self) -> None:
-        self.at: Served | None = None
+        self.at: LoadContext | None = None
 
-    def serve(self, served: Served) -> None:
-        """Enable: what this transport serves from now until ``release``."""
-        self.at = served
-        self._backend, self._placement = served.backend, served.placement
-
-    # -- sizes and homes ------------------------------------------------------------------------
-    def slot_shape(self, shape: dict[torch.dtype, int]) -> dict[torch.dtype, int]:
-        return shape
-
-    def host_units(self, resident, units) -> list:
-        return [HostUnit(resident, ONCE, resident.nbytes), *(HostUnit(u, STREAM, u.nbytes) for u in units)]
-
-    def host_bytes(self, units) -> int:
-        return sum(u.nbytes for u in units)
-
-    def device_bytes(self, units, slots: int, slot_shape: dict[torch.dtype, int]) -> int:
-        """Device bytes beyond the slots and the resident weights."""
-        return 0
+    def serve(self, context: LoadContext) -> None:
+        """Enable, park, unpark: what this transport may use from now until ``release``."""
+        self.at = context
+        self._backend, self._placement = context.backend, context.placement
 
     def new_stream(self, backend):
         return backend.new_stream()
 
-    def pack(self, txn) -> None:
-        """Give every unit its host home (the whole unit, one buffer per dtype)."""
-        at = self.at
-        pack_units([at.resident, *at.kept, *at.units], at.placement, txn, type(at.model).__name__)
-        show_placeholders_on_disk([at.resident, *at.kept, *at.units])
+    def device_bytes(self, blocks: int, slots: int, slot_shape: dict[torch.dtype, int]) -> int:
+        """Device bytes beyond the slots and the resident weights."""
+        return 0
 
     def allocate(self) -> None:
         """Device memory beyond the slots, once the ring exists."""
 
-    def instrument(self) -> list:
-        """Hooks beyond the block wrappers (removed with them): a block whose home is on disk
-        has its state dict read from there, and refuses one loaded into it."""
-        at, hooks = self.at, []
-        for i, unit in enumerate(at.units):
-            if unit.image is None:
-                continue
-            block, what = at.blocks[i], f"block {at.block_names[i]} of {at.what}"
-            hooks.append(block.register_state_dict_pre_hook(functools.partial(_show_home, unit)))
-            hooks.append(block.register_state_dict_post_hook(functools.partial(_show_placeholders, unit)))
-            refuse = functools.partial(_refuse_loading, what)
-            hooks.extend(module.register_load_state_dict_pre_hook(refuse) for module in block.modules())
-        return hooks
-
     # -- loads ------------------------------------------------------------------------------------
-    def prepare_load(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple[list, int, int, Any]:
-        """(transfers, copies, bytes, disk image) of a load of block ``i`` (``unit``) into ``slot``."""
+    def prepare_load(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple:
+        """(transfers, copies, bytes, disk image, write-back) of a load of block ``i`` (``unit``)
+        into ``slot``; the write-back says how a forward's changes to its tensors go home."""
         placement = self._placement
         transfers = placement.transfers(unit, slot)
-        return transfers, placement.copies(transfers), unit.nbytes, unit.image
+        home = functools.partial(write_back, self._backend) if unit.host else functools.partial(self._no_home, i)
+        return transfers, placement.copies(transfers), unit.nbytes, unit.image, home
+
+    def _no_home(self, i: int, pairs) -> None:
+        raise no_ram_home(self.at.names, i)
 
     def issue(self, record, stream) -> None:
         """Queue on ``stream`` what fills ``record``'s slot: one stream context for all of it. A
@@ -138,48 +126,7 @@ class CopyTransport:
         """The next loads of ``blocks`` are queued early, inside ``frozen()``: only the sharded
         transport tells the other ranks."""
 
-    def write_back(self, i: int):
-        """How a forward's changes to block ``i``'s tensors go home (asked once per load record)."""
-        if not self.at.units[i].host:
-            return functools.partial(self._no_ram_home, i)
-        return functools.partial(write_back, self._backend)
-
-    def _no_ram_home(self, i: int, pairs) -> None:
-        raise self.no_ram_home(i)
-
-    def no_ram_home(self, i: int) -> Exception:
-        """The error for a change to block ``i``, which has no home in RAM to take it."""
-        return OffloadedModelError(
-            f"block {self.at.block_names[i]} of {self.at.what} has its home on disk (a host_memory budget): "
-            "it has no host copy to change. Call handle.disable() first, or give it RAM"
-        )
-
-    # -- keeping the model in step ----------------------------------------------------------------
-    def replaced(self, blocks, records, homes, dirty: bool, before_pass: bool):
-        """Each of ``blocks`` whose owners no longer all show their home views, for
-        ``Part.reconcile`` (the part waits for the copies queued earlier, which read the host as it
-        was, before it takes each). A block with no home in RAM cannot take a change.
-        ``before_pass``: ``blocks`` are every block, checked before a pass, first all at once
-        (``unchanged``)."""
-        if before_pass and self.unchanged(homes):  # the rule: one check
-            return
-        for i in blocks:
-            record = records[i]
-            if not record.binding.at_home():
-                if not record.unit.host:
-                    raise self.no_ram_home(i)
-                yield i
-
-    def unchanged(self, homes) -> bool:
-        """Before a pass: True if nothing the pass must take in first changed. On one process the
-        buffers alone: each block's parameters are checked as it binds (``Checks.retake``),
-        which takes in what changed since, and runs a parameter given data of another layout on a
-        device copy of it for that call, re-packing before the next."""
-        return homes.buffers_at_home()
-
-    def repack_refusal(self) -> Exception | None:
-        return None
-
+    # -- the ends of passes -----------------------------------------------------------------------
     def abort_pass(self) -> range:
         """This rank's forward failed before its end: the blocks the part loads still (none)."""
         return range(0)
@@ -191,18 +138,16 @@ class CopyTransport:
     def finish(self, failed: bool) -> None:
         """The end of a pass, of a backward, or of a block called alone."""
 
-    def untrainable(self, i: int) -> Exception:
-        return self.no_ram_home(i)
-
-    def truth(self) -> list:
-        """(unit, views its owners show, buffers holding its true values) per streamed unit
-        with a home (read from disk for a home there)."""
-        return [(u, u.host_views, u.home()) for u in self.at.units if u.host or u.image]
-
     def restoring(self):
         """Disable, before the part unpacks: a context around the part's loads that give every unit
         its full host values, yielding the blocks to load (each then ``read_back``): none here."""
         return contextlib.nullcontext(())
+
+    def read_back(self, i: int, reader) -> None:
+        """Block ``i`` is in its slot for ``reader``: ``restoring`` yields none here."""
+
+    def agreed(self, serial: int) -> None:
+        """Every rank enabled alike; ``serial`` numbers this part the same on every rank."""
 
     def release(self) -> None:
         """Drop what ``allocate`` made, and what ``serve`` handed over."""
@@ -214,60 +159,8 @@ class RankCopy(CopyTransport):
 
     strategy = "distributed"
 
-    def __init__(self, ranks: Any) -> None:
-        super().__init__()
-        self.ranks = ranks  # a distributed.Ranks
-        self.fingerprints: tuple | list = ()  # of each block's weights, when ranks must hold the same ones
-
     def new_stream(self, backend):
         stream = _COLLECTIVE_STREAMS.get(backend)
         if stream is None:
             stream = _COLLECTIVE_STREAMS[backend] = backend.new_stream()
         return stream
-
-    def unchanged(self, homes) -> bool:
-        """Every tensor, before any collective of the pass: a structural change must be refused
-        on every rank before it starts (``repack_refusal``), not found as a block binds."""
-        return homes.at_home()
-
-    def repack_refusal(self) -> Exception | None:
-        """Across ranks a part cannot be packed again alone: the others would not follow."""
-        return DistributedOffloadError(
-            f"the structure of {self.at.what} changed while it is offloaded across ranks (a dtype change, "
-            "a new module or a replaced tensor): call the collective handle.disable() on every rank first"
-        )
-
-    def layout(self) -> tuple:
-        """What every rank must have packed alike (see distributed.Agreement)."""
-        at = self.at
-        units = [at.resident, *at.kept, *at.units]
-        sizes = tuple(tuple(sorted((str(d), n) for d, n in u.numel.items())) for u in units)
-        return (self.strategy, self.sharded, self.ranks.world, tuple(at.block_names), sizes,
-                tuple(self.fingerprints))
-
-    def agreed(self, serial: int) -> None:
-        """Every rank enabled alike; ``serial`` numbers this part the same on every rank."""
-
-
-def show_placeholders_on_disk(units) -> None:
-    """A unit whose home is on disk has no host memory to show while it is not on the device."""
-    for unit in units:
-        if unit.image is not None:
-            unit.host_views = placeholders(unit)
-            unit.bind(unit.host_views)
-
-
-def _show_home(unit, module, prefix: str, keep_vars: bool) -> None:
-    """While its state dict is taken, a block whose home is on disk shows its values read from
-    there (so that modules with their own ``_save_to_state_dict``, optimum-quanto's, read them too)."""
-    unit.bind(unit.views(unit.home()))
-
-
-def _show_placeholders(unit, module, state_dict: dict, prefix: str, local_metadata) -> None:
-    unit.bind(unit.host_views)
-
-
-def _refuse_loading(what: str, module, *args) -> None:
-    raise OffloadedModelError(
-        f"{what} has its home on disk and no host copy to load a state dict into: call handle.disable() first"
-    )
