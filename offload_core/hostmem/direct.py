@@ -22,6 +22,7 @@ bounded as the page-cache readers' is (:mod:`.descriptors`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import mmap
@@ -29,7 +30,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..weights.slices import ALIGN
 from .descriptors import DescriptorCache
@@ -80,13 +81,32 @@ def reading(file) -> contextlib.AbstractContextManager[int]:
 def read(jobs: Sequence[Job]) -> None:
     """Do every job, its pieces spread over the reader threads; returns once all have landed,
     raising the first failure (``EOFError`` for a file shorter than a job needs)."""
-    pieces = [(fd, offset + done, address + done, min(PIECE_BYTES, nbytes - done))
-              for fd, offset, address, nbytes in jobs for done in range(0, nbytes, PIECE_BYTES)]
+    pieces = _pieces(jobs)
     if len(pieces) == 1:
         _read_piece(pieces[0])
-        return
-    for _ in _readers().map(_read_piece, pieces):
-        pass
+    else:
+        submit(jobs)()
+
+
+def _pieces(jobs: Sequence[Job]) -> list[Job]:
+    return [(fd, offset + done, address + done, min(PIECE_BYTES, nbytes - done))
+            for fd, offset, address, nbytes in jobs for done in range(0, nbytes, PIECE_BYTES)]
+
+
+def submit(jobs: Sequence[Job]) -> Callable[[], None]:
+    """Queue every job's pieces on the reader threads and return at once; the returned function
+    returns once all have landed (a failed piece's neighbours too: none still writes into the
+    destination), raising the first failure. A caller that keeps several submissions in flight
+    keeps the drive's queue deeper than one submission's pieces."""
+    readers = _readers()
+    futures = [readers.submit(_read_piece, piece) for piece in _pieces(jobs)]
+
+    def landed() -> None:
+        concurrent.futures.wait(futures)
+        for future in futures:
+            future.result()
+
+    return landed
 
 
 def _readers() -> ThreadPoolExecutor:

@@ -133,11 +133,19 @@ class DiskImage:
 
     def read(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> int:
         """Elements ``start .. start + count`` of the ``dtype`` home into ``out``; returns the
-        bytes read from files (what ``disk_read_bytes`` counts). File slices of ``out``'s dtype in
+        bytes read from files (what ``disk_read_bytes`` counts)."""
+        read, landed = self.submit(dtype, start, count, out)
+        landed()
+        return read
+
+    def submit(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> tuple[int, Callable[[], None]]:
+        """:meth:`read`, returning once its reads are queued: (the bytes it reads from files, a
+        function that returns once they have landed in ``out``). File slices of ``out``'s dtype in
         files that allow it are read past the page cache, all of them in flight together
-        (:func:`.direct.read`); the rest one by one."""
+        (:func:`.direct.submit`); the rest one by one, before this returns."""
         end, read, jobs = start + count, 0, []
-        with contextlib.ExitStack() as held:
+        held = contextlib.ExitStack()
+        try:
             fds: dict[DataFile, int] = {}
             for seg_start, seg_count, source in self.segments.get(dtype, ()):
                 lo, hi = max(start, seg_start), min(end, seg_start + seg_count)
@@ -152,9 +160,17 @@ class DiskImage:
                 offset = source.offset + (lo - seg_start) * source.dtype.itemsize
                 jobs.append((fds[source.file], offset, part.data_ptr(), part.nbytes))
                 read += part.nbytes
-            if jobs:
-                direct.read(jobs)
-        return read
+            reads = direct.submit(jobs) if jobs else None
+        except BaseException:
+            held.close()
+            raise
+
+        def landed() -> None:
+            with held:  # the descriptors stay open until every read of them has landed
+                if reads is not None:
+                    reads()
+
+        return read, landed
 
     @property
     def file_bytes(self) -> int:

@@ -459,6 +459,11 @@ class ImageReader:
     def __call__(self, start: int, count: int, out: torch.Tensor) -> int:
         return self.unit.image.read(self.dtype, start, count, out)
 
+    def submit(self, start: int, count: int, out: torch.Tensor):
+        """The read, returning once it is queued: (bytes from files, a function that returns
+        once they have landed); the ring keeps several in flight (``BounceRing.stage``)."""
+        return self.unit.image.submit(self.dtype, start, count, out)
+
     @property
     def residue(self) -> int | None:
         return self.unit.image.residue(self.dtype)

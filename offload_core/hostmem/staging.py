@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -48,7 +49,8 @@ BOUNCE_BUFFERS = 4
 #: blocks of the largest models' streamed stacks, a few seconds of a drive's sequential read
 READ_AHEAD_BYTES = 1536 * 2**20
 
-#: read(start, count, out): elements into ``out``; returns the bytes it read from disk (or None)
+#: read(start, count, out): elements into ``out``; returns the bytes it read from disk (or None).
+#: A reader of a unit on disk also has ``submit``, the same read queued (see ``BounceRing.stage``)
 Reader = Callable[[int, int, torch.Tensor], "int | None"]
 
 
@@ -114,29 +116,49 @@ class BounceRing:
     def stage(self, dst: torch.Tensor, read: Reader, stream, residue: int | None = None) -> None:
         """Queue on ``stream`` the copy of ``read``'s elements into ``dst`` (flat, on the device),
         one bounce buffer at a time; the first chunk starts ``shift(residue)`` bytes into its
-        buffer and holds that much less, the others fill theirs."""
+        buffer and holds that much less, the others fill theirs. A reader that can queue its
+        reads (``read.submit``: a unit on disk) has a chunk's reads queued in every buffer whose
+        last copy has run, so that the drive has the next chunks to read while one is copied;
+        each chunk is copied once its reads have landed, in order."""
         dtype = dst.dtype
         total = dst.numel()
         shift = self.shift(residue)
+        submit = getattr(read, "submit", None)
+        ahead = len(self.buffers) if submit is not None else 1
+        pending: collections.deque = collections.deque()  # (buffer, start, count, bounce, bytes read, landed)
         start = 0
-        while start < total:
-            count = min((self.chunk_bytes - shift) // dtype.itemsize, total - start)
-            k = self._next
-            self._next = (k + 1) % len(self.buffers)
-            if self._used[k]:
-                self.read_done[k].synchronize()  # the copy that last read buffer k has run
-            bounce = self.buffers[k][shift : shift + count * dtype.itemsize].view(dtype)
-            began = time.perf_counter()
-            from_disk = read(start, count, bounce)
-            if from_disk:
-                self.disk_read_bytes += from_disk
-                self.disk_read_seconds += time.perf_counter() - began
-            self.copy(dst[start : start + count], bounce, stream)
-            self.read_done[k].record(stream)
-            self._used[k] = True
-            self.staged_bytes += count * dtype.itemsize
-            start += count
-            shift = 0
+        try:
+            while start < total or pending:
+                if start < total and len(pending) < ahead:
+                    count = min((self.chunk_bytes - shift) // dtype.itemsize, total - start)
+                    k = self._next
+                    self._next = (k + 1) % len(self.buffers)
+                    if self._used[k]:
+                        self.read_done[k].synchronize()  # the copy that last read buffer k has run
+                    bounce = self.buffers[k][shift : shift + count * dtype.itemsize].view(dtype)
+                    began = time.perf_counter()
+                    from_disk, landed = submit(start, count, bounce) if submit else (read(start, count, bounce), None)
+                    self.disk_read_seconds += (time.perf_counter() - began) if from_disk else 0.0
+                    pending.append((k, start, count, bounce, from_disk, landed))
+                    start += count
+                    shift = 0
+                    continue
+                k, first, count, bounce, from_disk, landed = pending.popleft()
+                if landed is not None:
+                    began = time.perf_counter()
+                    landed()
+                    self.disk_read_seconds += (time.perf_counter() - began) if from_disk else 0.0
+                self.disk_read_bytes += from_disk or 0
+                self.copy(dst[first : first + count], bounce, stream)
+                self.read_done[k].record(stream)
+                self._used[k] = True
+                self.staged_bytes += count * dtype.itemsize
+        except BaseException:
+            for *_, landed in pending:  # no read may still write a buffer the next load fills
+                if landed is not None:
+                    with contextlib.suppress(BaseException):
+                        landed()
+            raise
 
 
 class ReadAhead:

@@ -81,7 +81,7 @@ class Recorder:
         self.events: list[tuple[str, int]] = []
         self.lock = threading.Lock()
         index = {id(record.image): record.index for record in handle.parts[0].records}
-        advise, read = disk.DiskImage.advise, disk.DiskImage.read
+        advise, submit = disk.DiskImage.advise, disk.DiskImage.submit
 
         def asked(image):
             self.add("ask", index[id(image)])
@@ -89,12 +89,13 @@ class Recorder:
 
         def slow_read(image, *args):
             time.sleep(0.01)
-            done = read(image, *args)
+            read, landed = submit(image, *args)
+            landed()
             self.add("read", index[id(image)])
-            return done
+            return read, lambda: None
 
         monkeypatch.setattr(disk.DiskImage, "advise", asked)
-        monkeypatch.setattr(disk.DiskImage, "read", slow_read)
+        monkeypatch.setattr(disk.DiskImage, "submit", slow_read)
 
     def add(self, kind: str, block: int) -> None:
         with self.lock:
@@ -187,7 +188,7 @@ def test_read_ahead_covers_every_file_byte_of_each_block_in_requests_the_kernel_
 
 def test_disk_blocks_are_read_past_the_page_cache_in_pieces_in_flight_together(checkpoint, kib_chunks, monkeypatch):
     """Where the file system allows O_DIRECT: every file byte of a block comes through
-    ``direct.read`` (a chunk's slices in one call), nothing is asked of the kernel's read-ahead
+    ``direct.submit`` (a chunk's slices in one call), nothing is asked of the kernel's read-ahead
     (it would read the same bytes a second time), and the output is exact."""
     folder, inputs, expected = checkpoint
     handle = on_disk(folder)
@@ -196,24 +197,52 @@ def test_disk_blocks_are_read_past_the_page_cache_in_pieces_in_flight_together(c
         pytest.skip("this file system refuses O_DIRECT")
     calls: list[int] = []
     willneed: list[int] = []
-    read, fadvise = direct.read, disk.os.posix_fadvise
+    submit, fadvise = direct.submit, disk.os.posix_fadvise
 
     def counted(jobs):
         calls.append(sum(nbytes for _, _, _, nbytes in jobs))
-        read(jobs)
+        return submit(jobs)
 
     def recorded(fd, offset, length, advice):
         if advice == disk.os.POSIX_FADV_WILLNEED:
             willneed.append(length)
         fadvise(fd, offset, length, advice)
 
-    monkeypatch.setattr(direct, "read", counted)
+    monkeypatch.setattr(direct, "submit", counted)
     monkeypatch.setattr(disk.os, "posix_fadvise", recorded)
     before = handle.stats()["disk_read_bytes"]
     assert torch.equal(forward(handle.target, inputs), expected)
     assert sum(calls) == handle.stats()["disk_read_bytes"] - before == block_bytes_in_checkpoint(folder)
     assert len(calls) > len(handle.describe()[0]["streamed_blocks"]) and not willneed
     handle.disable()
+
+
+def test_the_ring_keeps_the_next_chunks_reads_in_flight_while_one_is_copied(checkpoint, kib_chunks, monkeypatch):
+    """A block of several chunks: the ring queues a chunk's reads in every bounce buffer whose last
+    copy has run (as many as it has buffers), waits for every one of them, and the output is exact."""
+    folder, inputs, expected = checkpoint
+    handle = on_disk(folder)
+    buffers = len(handle.parts[0].placement.ring.buffers)
+    submit, lock = disk.DiskImage.submit, threading.Lock()
+    outstanding, most = [0], [0]
+
+    def counted(image, *args):
+        read, landed = submit(image, *args)
+        with lock:
+            outstanding[0] += 1
+            most[0] = max(most[0], outstanding[0])
+
+        def waited():
+            landed()
+            with lock:
+                outstanding[0] -= 1
+
+        return read, waited
+
+    monkeypatch.setattr(disk.DiskImage, "submit", counted)
+    assert torch.equal(forward(handle.target, inputs), expected)
+    handle.disable()
+    assert most[0] == buffers > 1 and outstanding[0] == 0
 
 
 def test_a_direct_read_lands_every_byte_whatever_its_alignment(tmp_path, monkeypatch):
