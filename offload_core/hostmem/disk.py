@@ -138,7 +138,8 @@ class DiskImage:
         landed()
         return read
 
-    def submit(self, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> tuple[int, Callable[[], None]]:
+    def submit(self, dtype: torch.dtype, start: int, count: int,
+               out: torch.Tensor) -> tuple[int, Callable[[], None]]:
         """:meth:`read`, returning once its reads are queued: (the bytes it reads from files, a
         function that returns once they have landed in ``out``). File slices of ``out``'s dtype in
         files that allow it are read past the page cache, all of them in flight together

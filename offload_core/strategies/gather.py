@@ -3,7 +3,9 @@
 Each block's per-dtype buffer is padded to a multiple of the world size and split into N equal
 shards; rank r keeps shard r in pinned memory. Loading a block copies this rank's shard into a
 small staging buffer, then an all-gather on the copy stream rebuilds the whole block in the slot
-on every rank. Host memory per rank is then the resident part plus 1/N of the blocks.
+on every rank. Host memory per rank is then the resident part plus 1/N of the blocks. The shards
+are the part's home policy's (homes.py, ``ShardHomes``: it cuts and keeps them); this transport
+loads from them and writes a forward's changes back into them.
 
 The gathers never run on the compute stream: the copy stream is one side stream per process that
 every distributed part shares (collectives then run in one order on every rank), and compute waits

@@ -5,7 +5,7 @@ after, they show the block's host buffer, the truth. So whatever the user does b
 (``load_state_dict``, in-place edits, LoRA fusing, reading a weight, calling a child module from
 elsewhere) reads and writes the truth, and a copy never computes on another block's weights.
 
-The streaming has three pieces: the slot ring (ring.py: slots, their free events and occupants,
+The streaming has four pieces: the slot ring (ring.py: slots, their free events and occupants,
 the check that nothing outside the ring still holds a slot), one :class:`LoadRecord` per streamed
 block (its binding, transfers and ready event), a home policy (homes.py: what each block's home
 is, and which changes it takes) and a transport (transport.py: a plain copy of the block's home;
@@ -80,13 +80,13 @@ from ..weights.binding import Binding, Home
 from ..hostmem.placement import SWITCH, HostUnit
 from .autograd import SavedSlots
 from .checks import Checks
+from .homes import CopyHomes, PartWeights
 from .common import default_placement, unpack_units
 from .held import HeldWeights
 from .loader import BlockLoader
 from .part import Part, blocks_now
 from .passes import Passes
 from .ring import LoadRecord, SlotRing, slot_numel
-from .homes import CopyHomes, PartWeights
 from .transport import CopyTransport, LoadContext, Transport
 
 logger = logging.getLogger(__name__)
