@@ -28,7 +28,7 @@ class Checks:
     def __init__(self, part, loader) -> None:
         self.part = weakref.proxy(part)
         self.loader = loader
-        self.homes = part.homes
+        self.home_policy = part.home_policy
 
     def reconcile(self, blocks, before_pass: bool = False) -> None:
         """Before a pass (``before_pass``: every block) or a block called alone: each of ``blocks``
@@ -57,7 +57,7 @@ class Checks:
         record = loader.records[i]
         if record.binding.at_home():
             return
-        if not list(self.homes.replaced([i], loader.records, loader.homes, False, False)):
+        if not list(self.home_policy.replaced([i], loader.records, loader.homes, False, False)):
             return
         loader.quiesce(forget=False)  # copies queued earlier read the host as it was
         relaid = record.binding.relaid() if part.repack_refusal() is None else []
@@ -98,6 +98,6 @@ class Checks:
         """(unit, home views) of each of ``blocks`` the home policy finds replaced (``Part.reconcile``),
         once the copies queued earlier (which read the host as it was) are done."""
         loader, part = self.loader, self.part
-        for i in self.homes.replaced(blocks, loader.records, loader.homes, part.dirty, before_pass):
+        for i in self.home_policy.replaced(blocks, loader.records, loader.homes, part.dirty, before_pass):
             loader.quiesce()
             yield part.units[i], part.home_views(i)

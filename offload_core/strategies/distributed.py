@@ -22,7 +22,7 @@ from torch import nn
 from ..device.backend import DeviceBackend
 from ..errors import DistributedOffloadError
 from .gather import ShardedGather
-from .homes import RankHomes, ShardHomes
+from .homes import RankHomePolicy, ShardHomePolicy
 from .layerwise import LayerwiseOffload
 from .transport import RankCopy
 
@@ -60,11 +60,11 @@ def distributed_part(
     """A layerwise part across the ranks of ``process_group``: two slots (prefetch depth 1)."""
     ranks = Ranks.of(process_group)
     if shard_host_weights and ranks.world > 1:
-        homes = ShardHomes(ranks)
-        transport = ShardedGather(ranks, homes)
+        policy = ShardHomePolicy(ranks)
+        transport = ShardedGather(ranks, policy)
     else:
-        homes, transport = RankHomes(ranks), RankCopy()
-    return LayerwiseOffload(model, blocks, backend, 1, transport, resident_blocks, homes)
+        policy, transport = RankHomePolicy(ranks), RankCopy()
+    return LayerwiseOffload(model, blocks, backend, 1, transport, resident_blocks, policy)
 
 
 def agreement(config: Any) -> "Agreement | contextlib.AbstractContextManager":
@@ -96,12 +96,12 @@ class Agreement:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        ranked = [p for p in self.parts if getattr(getattr(p, "homes", None), "ranks", None)]
+        ranked = [p for p in self.parts if getattr(getattr(p, "home_policy", None), "ranks", None)]
         mine = {
             "rank": dist.get_rank(self.group),
             "ok": exc_type is None,
             "error": f"{exc_type.__name__}: {exc}" if exc_type is not None else "",
-            "layout": [p.homes.layout(p.strategy) for p in ranked] if exc_type is None else None,
+            "layout": [p.home_policy.layout(p.strategy) for p in ranked] if exc_type is None else None,
         }
         everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)

@@ -4,7 +4,7 @@ Each block's per-dtype buffer is padded to a multiple of the world size and spli
 shards; rank r keeps shard r in pinned memory. Loading a block copies this rank's shard into a
 small staging buffer, then an all-gather on the copy stream rebuilds the whole block in the slot
 on every rank. Host memory per rank is then the resident part plus 1/N of the blocks. The shards
-are the part's home policy's (homes.py, ``ShardHomes``: it cuts and keeps them); this transport
+are the part's home policy's (homes.py, ``ShardHomePolicy``: it cuts and keeps them); this transport
 loads from them and writes a forward's changes back into them.
 
 The gathers never run on the compute stream: the copy stream is one side stream per process that
@@ -50,7 +50,7 @@ from ..labels import label
 from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
 from .common import allocate_device
-from .homes import ShardHomes
+from .homes import ShardHomePolicy
 from .transport import RankCopy
 
 logger = logging.getLogger(__name__)
@@ -72,10 +72,10 @@ class ShardedGather(RankCopy):
 
     sharded = True
 
-    def __init__(self, ranks, homes: ShardHomes) -> None:
+    def __init__(self, ranks, policy: ShardHomePolicy) -> None:
         super().__init__()
         self.world, self.rank, self.group = ranks.world, ranks.rank, ranks.group
-        self.homes = homes  # the shards it loads from and writes a forward's changes back into
+        self.policy = policy  # its shards: what it loads from and writes a forward's changes back into
         self.serial = -1
         self._aborted: set[int] = set()  # blocks whose next load carries an aborted header
         self._preloading: set[int] = set()  # blocks whose next load carries a preloaded header
@@ -121,7 +121,7 @@ class ShardedGather(RankCopy):
 
     # -- loads ------------------------------------------------------------------------------------
     def prepare_load(self, i: int, unit, slot):
-        shards, staging = self.homes.shards[i], self._staging[self.at.ring.slot_of(i)]
+        shards, staging = self.policy.shards[i], self._staging[self.at.ring.slot_of(i)]
         direct = self._placement.tier(unit) in (Tier.PINNED, Tier.PAGEABLE)
         transfers = [
             (staging[dtype][: shard.numel()], shard if direct else functools.partial(_read_flat, shard),
@@ -181,7 +181,7 @@ class ShardedGather(RankCopy):
         slot = ring.buffers_of(i)
         stream = backend.current_stream()
         with backend.batch(stream):
-            for dtype, shard in self.homes.shards[i].items():
+            for dtype, shard in self.policy.shards[i].items():
                 size = shard.numel()
                 backend.copy_async(shard, slot[dtype][self.rank * size : (self.rank + 1) * size], stream)
         done = backend.new_event()
@@ -302,7 +302,7 @@ class ShardedGather(RankCopy):
             self._disabling = False
             self._loaded_in_pass = -1  # the next forward's loads start a pass
         rebuilt, self._rebuilt = self._rebuilt, []
-        self.homes.unshard(rebuilt)  # unpacked from here
+        self.policy.unshard(rebuilt)  # unpacked from here
 
     def _rebuilding(self):
         self._check_headers()

@@ -1,10 +1,10 @@
 """Where a layerwise part's weights live between their loads, and which changes they take: its home policy.
 
 A streamed block's *home* is what its tensors show outside its forward and what its loads copy
-from. :class:`CopyHomes` keeps each unit whole (pinned, pageable, or on disk with placeholders
-shown in RAM); :class:`RankHomes` does the same on one rank of a distributed part, where a
-structural change must be refused on every rank alike; :class:`ShardHomes` keeps only this rank's
-shard of each block and shows placeholders. The policy packs the homes, says how much host memory
+from. :class:`WholeHomePolicy` keeps each unit whole (pinned, pageable, or on disk with
+placeholders shown in RAM); :class:`RankHomePolicy` does the same on one rank of a distributed
+part, where a structural change must be refused on every rank alike; :class:`ShardHomePolicy`
+keeps only this rank's shard of each block and shows placeholders. The policy packs the homes, says how much host memory
 they take and what the slots' shape is, hooks what a home on disk or a shard cannot serve (a state
 dict), says which blocks a user changed (``replaced``) and what the truth of each unit is.
 
@@ -66,7 +66,7 @@ def no_ram_home(names: BlockNames, i: int) -> OffloadedModelError:
     )
 
 
-class CopyHomes:
+class WholeHomePolicy:
     """Each unit's home is the whole unit, in RAM or on disk; see the module docstring."""
 
     def __init__(self) -> None:
@@ -144,7 +144,7 @@ class CopyHomes:
         self.at = None
 
 
-class RankHomes(CopyHomes):
+class RankHomePolicy(WholeHomePolicy):
     """Whole homes on one rank of a distributed part: every rank must hold and change them alike."""
 
     sharded = False
@@ -178,7 +178,7 @@ def padded(n: int, world: int) -> int:
     return -(-n // world) * world
 
 
-class ShardHomes(RankHomes):
+class ShardHomePolicy(RankHomePolicy):
     """Each block's home is this rank's shard of it: its per-dtype buffer padded to a multiple of
     the world size and cut into N equal shards, shard r kept by rank r (see gather.py). Outside
     their forward the blocks show placeholders; no rank can produce or take a full state dict."""

@@ -80,7 +80,7 @@ from ..weights.binding import Binding, Home
 from ..hostmem.placement import SWITCH, HostUnit
 from .autograd import SavedSlots
 from .checks import Checks
-from .homes import CopyHomes, PartWeights
+from .homes import PartWeights, WholeHomePolicy
 from .common import default_placement, unpack_units
 from .held import HeldWeights
 from .loader import BlockLoader
@@ -107,7 +107,7 @@ class LayerwiseOffload(Part):
         prefetch_depth: int = 1,
         transport: Transport | None = None,
         resident_blocks: Sequence[int] = (),
-        homes: CopyHomes | None = None,
+        home_policy: WholeHomePolicy | None = None,
     ) -> None:
         if not blocks:
             raise ValueError(f"layerwise offload of {type(model).__name__} needs a block to stream, found none")
@@ -122,7 +122,7 @@ class LayerwiseOffload(Part):
         super().__init__(backend)
         self.model = model
         self.transport = transport or CopyTransport()
-        self.homes = homes or CopyHomes()  # what each block's home is, and which changes it takes (homes.py)
+        self.home_policy = home_policy or WholeHomePolicy()  # what each block's home is, which changes it takes
         self.strategy = self.transport.strategy
         self.label = type(model).__name__  # names timeline spans: "<label>.<block name>"
         self.kept_names = [name for k, (name, _) in enumerate(blocks) if k in kept]
@@ -161,7 +161,7 @@ class LayerwiseOffload(Part):
             split = [units[name] for name, _ in streamed + kept_blocks]
         self.units, self.kept_units = split[: len(streamed)], split[len(streamed):]
         self.num_slots = self.depth + 1
-        self.slot_shape = self.homes.slot_shape(slot_numel(self.units))
+        self.slot_shape = self.home_policy.slot_shape(slot_numel(self.units))
 
     @property
     def block_units(self) -> list:
@@ -177,7 +177,7 @@ class LayerwiseOffload(Part):
     def host_units(self) -> list:
         """The units whose homes the placement policy decides: blocks are streamed every step; kept
         blocks, and the resident weights of a part that parks, are read once per phase switch."""
-        units = self.homes.host_units(self.resident, self.units)
+        units = self.home_policy.host_units(self.resident, self.units)
         if self.parks:
             units[0] = dataclasses.replace(units[0], role=SWITCH)
         return units + [HostUnit(u, SWITCH, u.nbytes) for u in self.kept_units]
@@ -218,7 +218,7 @@ class LayerwiseOffload(Part):
 
     @property
     def host_bytes(self) -> int:
-        return self.resident_bytes + self.homes.host_bytes(self.units)
+        return self.resident_bytes + self.home_policy.host_bytes(self.units)
 
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
@@ -230,7 +230,7 @@ class LayerwiseOffload(Part):
         self._allocate() if not self.parks else self._serve(None)
         self.loader.queued = True  # from here copies may be in flight: a rollback waits for them before releasing
         txn.on_rollback(self.quiesce)
-        self.homes.pack(self.placement, txn)
+        self.home_policy.pack(self.placement, txn)
         if not self.parks:
             txn.on_rollback(self._unbind_held)
             self._fill()
@@ -261,7 +261,7 @@ class LayerwiseOffload(Part):
     def _serve(self, ring: SlotRing | None) -> None:
         """Hand the home policy the weights it keeps, and the transport what its loads use."""
         weights = PartWeights.of(self)
-        self.homes.serve(weights)
+        self.home_policy.serve(weights)
         self.transport.serve(LoadContext(self.backend, self.placement, self.loader.copy_stream, ring,
                                          self.loader.landed, weights.names))
 
@@ -387,7 +387,7 @@ class LayerwiseOffload(Part):
 
     def truth(self) -> list:
         """(unit, views its owners show, buffers holding its true values) per unit."""
-        return [*self.held.truth(), *self.homes.truth()]
+        return [*self.held.truth(), *self.home_policy.truth()]
 
     def disable(self) -> None:
         """Wait for queued copies, give every tensor back an ordinary host copy (changes made on
@@ -417,7 +417,7 @@ class LayerwiseOffload(Part):
     def _release(self) -> None:
         self._drop_device()
         self.transport.release()
-        self.homes.release()
+        self.home_policy.release()
 
     def _drop_device(self) -> None:
         """Forget every device buffer the part holds (the slots, the held weights) and what refers
@@ -432,7 +432,7 @@ class LayerwiseOffload(Part):
         self.passes.preloaded = []
 
     def repack_refusal(self) -> Exception | None:
-        return self.homes.repack_refusal()
+        return self.home_policy.repack_refusal()
 
     # -- autograd (see autograd.py: what it reads of the part is its ``StreamedPart``) ----------
     @property

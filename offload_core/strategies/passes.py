@@ -34,7 +34,7 @@ class Passes:
         self.saved = part.saved
         self.backend = part.backend
         self.transport = part.transport
-        self.homes = part.homes
+        self.home_policy = part.home_policy
         self.running = 0  # nesting depth of model forwards
         self.starting = False  # a pass began and its first block has not been reached yet
         self.frozen = 0  # inside handle.frozen(): the next pass's first blocks load as a pass ends
@@ -57,7 +57,7 @@ class Passes:
             else:
                 following += 1
         part._wrap(part.model, self.begin, self.end, self.backend.device())
-        part._hooks.extend(self.homes.instrument())
+        part._hooks.extend(self.home_policy.instrument())
 
     def begin(self) -> None:
         part = self.part
@@ -259,7 +259,7 @@ class Passes:
         for param, home in zip(binding.params, binding.params_home):
             if param.requires_grad and id(param) not in self.grad_hooks:
                 hook = (functools.partial(_to_home, record.ready, home.device) if self.part.units[i].host
-                        else functools.partial(_raise, self.homes.untrainable(i)))
+                        else functools.partial(_raise, self.home_policy.untrainable(i)))
                 self.grad_hooks[id(param)] = param.register_hook(hook)
 
     def substituted(self, t: torch.Tensor) -> bool:
