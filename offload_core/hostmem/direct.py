@@ -32,7 +32,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from ..weights.slices import ALIGN
+from ..weights.slices import ALIGN, pread_exact
 from .descriptors import DescriptorCache
 
 #: the most one request reads (and each reader's scratch buffer, less the alignment slack)
@@ -129,7 +129,7 @@ def _read_piece(piece: Job) -> None:
     body = (nbytes - head) // ALIGN * ALIGN
     if head:
         _through_scratch(fd, offset, address, head)
-    _read_exact(fd, (ctypes.c_char * body).from_address(address + head), offset + head, offset)
+    pread_exact(fd, (ctypes.c_char * body).from_address(address + head), offset + head, tensor_offset=offset)
     if nbytes > head + body:
         _through_scratch(fd, offset + head + body, address + head + body, nbytes - head - body)
 
@@ -142,26 +142,10 @@ def _through_scratch(fd: int, offset: int, address: int, nbytes: int) -> None:
     end = -(-(offset + nbytes) // ALIGN) * ALIGN
     scratch, base = _scratch_buffer()
     with memoryview(scratch)[: end - begin] as view:
-        _read_exact(fd, view, begin, offset, offset + nbytes - begin)
+        pread_exact(fd, view, begin, offset + nbytes - begin, tensor_offset=offset)
     ctypes.memmove(address, base + offset - begin, nbytes)  # a foreign call: the GIL is released
     with _count_lock:
         scratch_bytes += nbytes
-
-
-def _read_exact(fd: int, buffer, at: int, tensor_offset: int, need: int | None = None) -> None:
-    """Fill ``buffer`` from ``at`` until ``need`` bytes (default: all of it) have come; a file
-    that ends first raises ``EOFError``, naming the offset of the read it belongs to."""
-    view = memoryview(buffer).cast("B")
-    need = len(view) if need is None else need
-    got = 0
-    try:
-        while got < need:
-            n = os.preadv(fd, [view[got:]], at + got)
-            if n <= 0:
-                raise EOFError(f"file ends {need - got} bytes short of a tensor at offset {tensor_offset}")
-            got += n
-    finally:
-        view.release()
 
 
 def _scratch_buffer() -> tuple[mmap.mmap, int]:

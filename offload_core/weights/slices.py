@@ -32,13 +32,25 @@ def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
     """Fill ``out`` (flat, contiguous) with the bytes of ``fd`` at ``offset``."""
     if out.numel() == 0:
         return
-    view = as_bytes(out)
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise EOFError(f"file ends {len(view)} bytes short of a tensor at offset {offset}")
-        view = view[n:]
-        offset += n
+    pread_exact(fd, as_bytes(out), offset)
+
+
+def pread_exact(fd: int, buffer, offset: int, need: int | None = None, tensor_offset: int | None = None) -> None:
+    """Fill ``buffer`` (any writable buffer) with the bytes of ``fd`` from ``offset`` until ``need``
+    bytes (default: all of it) have come; a file that ends first raises ``EOFError``, naming the
+    offset of the tensor the read belongs to (default: ``offset``)."""
+    view = memoryview(buffer).cast("B")
+    need = len(view) if need is None else need
+    got = 0
+    try:
+        while got < need:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                where = offset if tensor_offset is None else tensor_offset
+                raise EOFError(f"file ends {need - got} bytes short of a tensor at offset {where}")
+            got += n
+    finally:
+        view.release()
 
 
 class File(Protocol):
