@@ -282,7 +282,7 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
     tier_cpu = [(t - c) / (b / GB) for t, c, b in zip(samples["tier_cpu_s"], samples["compute_cpu_s"],
                                                       samples["tier_bytes"])]
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    # a forward that waits for its compute more than for the drive says nothing of the drive
+    # reported beside the ideal: whether the whole forward's ideal is the drive's read or its compute
     disk_bound = median(samples["compute_s"]) < median([b / r for b, r in zip(samples["tier_bytes"], raw_speed)])
     # the quick model's few MB say nothing of a drive either
     tier_over_raw, tier_over_raw_spread = ratio(alone_speed, raw_speed) if not quick else (float("nan"),) * 2
