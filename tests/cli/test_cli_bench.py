@@ -135,10 +135,12 @@ def test_the_budget_curve_keeps_a_growing_share_and_copies_less(tmp_path):
 def test_bench_disk_quick_reads_every_disk_block_and_reports_against_the_drive(capsys, monkeypatch):
     """The quick disk-tier run: each forward, its blocks' compute skipped or not, reads the bytes of
     the blocks on disk (counted by ``handle.stats()``); the drive's reads (O_DIRECT, 8 and 16
-    requests in flight, named) and the buffered one read the whole checkpoint; every read starts
+    requests in flight, named), just before and just after the tier alone, and the buffered one read
+    the whole checkpoint; every read starts
     with the files' pages evicted through ``POSIX_FADV_DONTNEED``, never by dropping the machine's
     page cache; its few MB judge no drive, so the throughput share is unreliable, never ok."""
     from offload_core.bench import disk as disk_bench
+    from offload_core.bench.disk import direct_method
 
     evicted = []
     fadvise = disk_bench.os.posix_fadvise
@@ -148,6 +150,19 @@ def test_bench_disk_quick_reads_every_disk_block_and_reports_against_the_drive(c
         fadvise(fd, offset, length, advice)
 
     monkeypatch.setattr(disk_bench.os, "posix_fadvise", recorded)
+    order = []  # the drive's reads and the tier alone, as they ran
+    direct_read, skipped = disk_bench.direct_read, disk_bench.compute_skipped
+
+    def drive_read(*args):
+        order.append("drive")
+        return direct_read(*args)
+
+    def alone(blocks):
+        order.append("tier alone")
+        return skipped(blocks)
+
+    monkeypatch.setattr(disk_bench, "direct_read", drive_read)
+    monkeypatch.setattr(disk_bench, "compute_skipped", alone)
     opened = builtins.open
 
     def no_drop_caches(path, *args, **kwargs):
@@ -161,11 +176,16 @@ def test_bench_disk_quick_reads_every_disk_block_and_reports_against_the_drive(c
     samples = disk["samples"]
     assert disk["cold_cache"] == "fadvise_dontneed" and disk_bench.os.POSIX_FADV_DONTNEED in evicted
     assert "O_DIRECT, 8 threads" in disk["raw_method"] and "O_DIRECT, 16 threads" in disk["raw_method"]
+    from offload_core.hostmem import direct  # the tier's own requests are among the drive's
+    assert direct_method(direct.READERS, direct.PIECE_BYTES) in disk["raw_method"]
     assert disk["buffered_mb_s"] > 0
     assert set(samples["tier_bytes"]) == {disk["bytes_read_per_forward_gb"] * 1e9}
     assert samples["alone_bytes"] == samples["tier_bytes"]  # with the compute skipped, every block is read still
     assert 0 < disk["disk_bytes"] < disk["model_bytes"] <= min(samples["raw_bytes"])
-    assert min(samples["raw_bytes"]) == min(samples["buffered_bytes"])  # the whole checkpoint, both ways
+    # the whole checkpoint, both ways; the drive's figure is its reads just before and after the tier alone
+    assert min(samples["raw_bytes"]) == 2 * min(samples["buffered_bytes"])
+    patterns = ["drive"] * len(disk_bench.drive_patterns())
+    assert order == [*patterns, "tier alone", *patterns] * disk["repeats"]
     assert samples["tier_bytes"][0] <= disk["disk_bytes"]  # what the homes hold, less alignment gaps
     assert disk["repeats"] == len(samples["tier_s"]) == 2 and disk["tier_cpu_s_per_gb"] == disk["tier_cpu_s_per_gb"]
     rows = {r["figure"]: r for r in printed["headlines"] if r["figure"].startswith(("disk", "disk-bound"))}
