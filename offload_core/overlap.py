@@ -26,21 +26,11 @@ work between its blocks) is not seen, so the figure errs low, never high.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
+
+from .timeline import Instant, Span
 
 Interval = tuple[int, int]
-
-
-class SpanLike(Protocol):
-    kind: str
-    start_ns: int
-    end_ns: int
-
-
-class InstantLike(Protocol):
-    kind: str
-    at_ns: int
-    duration_ns: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +99,7 @@ def difference(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
     return out
 
 
-def copy_overlap(spans: Iterable[SpanLike], instants: Iterable[InstantLike] = ()) -> Overlap:
+def copy_overlap(spans: Iterable[Span], instants: Iterable[Instant] = ()) -> Overlap:
     """Measure copy time and the part of it not hidden behind compute, over a timeline's spans
     and instants."""
     copies: list[Interval] = []

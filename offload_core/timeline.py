@@ -29,7 +29,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from .device.backend import Capability, DeviceBackend, Stream
 
@@ -166,7 +166,26 @@ class Timeline:
 
     def chrome_trace(self) -> dict[str, Any]:
         """The timeline in the Trace Event Format (Perfetto, chrome://tracing): one row per lane."""
-        return chrome_trace(self.lanes(), self.spans(), self.instants())
+        tid = {lane: i for i, lane in enumerate(self.lanes())}
+        events: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for lane, i in tid.items()
+        ]
+        events += [{"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": i, "args": {"sort_index": i}}
+                   for i in tid.values()]
+        for s in self.spans():
+            args: dict[str, Any] = {"kind": s.kind}
+            if s.nbytes:
+                args["bytes"] = s.nbytes
+            events.append(
+                {"name": s.name, "cat": s.kind, "ph": "X", "pid": 0, "tid": tid[s.lane], "ts": s.start_ns / 1e3,
+                 "dur": (s.end_ns - s.start_ns) / 1e3, "args": args}
+            )
+        for i in self.instants():
+            events.append(
+                {"name": i.name, "cat": i.kind, "ph": "i", "s": "t", "pid": 0, "tid": tid[i.lane], "ts": i.at_ns / 1e3,
+                 "args": {"kind": i.kind, "duration_us": i.duration_ns / 1e3}}
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -210,27 +229,3 @@ class Timeline:
 def _lane_key(lane: str) -> int:
     number = lane[len(COPY_LANE) :].strip()
     return int(number) if number else 1
-
-
-def chrome_trace(lanes: Sequence[str], spans: Iterable[Span], instants: Iterable[Instant]) -> dict[str, Any]:
-    tid = {lane: i for i, lane in enumerate(lanes)}
-    events: list[dict[str, Any]] = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for lane, i in tid.items()
-    ]
-    events += [
-        {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": i, "args": {"sort_index": i}} for i in tid.values()
-    ]
-    for s in spans:
-        args: dict[str, Any] = {"kind": s.kind}
-        if s.nbytes:
-            args["bytes"] = s.nbytes
-        events.append(
-            {"name": s.name, "cat": s.kind, "ph": "X", "pid": 0, "tid": tid[s.lane], "ts": s.start_ns / 1e3,
-             "dur": (s.end_ns - s.start_ns) / 1e3, "args": args}
-        )
-    for i in instants:
-        events.append(
-            {"name": i.name, "cat": i.kind, "ph": "i", "s": "t", "pid": 0, "tid": tid[i.lane], "ts": i.at_ns / 1e3,
-             "args": {"kind": i.kind, "duration_us": i.duration_ns / 1e3}}
-        )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}

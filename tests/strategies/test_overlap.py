@@ -5,41 +5,23 @@ beside it and neither compute nor the host waited."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
 from offload_core.overlap import Overlap, copy_overlap, difference, intersect, length, union
-
-
-@dataclass(frozen=True)
-class S:
-    lane: str
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int
-
-
-@dataclass(frozen=True)
-class I:
-    lane: str
-    name: str
-    kind: str
-    at_ns: int
-    duration_ns: int
+from offload_core.timeline import Instant, Span
 
 
 def copy(start, end, lane="copy"):
-    return S(lane, "load block", "copy", start, end)
+    return Span(lane, "load block", "copy", start, end)
 
 
 def wait(start, end):
-    return S("compute", "wait block", "wait", start, end)
+    return Span("compute", "wait block", "wait", start, end)
 
 
 def compute(start, end):
-    return S("compute", "block", "compute", start, end)
+    return Span("compute", "block", "compute", start, end)
 
 
 def test_no_copies_means_nothing_to_hide():
@@ -88,8 +70,8 @@ def test_a_copy_while_nothing_computes_hides_behind_nothing():
 
 def test_a_host_wait_during_a_copy_is_exposed():
     # the host blocked 25..75 (an instant with its duration) while the copy ran 0..100
-    host = I("host", "unload vae (still loading)", "host wait", 25, 50)
-    miss = I("compute", "prefetch miss block", "prefetch miss", 0, 0)
+    host = Instant("host", "unload vae (still loading)", "host wait", 25, 50)
+    miss = Instant("compute", "prefetch miss block", "prefetch miss", 0, 0)
     result = copy_overlap([copy(0, 100), compute(0, 100)], [host, miss])
     assert (result.copy_ns, result.exposed_ns) == (100, 50)
 

@@ -62,14 +62,6 @@ class Steady:
         return {"median": self.median, "low": self.low, "high": self.high, "steps": [self.first_step, self.last_step]}
 
 
-class _Part:
-    """A span or host wait clipped to one step's window (what :func:`copy_overlap` reads)."""
-
-    def __init__(self, kind: str, start_ns: int, end_ns: int) -> None:
-        self.kind, self.start_ns, self.end_ns = kind, start_ns, end_ns
-        self.at_ns, self.duration_ns = start_ns, end_ns - start_ns
-
-
 def step_overlaps(timeline: Timeline | None, loop_start_ms: float | None,
                   step_ends_ms: Sequence[float]) -> list[Overlap]:
     """Each step's copy time and the part of it hidden behind compute (:func:`copy_overlap` of
@@ -79,12 +71,14 @@ def step_overlaps(timeline: Timeline | None, loop_start_ms: float | None,
         return []
     bounds = [round(t * 1e6) for t in (loop_start_ms, *step_ends_ms)]
     spans = timeline.spans()
-    waits = [(i.at_ns, i.at_ns + i.duration_ns) for i in timeline.instants() if i.kind == "host wait"]
+    waits = [i for i in timeline.instants() if i.kind == "host wait"]
     figures = []
-    for start, end in zip(bounds, bounds[1:]):
-        parts = [_Part(s.kind, max(s.start_ns, start), min(s.end_ns, end)) for s in spans
+    for start, end in zip(bounds, bounds[1:]):  # each span and host wait clipped to the step
+        parts = [dataclasses.replace(s, start_ns=max(s.start_ns, start), end_ns=min(s.end_ns, end)) for s in spans
                  if s.start_ns < end and s.end_ns > start]
-        blocked = [_Part("host wait", max(a, start), min(b, end)) for a, b in waits if a < end and b > start]
+        blocked = [dataclasses.replace(i, at_ns=max(i.at_ns, start),
+                                       duration_ns=min(i.at_ns + i.duration_ns, end) - max(i.at_ns, start))
+                   for i in waits if i.at_ns < end and i.at_ns + i.duration_ns > start]
         figures.append(copy_overlap(parts, blocked))
     return figures
 
