@@ -3,11 +3,14 @@ LCM, PAG, AnimateDiff), SDXL img2img and ControlNet, DeepFloyd IF and Kandinsky 
 
 The UNets are two-level (8 and 16 channels) with one layer per block, and the VAE is the zoo's
 two-level ``AutoencoderKL`` (a spatial factor of 2), so a 32-pixel image is a 16 x 16 latent.
+The SD 1.x and SDXL pipelines share their components and are rows of one table, :data:`UNET_PIPELINES`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Mapping
 
 from offload_core.tiny import encoders as enc
 from offload_core.tiny import tokenizers as tok
@@ -16,21 +19,26 @@ from offload_core.tiny.spec import PipelineSpec, TinyPipeline, _call, _finish, _
 
 CROSS_DIM = 16  # the CLIP text width, the UNets' cross-attention width
 
+#: the SD 1.x UNet's down blocks, which its ControlNet copies
+DOWN_BLOCKS: dict[str, Any] = dict(
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    block_out_channels=(8, 16),
+    layers_per_block=1,
+    norm_num_groups=4,
+    attention_head_dim=4,
+    cross_attention_dim=CROSS_DIM,
+)
+
 
 def _sd_unet(in_channels: int = 4, **extra: Any):
     from diffusers import UNet2DConditionModel
 
     config = dict(
+        DOWN_BLOCKS,
         sample_size=16,
         in_channels=in_channels,
         out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        attention_head_dim=4,
-        cross_attention_dim=CROSS_DIM,
     )
     return enc.finish(UNet2DConditionModel(**{**config, **extra}))
 
@@ -44,19 +52,28 @@ def _ddim():
     )
 
 
-def _sd_components(seed: int, unet_in_channels: int = 4, **unet_extra: Any) -> dict[str, Any]:
+def _lcm_scheduler():
+    from diffusers import LCMScheduler
+
+    return LCMScheduler()
+
+
+def _sd_components(seed: int, **unet_extra: Any) -> dict[str, Any]:
     tokenizer = tok.clip_tokenizer()
     return {
         "tokenizer": tokenizer,
-        "safety_checker": None,
-        "feature_extractor": None,
         **_seeded_components(
             seed,
             text_encoder=lambda: enc.clip_text(tokenizer, hidden_size=CROSS_DIM, projection_dim=CROSS_DIM),
             vae=lambda: vae.autoencoder_kl(latent_channels=4),
-            unet=lambda: _sd_unet(unet_in_channels, **unet_extra),
+            unet=lambda: _sd_unet(**unet_extra),
         ),
     }
+
+
+def _no_safety_checker() -> dict[str, Any]:
+    """The SD 1.x pipelines' constructor arguments for running without a safety checker."""
+    return dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
 def _mask_image(size: int = 32):
@@ -68,97 +85,42 @@ def _mask_image(size: int = 32):
     return mask.convert("RGB")
 
 
-def _sd(seed: int) -> TinyPipeline:
-    from diffusers import StableDiffusionPipeline
-
-    pipe = StableDiffusionPipeline(scheduler=_ddim(), requires_safety_checker=False, **_sd_components(seed))
-    return _finish("sd", pipe, _call(32, guidance_scale=1.0), "images")
-
-
-def _sd_img2img(seed: int) -> TinyPipeline:
-    from diffusers import StableDiffusionImg2ImgPipeline
-
-    pipe = StableDiffusionImg2ImgPipeline(scheduler=_ddim(), requires_safety_checker=False, **_sd_components(seed))
-    call = _call(32, image=_reference_image(32), strength=0.5, num_inference_steps=4, guidance_scale=1.0)
-    del call["height"], call["width"]
-    return _finish("sd-img2img", pipe, call, "images")
-
-
-def _sd_inpaint(seed: int) -> TinyPipeline:
-    from diffusers import StableDiffusionInpaintPipeline
-
-    # noise latents + the 1-channel mask + the masked image's latents
-    pipe = StableDiffusionInpaintPipeline(
-        scheduler=_ddim(), requires_safety_checker=False, **_sd_components(seed, unet_in_channels=9)
-    )
-    call = _call(32, image=_reference_image(32), mask_image=_mask_image(32), guidance_scale=1.0)
-    return _finish("sd-inpaint", pipe, call, "images")
-
-
-def _controlnet():
+def _controlnet(**extra: Any):
     from diffusers import ControlNetModel
 
+    config = dict(
+        DOWN_BLOCKS,
+        in_channels=4,
+        conditioning_embedding_out_channels=(8, 8),  # one 2x downsampling: the VAE's factor
+    )
+    return enc.finish(ControlNetModel(**{**config, **extra}))
+
+
+def _sdxl_controlnet():
+    """A ControlNet in the layout of the zoo's SDXL UNet: text-time embeddings, two layers per block."""
+    return _controlnet(
+        layers_per_block=2,
+        attention_head_dim=(2, 4),
+        transformer_layers_per_block=(1, 2),
+        use_linear_projection=True,
+        cross_attention_dim=32,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 16,
+    )
+
+
+def _motion_adapter():
+    from diffusers import MotionAdapter
+
     return enc.finish(
-        ControlNetModel(
-            in_channels=4,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        MotionAdapter(
             block_out_channels=(8, 16),
-            layers_per_block=1,
-            norm_num_groups=4,
-            attention_head_dim=4,
-            cross_attention_dim=CROSS_DIM,
-            conditioning_embedding_out_channels=(8, 8),  # one 2x downsampling: the VAE's factor
+            motion_layers_per_block=1,
+            motion_norm_num_groups=4,
+            motion_num_attention_heads=2,
         )
     )
-
-
-def _sd_controlnet(seed: int) -> TinyPipeline:
-    from diffusers import StableDiffusionControlNetPipeline
-
-    components = {**_sd_components(seed), **_seeded_components(seed + 1, controlnet=_controlnet)}
-    pipe = StableDiffusionControlNetPipeline(scheduler=_ddim(), requires_safety_checker=False, **components)
-    return _finish("sd-controlnet", pipe, _call(32, image=_reference_image(32), guidance_scale=1.0), "images")
-
-
-def _lcm(seed: int) -> TinyPipeline:
-    from diffusers import LCMScheduler, LatentConsistencyModelPipeline
-
-    # LCM distils guidance into the UNet: the guidance scale enters as a timestep-like embedding.
-    components = _sd_components(seed, time_cond_proj_dim=8)
-    pipe = LatentConsistencyModelPipeline(scheduler=LCMScheduler(), requires_safety_checker=False, **components)
-    return _finish("lcm", pipe, _call(32, guidance_scale=6.0), "images")
-
-
-def _sd_pag(seed: int) -> TinyPipeline:
-    from diffusers import StableDiffusionPAGPipeline
-
-    # Perturbed-attention guidance runs the UNet on a second batch whose self-attention is replaced.
-    pipe = StableDiffusionPAGPipeline(
-        scheduler=_ddim(), requires_safety_checker=False, pag_applied_layers=["mid"], **_sd_components(seed)
-    )
-    return _finish("sd-pag", pipe, _call(32, guidance_scale=1.0, pag_scale=3.0), "images")
-
-
-def _animatediff(seed: int) -> TinyPipeline:
-    from diffusers import AnimateDiffPipeline, MotionAdapter
-
-    components = _sd_components(seed)
-    del components["safety_checker"]
-    components.update(
-        _seeded_components(
-            seed + 1,
-            motion_adapter=lambda: enc.finish(
-                MotionAdapter(
-                    block_out_channels=(8, 16),
-                    motion_layers_per_block=1,
-                    motion_norm_num_groups=4,
-                    motion_num_attention_heads=2,
-                )
-            ),
-        )
-    )
-    pipe = AnimateDiffPipeline(scheduler=_ddim(), **components)
-    return _finish("animatediff", pipe, _call(32, num_frames=2, guidance_scale=1.0), "frames")
 
 
 def _sdxl_components(seed: int, **unet_overrides: Any) -> dict[str, Any]:
@@ -189,43 +151,100 @@ def _euler():
     )
 
 
-def _sdxl_img2img(seed: int) -> TinyPipeline:
-    from diffusers import StableDiffusionXLImg2ImgPipeline
-
-    # The refiner setting: aesthetic-score conditioning off, both text encoders on.
-    pipe = StableDiffusionXLImg2ImgPipeline(
-        scheduler=_euler(), requires_aesthetics_score=False, **_sdxl_components(seed)
-    )
-    call = _call(32, image=_reference_image(32), strength=0.5, num_inference_steps=4, guidance_scale=1.0)
-    del call["height"], call["width"]
-    return _finish("sdxl-img2img", pipe, call, "images")
+def _no_extra(seed: int) -> dict[str, Any]:
+    return {}
 
 
-def _sdxl_controlnet(seed: int) -> TinyPipeline:
-    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+@dataclass(frozen=True)
+class UNetPipeline:
+    """One row of :data:`UNET_PIPELINES`: a diffusers pipeline class on the shared SD 1.x (or SDXL) components."""
 
-    def controlnet():
-        return enc.finish(
-            ControlNetModel(
-                in_channels=4,
-                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                block_out_channels=(8, 16),
-                layers_per_block=2,
-                norm_num_groups=4,
-                attention_head_dim=(2, 4),
-                transformer_layers_per_block=(1, 2),
-                use_linear_projection=True,
-                cross_attention_dim=32,
-                addition_embed_type="text_time",
-                addition_time_embed_dim=8,
-                projection_class_embeddings_input_dim=6 * 8 + 16,
-                conditioning_embedding_out_channels=(8, 8),
-            )
-        )
+    key: str
+    cls_name: str  # the diffusers pipeline class
+    description: str
+    #: the call's settings beside ``_call(32, ...)``'s (a function: the images are made afresh for each build)
+    settings: Callable[[], dict[str, Any]]
+    #: ``(seed, **unet)`` -> the tokenizers, text encoders, VAE and UNet
+    components: Callable[..., dict[str, Any]] = _sd_components
+    unet: Mapping[str, Any] = field(default_factory=dict)  # the UNet's config beside that of ``components``
+    scheduler: Callable[[], Any] = _ddim
+    extra: Callable[[int], dict[str, Any]] = _no_extra  # seed -> further components (a ControlNet, a motion adapter)
+    pipe_kwargs: Callable[[], dict[str, Any]] = _no_safety_checker  # the pipeline constructor's further arguments
+    sized: bool = True  # False: the call has no height and width, the output takes the input image's size
+    output: str = "images"  # the field of the pipeline output that holds the images / frames
 
-    components = {**_sdxl_components(seed), **_seeded_components(seed + 2, controlnet=controlnet)}
-    pipe = StableDiffusionXLControlNetPipeline(scheduler=_euler(), **components)
-    return _finish("sdxl-controlnet", pipe, _call(32, image=_reference_image(32), guidance_scale=1.0), "images")
+
+UNET_PIPELINES: tuple[UNetPipeline, ...] = (
+    UNetPipeline(
+        "sd", "StableDiffusionPipeline", "Stable Diffusion 1.x text-to-image; UNet, CLIP",
+        lambda: dict(guidance_scale=1.0),
+    ),
+    UNetPipeline(
+        "sd-img2img", "StableDiffusionImg2ImgPipeline", "Stable Diffusion image-to-image: VAE encode, then denoise",
+        lambda: dict(image=_reference_image(32), strength=0.5, num_inference_steps=4, guidance_scale=1.0),
+        sized=False,
+    ),
+    UNetPipeline(
+        "sd-inpaint", "StableDiffusionInpaintPipeline", "Stable Diffusion inpainting: 9-channel UNet, mask",
+        lambda: dict(image=_reference_image(32), mask_image=_mask_image(32), guidance_scale=1.0),
+        # noise latents + the 1-channel mask + the masked image's latents
+        unet=dict(in_channels=9),
+    ),
+    UNetPipeline(
+        "sd-controlnet", "StableDiffusionControlNetPipeline",
+        "Stable Diffusion with a ControlNet (resident beside the UNet)",
+        lambda: dict(image=_reference_image(32), guidance_scale=1.0),
+        extra=lambda seed: _seeded_components(seed + 1, controlnet=_controlnet),
+    ),
+    UNetPipeline(
+        "lcm", "LatentConsistencyModelPipeline", "Latent consistency model: guidance as a UNet embedding",
+        lambda: dict(guidance_scale=6.0),
+        # LCM distils guidance into the UNet: the guidance scale enters as a timestep-like embedding.
+        unet=dict(time_cond_proj_dim=8),
+        scheduler=_lcm_scheduler,
+    ),
+    UNetPipeline(
+        "sd-pag", "StableDiffusionPAGPipeline", "Stable Diffusion with perturbed-attention guidance",
+        lambda: dict(guidance_scale=1.0, pag_scale=3.0),
+        # Perturbed-attention guidance runs the UNet on a second batch whose self-attention is replaced.
+        pipe_kwargs=lambda: {**_no_safety_checker(), "pag_applied_layers": ["mid"]},
+    ),
+    UNetPipeline(
+        "animatediff", "AnimateDiffPipeline", "AnimateDiff: the UNet with motion modules (UNetMotionModel)",
+        lambda: dict(num_frames=2, guidance_scale=1.0),
+        extra=lambda seed: _seeded_components(seed + 1, motion_adapter=_motion_adapter),
+        pipe_kwargs=lambda: dict(feature_extractor=None),  # AnimateDiff has no safety checker
+        output="frames",
+    ),
+    UNetPipeline(
+        "sdxl-img2img", "StableDiffusionXLImg2ImgPipeline", "SDXL image-to-image / refiner",
+        lambda: dict(image=_reference_image(32), strength=0.5, num_inference_steps=4, guidance_scale=1.0),
+        components=_sdxl_components,
+        scheduler=_euler,
+        # The refiner setting: aesthetic-score conditioning off, both text encoders on.
+        pipe_kwargs=lambda: dict(requires_aesthetics_score=False),
+        sized=False,
+    ),
+    UNetPipeline(
+        "sdxl-controlnet", "StableDiffusionXLControlNetPipeline", "SDXL with a ControlNet",
+        lambda: dict(image=_reference_image(32), guidance_scale=1.0),
+        components=_sdxl_components,
+        scheduler=_euler,
+        extra=lambda seed: _seeded_components(seed + 2, controlnet=_sdxl_controlnet),
+        pipe_kwargs=dict,  # SDXL pipelines have no safety checker
+    ),
+)
+
+
+def _unet_pipeline(row: UNetPipeline, seed: int) -> TinyPipeline:
+    import diffusers
+
+    components = {**row.components(seed, **row.unet), **row.extra(seed)}
+    pipe = getattr(diffusers, row.cls_name)(scheduler=row.scheduler(), **row.pipe_kwargs(), **components)
+    call = _call(32, **row.settings())
+    if not row.sized:
+        del call["height"], call["width"]
+    return _finish(row.key, pipe, call, row.output)
 
 
 def _if(seed: int) -> TinyPipeline:
@@ -370,33 +389,10 @@ def _kandinsky22_prior(seed: int) -> TinyPipeline:
 
 
 SPECS: dict[str, PipelineSpec] = {
-    "sd": PipelineSpec("StableDiffusionPipeline", "Stable Diffusion 1.x text-to-image; UNet, CLIP", ("unet",), _sd),
-    "sd-img2img": PipelineSpec(
-        "StableDiffusionImg2ImgPipeline", "Stable Diffusion image-to-image: VAE encode, then denoise", ("unet",),
-        _sd_img2img,
-    ),
-    "sd-inpaint": PipelineSpec(
-        "StableDiffusionInpaintPipeline", "Stable Diffusion inpainting: 9-channel UNet, mask", ("unet",), _sd_inpaint
-    ),
-    "sd-controlnet": PipelineSpec(
-        "StableDiffusionControlNetPipeline", "Stable Diffusion with a ControlNet (resident beside the UNet)",
-        ("unet",), _sd_controlnet,
-    ),
-    "lcm": PipelineSpec(
-        "LatentConsistencyModelPipeline", "Latent consistency model: guidance as a UNet embedding", ("unet",), _lcm
-    ),
-    "sd-pag": PipelineSpec(
-        "StableDiffusionPAGPipeline", "Stable Diffusion with perturbed-attention guidance", ("unet",), _sd_pag
-    ),
-    "animatediff": PipelineSpec(
-        "AnimateDiffPipeline", "AnimateDiff: the UNet with motion modules (UNetMotionModel)", ("unet",), _animatediff
-    ),
-    "sdxl-img2img": PipelineSpec(
-        "StableDiffusionXLImg2ImgPipeline", "SDXL image-to-image / refiner", ("unet",), _sdxl_img2img
-    ),
-    "sdxl-controlnet": PipelineSpec(
-        "StableDiffusionXLControlNetPipeline", "SDXL with a ControlNet", ("unet",), _sdxl_controlnet
-    ),
+    **{
+        row.key: PipelineSpec(row.cls_name, row.description, ("unet",), partial(_unet_pipeline, row))
+        for row in UNET_PIPELINES
+    },
     "if": PipelineSpec("IFPipeline", "DeepFloyd IF stage I: pixel-space UNet, T5", ("unet",), _if),
     "kandinsky2.2": PipelineSpec(
         "KandinskyV22Pipeline", "Kandinsky 2.2 decoder: image-embedding UNet, MoVQ", ("unet",), _kandinsky22
