@@ -122,6 +122,7 @@ class Agreement:
                 "model with the same weights; rolled back on every rank"
             )
         for k, part in enumerate(ranked):
-            part.transport.agreed(_serials["next"] + k)
+            if part.transport.pairing is not None:
+                part.transport.pairing.agreed(_serials["next"] + k)
         _serials["next"] += len(ranked)
         return False

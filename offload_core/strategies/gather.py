@@ -38,7 +38,6 @@ ranks are kept honest rather than trusted:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -68,9 +67,8 @@ END = -1
 
 
 class ShardedGather(RankCopy):
-    """Loads a block as this rank's shard plus an all-gather; see the module docstring."""
-
-    sharded = True
+    """Loads a block as this rank's shard plus an all-gather, and keeps the ranks' loads paired
+    (its own :class:`~.transport.RankPairing`); see the module docstring."""
 
     def __init__(self, ranks, policy: ShardHomePolicy) -> None:
         super().__init__()
@@ -87,6 +85,10 @@ class ShardedGather(RankCopy):
         self._header_in = self._header_out = self._rows = None
 
     @property
+    def pairing(self) -> "ShardedGather":
+        return self
+
+    @property
     def _header_rows(self) -> int:
         return 2 * (len(self.at.names.blocks) + 1)
 
@@ -94,30 +96,45 @@ class ShardedGather(RankCopy):
         staging = slots * nbytes_of({d: n // self.world for d, n in slot_shape.items()})
         return staging + (blocks + 1) * (GATHER_SENT_BYTES + GATHER_GATHERED_BYTES * self.world)
 
-    def allocate(self) -> None:
-        at = self.at
-        blocks = len(at.names.blocks)
-        self._staging = [
-            allocate_device(at.backend, {d: n // self.world for d, n in at.ring.shape.items()},
-                            f"all-gather staging buffer {s} of {at.names.part}")
-            for s in range(len(at.ring))
-        ]
-        self._header_out = at.backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
-        self._header_in = at.backend.empty_device((blocks + 1, len(STATUSES), HEADER), torch.int64)
-        label(self._header_out, f"gathered load headers of {at.names.part}")
-        label(self._header_in, f"load headers of {at.names.part}")
+    def serve(self, context) -> None:
+        """What the loads use from now on; unparked (a ring in ``context``), the staging buffers
+        and the header tensors beside the slots, the header rows written into them once the ranks
+        agreed; parked, none of them; released (None), the rows too."""
+        super().serve(context)
+        self._staging, self._header_in, self._header_out = [], None, None
         self._pending, self._loaded_in_pass = [], -1
+        if context is None:
+            self._rows = None
+        if context is None or context.ring is None:
+            return
+        blocks, backend = len(context.names.blocks), context.backend
+        self._staging = [
+            allocate_device(backend, {d: n // self.world for d, n in context.ring.shape.items()},
+                            f"all-gather staging buffer {s} of {context.names.part}")
+            for s in range(len(context.ring))
+        ]
+        self._header_out = backend.empty_device((self._header_rows, self.world * HEADER), torch.int64)
+        self._header_in = backend.empty_device((blocks + 1, len(STATUSES), HEADER), torch.int64)
+        label(self._header_out, f"gathered load headers of {context.names.part}")
+        label(self._header_in, f"load headers of {context.names.part}")
+        self._write_rows()
 
     def agreed(self, serial: int) -> None:
-        """Write the header rows every load gathers (one per block, then the end of a pass), now
-        that the serial number is known. No load ran yet; the gathers follow on the same stream,
-        and the host rows stay referenced until ``release``, so nothing waits here."""
+        """Every rank enabled alike; ``serial`` numbers this part the same on every rank. Makes
+        the header rows every load gathers (one per block, then the end of a pass)."""
         self.serial = serial
         self._rows = torch.tensor(
             [[[MAGIC, serial, i, status] for status in STATUSES] for i in [*range(len(self.at.names.blocks)), END]],
             dtype=torch.int64,
         )
-        self._backend.copy_async(self._header_in, self._rows, self.at.copy_stream)
+        self._write_rows()
+
+    def _write_rows(self) -> None:
+        """Copy the header rows to the device, where both exist. No load ran since; the gathers
+        follow on the same stream, and the host rows stay referenced until released, so nothing
+        waits here."""
+        if self._rows is not None and self._header_in is not None:
+            self._backend.copy_async(self._header_in, self._rows, self.at.copy_stream)
 
     # -- loads ------------------------------------------------------------------------------------
     def prepare_load(self, i: int, unit, slot):
@@ -155,7 +172,7 @@ class ShardedGather(RankCopy):
 
     def _header_status(self, i: int) -> int:
         """Block ``i``'s header status, read where its load is issued (on the stager thread for
-        staged shards, after ``_load_aborted`` has returned) and consumed there."""
+        staged shards) and consumed there."""
         if self._disabling:
             return DISABLING
         if i in self._aborted:
@@ -189,26 +206,22 @@ class ShardedGather(RankCopy):
         done.synchronize()
 
     # -- the ends of passes ---------------------------------------------------------------------
-    def abort_pass(self) -> range:
-        """This rank's forward failed: the loads the other ranks still run in this pass (the
-        blocks after the furthest one loaded here), which the part issues, each ``aborted``."""
-        self._placement.drain()  # the stager's loads have set how far this pass got
-        return range(self._loaded_in_pass + 1, len(self.at.names.blocks))
-
-    @contextlib.contextmanager
-    def aborted(self, i: int):
-        """Block ``i``'s load, while the part issues it, carries an aborted header."""
-        self._aborted.add(i)
+    def end_pass(self, failed: bool, load=None) -> None:
+        """The end of a pass, of a backward, or of a block called alone: say whether this rank got
+        through, and check every header since the last check. A rank whose forward failed first
+        issues, through ``load`` (the part's), the loads the other ranks still run in this pass
+        (the blocks after the furthest one loaded here), each with an aborted header."""
         try:
-            yield
-        except BaseException:
-            self._aborted.discard(i)
-            raise
-
-    def finish(self, failed: bool) -> None:
-        """Say whether this rank got through, and check every header since the last check."""
-        try:
-            self._placement.drain()  # their gathers come before this one, on every rank alike
+            self._placement.drain()  # the stager's loads: how far this pass got; their gathers come first
+            if failed and load is not None:
+                for i in range(self._loaded_in_pass + 1, len(self.at.names.blocks)):
+                    self._aborted.add(i)  # read where its load is issued
+                    try:
+                        load(i)
+                    except BaseException:
+                        self._aborted.discard(i)
+                        raise
+                self._placement.drain()
             with self._backend.batch(self.at.copy_stream):  # the end header and its read-back
                 self._gather_header(END, ABORTED if failed else OK)
                 if failed:
@@ -277,16 +290,17 @@ class ShardedGather(RankCopy):
         return self._label(block)
 
     # -- disable ----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def restoring(self):
-        """Disable: the part loads every block once more (with DISABLING headers; the blocks come
-        from the iterable this yields, once the part has waited for its copies) and has each read
-        back (``read_back``), rebuilding the full weights from the shards on every rank. On exit,
-        checks that every rank gathered the same blocks and makes the rebuilt buffers the units'
-        homes. If the ranks are out of step, raises and changes nothing (``disable`` can be called
-        again)."""
+    def restore(self, fetch, reader) -> None:
+        """Disable: every block is loaded once more, with DISABLING headers (``fetch(i)``: the
+        part's, block ``i`` in its slot for ``reader``; it returns the block's unit), and read
+        back, rebuilding the full weights from the shards on every rank. Then checks that every
+        rank gathered the same blocks and makes the rebuilt buffers the units' homes. If the ranks
+        are out of step, raises and changes nothing (``disable`` can be called again)."""
         try:
-            yield self._rebuilding()
+            self._check_headers()
+            self._disabling = True
+            for i in range(len(self.at.names.blocks)):
+                self._read_back(i, fetch(i), reader)
             with self._backend.batch(self.at.copy_stream):  # as a forward ends: the same count of gathers
                 self._gather_header(END, DISABLING)
             self._check_headers()
@@ -304,12 +318,7 @@ class ShardedGather(RankCopy):
         rebuilt, self._rebuilt = self._rebuilt, []
         self.policy.unshard(rebuilt)  # unpacked from here
 
-    def _rebuilding(self):
-        self._check_headers()
-        self._disabling = True
-        yield from range(len(self.at.names.blocks))
-
-    def read_back(self, i: int, unit, reader) -> None:
+    def _read_back(self, i: int, unit, reader) -> None:
         """Block ``i`` (``unit``) is in its slot for ``reader`` (after its gathers): copy it to new host buffers."""
         slot = self.at.ring.buffers_of(i)
         buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in unit.numel.items()}
@@ -318,11 +327,6 @@ class ShardedGather(RankCopy):
                 self._backend.copy_async(buf, slot[dtype][: buf.numel()], reader)
         reader.synchronize()  # later copies into this slot are queued after this: ordered
         self._rebuilt.append(buffers)
-
-    def release(self) -> None:
-        super().release()
-        self._staging = []
-        self._header_in = self._header_out = self._rows = None
 
 
 def _read_flat(source: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:

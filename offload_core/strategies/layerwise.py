@@ -87,7 +87,7 @@ from .loader import BlockLoader
 from .part import Part, blocks_now
 from .passes import Passes
 from .ring import LoadRecord, SlotRing, slot_numel
-from .transport import CopyTransport, LoadContext, Transport
+from .transport import CopyTransport, LoadContext, Transport, copy_stream
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class LayerwiseOffload(Part):
     # -- lifecycle ------------------------------------------------------------------------
     def enable(self, txn: Transaction) -> None:
         default_placement(self, txn)
-        self.loader.copy_stream = self.transport.new_stream(self.backend)
+        self.loader.copy_stream = copy_stream(self.backend, self.transport.collective)
         self.held = HeldWeights([self.resident, *self.kept_units], self.parks)
         txn.on_rollback(self._release)  # before the first allocation: one that fails frees the others at once
         # a part that parks starts parked: its phase has not begun, and another's may hold the device
@@ -255,7 +255,6 @@ class LayerwiseOffload(Part):
         self.loader.ring = SlotRing(backend, self.slot_shape, self.num_slots,
                                     functools.partial(_slot_label, weakref.ref(self)))
         self._serve(self.loader.ring)
-        self.transport.allocate()
         self.held.allocate(backend, self.name)
 
     def _serve(self, ring: SlotRing | None) -> None:
@@ -416,7 +415,7 @@ class LayerwiseOffload(Part):
 
     def _release(self) -> None:
         self._drop_device()
-        self.transport.release()
+        self.transport.serve(None)
         self.home_policy.release()
 
     def _drop_device(self) -> None:

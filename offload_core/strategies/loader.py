@@ -158,25 +158,29 @@ class BlockLoader:
         self.load(i)
 
     def restore(self) -> None:
-        """Before the part's ``disable`` unpacks: every unit gets its full host values, by the loads
-        the transport asks for (a rank's shards: every block gathered once more and read back)."""
+        """Before the part's ``disable`` unpacks: every unit gets its full host values. A copy's
+        homes hold them already; a rank's shards are rebuilt by its pairing, every block gathered
+        once more and read back."""
+        pairing = self.transport.pairing
+        if pairing is None:
+            return
         # blocks loaded early inside frozen() were gathered with the other ranks' next loads: they
         # are this disable's first loads, as they would be a forward's, not loaded again
         passes = self.part.passes
         preloaded, passes.preloaded = {i for i, _ in passes.preloaded}, []
-        with self.transport.restoring() as blocks:
-            if not blocks:  # every unit has its full host values already
-                return
-            reader = self.backend.new_stream()
-            try:
-                self.quiesce(forget=not preloaded)
-                for i in blocks:
-                    if i not in preloaded or not self.ring.holds(i):
-                        self.load(i)
-                    self.wait_ready(i, reader)
-                    self.transport.read_back(i, self.records[i].unit, reader)
-            finally:
-                self.quiesce()
+        reader = self.backend.new_stream()
+
+        def fetch(i: int):
+            if i not in preloaded or not self.ring.holds(i):
+                self.load(i)
+            self.wait_ready(i, reader)
+            return self.records[i].unit
+
+        try:
+            self.quiesce(forget=not preloaded)
+            pairing.restore(fetch, reader)
+        finally:
+            self.quiesce()
 
     def versions(self, i: int) -> tuple[int, ...]:
         return self.records[i].binding.versions()

@@ -33,7 +33,7 @@ class Passes:
         self.checks = checks
         self.saved = part.saved
         self.backend = part.backend
-        self.transport = part.transport
+        self.pairing = part.transport.pairing  # None: its loads pair with no other rank's
         self.home_policy = part.home_policy
         self.running = 0  # nesting depth of model forwards
         self.starting = False  # a pass began and its first block has not been reached yet
@@ -129,9 +129,8 @@ class Passes:
             return
         self.starting = False
         try:
-            if failed:
-                self.abort()
-            self.transport.finish(failed)
+            if self.pairing is not None:  # a failed rank still loads what the others load in this pass
+                self.pairing.end_pass(failed, self.loader.load)
         finally:
             # after a forward that saved weights, a backward comes: it starts with the blocks still in
             # their slots (they cannot change since without their versions showing it, which it checks)
@@ -143,20 +142,14 @@ class Passes:
         if not failed and not backward and self.frozen:
             part._load_first()
 
-    def abort(self) -> None:
-        """This rank's forward failed before its end: load the blocks the transport says the
-        other ranks still load in this pass (the sharded transport's gathers, flagged aborted)."""
-        for i in self.transport.abort_pass():
-            with self.transport.aborted(i):
-                self.loader.load(i)
-
     def load_first(self) -> None:
         """Queue the first blocks of the next pass now, so that their copies overlap what runs
         between two forwards; only inside ``handle.frozen()``, where weights do not change through
         ``.data`` (their versions are noted, so that a write through a parameter is seen)."""
         part, loader = self.part, self.loader
         first = range(min(part.num_slots, len(part.units)))
-        self.transport.preloading(first)
+        if self.pairing is not None:
+            self.pairing.preloading(first)
         loader.queue(0, part.num_slots)
         self.preloaded = [(j, loader.versions(j)) for j in first]
 
@@ -165,7 +158,7 @@ class Passes:
         if not self.frozen and self.part.enabled and self.running == 0:
             # sharded, the preloaded blocks stay: their gathers were paired with the other ranks'
             # next loads (and the homes are shards no one else writes)
-            self.loader.quiesce(forget=not self.transport.sharded)
+            self.loader.quiesce(forget=self.pairing is None)
 
     def repair(self, passes: int) -> None:
         """The state of ``passes`` model calls in progress (those still on the stack): what an
@@ -237,15 +230,16 @@ class Passes:
             if alone:
                 loader.quiesce()
         finally:
-            if alone:
-                self.transport.finish(failed)
+            if alone and self.pairing is not None:
+                self.pairing.end_pass(failed)
 
     def end_backward(self) -> None:
         """The backward is over: check its end as a pass's (the sharded transport's headers), wait
         for its copies (an optimizer step may write the host weights next) and forget what the
         slots hold; a slot is refilled only after the backward compute that read it."""
         try:
-            self.transport.finish(False)
+            if self.pairing is not None:
+                self.pairing.end_pass(False)
         finally:
             self.loader.ring.free_all(self.backend.current_stream())
             self.saved.recorded = False

@@ -3,28 +3,31 @@
 :class:`CopyTransport` copies the block's host home into the slot (straight from pinned or
 pageable memory, or through the placement's bounce ring for a home without pinned memory or on
 disk). :class:`RankCopy` does the same for a distributed part: its copies run on the copy stream
-every distributed part of the process shares, so that collectives run in the same order on every
-rank. The sharded transport (gather.py) copies this rank's shard and all-gathers the block across
-ranks instead.
+every distributed part of the process shares (``collective``), so that collectives run in the same
+order on every rank. The sharded transport (gather.py) copies this rank's shard and all-gathers
+the block across ranks instead.
 
 The layerwise part (layerwise.py) keeps the protocol (which block is where, when a slot may be
 refilled, what a block shows) and does every load (its loader, loader.py); its home policy
 (homes.py) decides what a home is and which changes it takes; the transport says what a load
-issues, how a forward's changes go home and what the end of a pass must check. It is one-way: at
-each enable, park and unpark the part hands it a frozen :class:`LoadContext` (the machinery it may
-use), and where the transport needs blocks loaded (a failed rank's remaining gathers, disable's
-rebuilding of shards) it says which, and the part's loader loads them. The one method it calls
-back is the loader's ``landed`` (through the context): a transport that waited for the copy stream
-says so. :class:`Transport` lists what the part calls.
+issues and how a forward's changes go home. It is one-way: at each enable, park and unpark the
+part hands it a frozen :class:`LoadContext` (the machinery it may use), and the one method it
+calls back is the loader's ``landed`` (through the context): a transport that waited for the copy
+stream says so. :class:`Transport` lists what the part calls on every transport.
+
+A sharded transport's loads pair with the other ranks' loads, so the part also tells it where
+passes end, which loads are queued early and when the ranks agreed, and has it rebuild the full
+weights at disable: :class:`RankPairing`, which only the sharded gather is (a transport's
+``pairing``; None for a copy, whose loads pair with nothing). Where it needs blocks loaded (a
+failed rank's remaining gathers, disable's rebuilding) it is handed the part's load and calls it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, ContextManager, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -38,7 +41,7 @@ _COLLECTIVE_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadContext:
-    """What a layerwise part hands its transport at enable, park and unpark; dropped by ``release``."""
+    """What a layerwise part hands its transport at enable, park and unpark (``serve``)."""
 
     backend: Any
     placement: Any
@@ -48,51 +51,58 @@ class LoadContext:
     names: BlockNames
 
 
+def copy_stream(backend, collective: bool):
+    """A part's copy stream: its own, or (``collective``) the one every distributed part of the
+    process shares for ``backend``."""
+    if not collective:
+        return backend.new_stream()
+    stream = _COLLECTIVE_STREAMS.get(backend)
+    if stream is None:
+        stream = _COLLECTIVE_STREAMS[backend] = backend.new_stream()
+    return stream
+
+
 class Transport(Protocol):
     """What a layerwise part calls on its transport (``CopyTransport``, ``RankCopy``, ``ShardedGather``)."""
 
     strategy: str
-    sharded: bool  # loads queued early carry a header the other ranks pair: the slots keep them
+    collective: bool  # its copies run on the process's one stream for collectives (``copy_stream``)
+    pairing: "RankPairing | None"  # what keeps the ranks in step, where loads pair across ranks
 
-    def new_stream(self, backend) -> Any: ...
     def device_bytes(self, blocks: int, slots: int, slot_shape: dict[torch.dtype, int]) -> int: ...
-    def serve(self, context: LoadContext) -> None: ...
-    def allocate(self) -> None: ...
+    def serve(self, context: LoadContext | None) -> None: ...
     def prepare_load(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple: ...
     def issue(self, record, stream) -> None: ...
-    def preloading(self, blocks: Iterable[int]) -> None: ...
-    def abort_pass(self) -> range: ...
-    def aborted(self, i: int) -> ContextManager: ...
-    def finish(self, failed: bool) -> None: ...
-    def restoring(self) -> ContextManager: ...
-    def read_back(self, i: int, reader) -> None: ...
+
+
+class RankPairing(Protocol):
+    """What a part whose loads pair with the other ranks' (the sharded gather) calls besides."""
+
     def agreed(self, serial: int) -> None: ...
-    def release(self) -> None: ...
+    def preloading(self, blocks: Iterable[int]) -> None: ...
+    def end_pass(self, failed: bool, load: Callable[[int], None] | None = None) -> None: ...
+    def restore(self, fetch: Callable[[int], Any], reader) -> None: ...
 
 
 class CopyTransport:
     """Blocks loaded from their whole host home, on this process alone; see the module docstring."""
 
-    sharded = False
     strategy = "layerwise"
+    collective = False
+    pairing = None
 
     def __init__(self) -> None:
         self.at: LoadContext | None = None
 
-    def serve(self, context: LoadContext) -> None:
-        """Enable, park, unpark: what this transport may use from now until ``release``."""
+    def serve(self, context: LoadContext | None) -> None:
+        """Enable, park, unpark: what this transport may use from now on (None: nothing, at
+        disable or a rolled-back enable)."""
         self.at = context
-        self._backend, self._placement = context.backend, context.placement
-
-    def new_stream(self, backend):
-        return backend.new_stream()
+        self._backend, self._placement = (context.backend, context.placement) if context else (None, None)
 
     def device_bytes(self, blocks: int, slots: int, slot_shape: dict[torch.dtype, int]) -> int:
         """Device bytes beyond the slots and the resident weights."""
         return 0
-
-    def allocate(self) -> None:
-        """Device memory beyond the slots, once the ring exists."""
 
     # -- loads ------------------------------------------------------------------------------------
     def prepare_load(self, i: int, unit, slot: dict[torch.dtype, torch.Tensor]) -> tuple:
@@ -122,45 +132,9 @@ class CopyTransport:
             else:
                 placement.issue(transfers, stream)
 
-    def preloading(self, blocks) -> None:
-        """The next loads of ``blocks`` are queued early, inside ``frozen()``: only the sharded
-        transport tells the other ranks."""
-
-    # -- the ends of passes -----------------------------------------------------------------------
-    def abort_pass(self) -> range:
-        """This rank's forward failed before its end: the blocks the part loads still (none)."""
-        return range(0)
-
-    def aborted(self, i: int):
-        """Around the part's load of block ``i`` after ``abort_pass``."""
-        return contextlib.nullcontext()
-
-    def finish(self, failed: bool) -> None:
-        """The end of a pass, of a backward, or of a block called alone."""
-
-    def restoring(self):
-        """Disable, before the part unpacks: a context around the part's loads that give every unit
-        its full host values, yielding the blocks to load (each then ``read_back``): none here."""
-        return contextlib.nullcontext(())
-
-    def read_back(self, i: int, reader) -> None:
-        """Block ``i`` is in its slot for ``reader``: ``restoring`` yields none here."""
-
-    def agreed(self, serial: int) -> None:
-        """Every rank enabled alike; ``serial`` numbers this part the same on every rank."""
-
-    def release(self) -> None:
-        """Drop what ``allocate`` made, and what ``serve`` handed over."""
-        self.at = None
-
 
 class RankCopy(CopyTransport):
     """Blocks loaded from their whole host home, by one rank of a distributed part."""
 
     strategy = "distributed"
-
-    def new_stream(self, backend):
-        stream = _COLLECTIVE_STREAMS.get(backend)
-        if stream is None:
-            stream = _COLLECTIVE_STREAMS[backend] = backend.new_stream()
-        return stream
+    collective = True

@@ -146,7 +146,7 @@ def _distributed_worker(rank: int, port: int) -> None:
     handle = offload_core.enable_offload(model, enable_distributed_layerwise_offload=True, backend=backend,
                                          resident_blocks=3)
     part = handle.parts[0]
-    assert len(part.kept) == 3 and len(part.units) == 3 and part.transport.sharded
+    assert len(part.kept) == 3 and len(part.units) == 3 and part.home_policy.sharded
     for step in range(2):
         before = handle.stats()["loads"]
         with torch.no_grad():
@@ -166,7 +166,7 @@ def _distributed_worker(rank: int, port: int) -> None:
     handle = offload_core.enable_offload(model, backend=backend, device_memory=int(0.7 * weights),
                                          activation_memory=2**10, process_group=dist.group.WORLD)
     assert handle.strategy == "distributed" and handle.plan.chosen_by == "budget", str(handle.plan)
-    assert handle.parts[0].kept and handle.parts[0].transport.sharded
+    assert handle.parts[0].kept and handle.parts[0].home_policy.sharded
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     handle.disable()
