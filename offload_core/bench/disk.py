@@ -22,9 +22,9 @@ drive read minutes away from the tier's would judge the tier at another speed.
 
 Figures, each a median over the repetitions with its spread: the tier's throughput alone (the
 bytes ``handle.stats()`` counts in ``disk_read_bytes`` over that forward's seconds) over the
-drive's around it (each of its two reads the fastest of :func:`drive_patterns`; NaN, which the table calls
-unreliable, for ``--quick``'s few MB; above 1 by more than its spread, the drive's figure is too
-weak a baseline), the whole forward's time over its ideal, max(in-RAM forward, bytes read / the
+drive's around it (each of its two reads the fastest of :func:`drive_patterns` and
+:func:`reader_read`; NaN, which the table calls unreliable, for ``--quick``'s few MB; above 1 by
+more than its spread, the drive's figure is too weak a baseline), the whole forward's time over its ideal, max(in-RAM forward, bytes read / the
 drive's speed) (below 1 by more than its spread: the same), and the CPU time the tier spends per
 GB read (the process's CPU time in the disk-bound forward above the in-RAM forward's, over the
 bytes read), with the share of those bytes a reader copied into place from its scratch buffer
@@ -33,7 +33,10 @@ bytes read), with the share of those bytes a reader copied into place from its s
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -149,6 +152,48 @@ def direct_read(files: list[str], threads: int = DIRECT_THREADS, request: int = 
     return done[0], time.perf_counter() - start
 
 
+def reader_method() -> str:
+    from ..hostmem import direct, staging
+
+    return (f"the tier's own reader (O_DIRECT, {direct.READERS} reader threads with one "
+            f"{direct.PIECE_BYTES // 2**20} MiB piece each in flight, {staging.BOUNCE_BUFFERS} chunks of "
+            f"{staging.BOUNCE_CHUNK_BYTES // 2**20} MiB queued, nothing copied or computed)")
+
+
+def reader_read(files: list[str]) -> tuple[int, float]:
+    """(bytes, seconds) of reading ``files`` with the tier's own reader (``hostmem.direct``) as
+    the bounce ring queues it (a chunk's reads in each of its buffers, page-aligned), with nothing
+    copied out or computed: what the drive gives the tier's requests, without the tier."""
+    from ..hostmem import direct, staging
+
+    ahead, chunk = staging.BOUNCE_BUFFERS, staging.BOUNCE_CHUNK_BYTES
+    buffers = [mmap.mmap(-1, chunk) for _ in range(ahead)]
+    views = [(ctypes.c_char * chunk).from_buffer(b) for b in buffers]
+    fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
+    chunks = [(fds[path], offset, min(chunk, size - offset))
+              for path in files for size in [os.path.getsize(path)] for offset in range(0, size, chunk)]
+    pending: collections.deque = collections.deque()
+    start = time.perf_counter()
+    try:
+        for k, (fd, offset, nbytes) in enumerate(chunks):
+            if len(pending) == ahead:
+                pending.popleft()()
+            pending.append(direct.submit([(fd, offset, ctypes.addressof(views[k % ahead]), nbytes)]))
+        while pending:
+            pending.popleft()()
+        seconds = time.perf_counter() - start
+    finally:
+        for landed in pending:  # none may still write a buffer about to be unmapped
+            with contextlib.suppress(BaseException):
+                landed()
+        for fd in fds.values():
+            os.close(fd)
+        del views
+        for buffer in buffers:
+            buffer.close()
+    return sum(n for _, _, n in chunks), seconds
+
+
 def drive_read_bandwidth(folder: str | None = None, nbytes: int = 256 * 2**20) -> float:
     """Bytes per second the drive under ``folder`` (default: the temporary folder) reads: a file of
     ``nbytes`` written there, evicted from the page cache and read back as :func:`direct_read`
@@ -225,14 +270,16 @@ def disk_tier(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
             "raw_s", "raw_bytes", "buffered_s", "buffered_bytes", "tier_s", "tier_bytes", "tier_read_s", "tier_cpu_s",
             "tier_scratch_bytes", "alone_s", "alone_bytes", "compute_s", "compute_cpu_s")}
 
-        raw_method = ["the fastest each time of " + ", of ".join(direct_method(*p) for p in drive_patterns())]
+        raw_method = ["the fastest each time of " + ", of ".join(direct_method(*p) for p in drive_patterns())
+                      + " and of " + reader_method()]
 
         def drive() -> tuple[int, float]:
             reads = []
-            for threads, request in drive_patterns():
+            for read in [*(functools.partial(direct_read, threads=t, request=r) for t, r in drive_patterns()),
+                         reader_read]:
                 cold_cache(files)
                 try:
-                    reads.append(direct_read(files, threads, request))
+                    reads.append(read(files))
                 except OSError as exc:  # a file system without O_DIRECT (tmpfs): a weaker baseline, named so
                     raw_method[0] = f"buffered, one request at a time: O_DIRECT refused ({exc})"
                     return sequential_read(files)

@@ -151,17 +151,22 @@ def test_bench_disk_quick_reads_every_disk_block_and_reports_against_the_drive(c
 
     monkeypatch.setattr(disk_bench.os, "posix_fadvise", recorded)
     order = []  # the drive's reads and the tier alone, as they ran
-    direct_read, skipped = disk_bench.direct_read, disk_bench.compute_skipped
+    direct_read, reader_read, skipped = disk_bench.direct_read, disk_bench.reader_read, disk_bench.compute_skipped
 
-    def drive_read(*args):
+    def drive_read(*args, **kwargs):
         order.append("drive")
-        return direct_read(*args)
+        return direct_read(*args, **kwargs)
+
+    def tier_reader(files):
+        order.append("tier's reader")
+        return reader_read(files)
 
     def alone(blocks):
         order.append("tier alone")
         return skipped(blocks)
 
     monkeypatch.setattr(disk_bench, "direct_read", drive_read)
+    monkeypatch.setattr(disk_bench, "reader_read", tier_reader)
     monkeypatch.setattr(disk_bench, "compute_skipped", alone)
     opened = builtins.open
 
@@ -178,13 +183,14 @@ def test_bench_disk_quick_reads_every_disk_block_and_reports_against_the_drive(c
     assert "O_DIRECT, 8 threads" in disk["raw_method"] and "O_DIRECT, 16 threads" in disk["raw_method"]
     from offload_core.hostmem import direct  # the tier's own requests are among the drive's
     assert direct_method(direct.READERS, direct.PIECE_BYTES) in disk["raw_method"]
+    assert disk_bench.reader_method() in disk["raw_method"]
     assert disk["buffered_mb_s"] > 0
     assert set(samples["tier_bytes"]) == {disk["bytes_read_per_forward_gb"] * 1e9}
     assert samples["alone_bytes"] == samples["tier_bytes"]  # with the compute skipped, every block is read still
     assert 0 < disk["disk_bytes"] < disk["model_bytes"] <= min(samples["raw_bytes"])
     # the whole checkpoint, both ways; the drive's figure is its reads just before and after the tier alone
     assert min(samples["raw_bytes"]) == 2 * min(samples["buffered_bytes"])
-    patterns = ["drive"] * len(disk_bench.drive_patterns())
+    patterns = ["drive"] * len(disk_bench.drive_patterns()) + ["tier's reader"]
     assert order == [*patterns, "tier alone", *patterns] * disk["repeats"]
     assert samples["tier_bytes"][0] <= disk["disk_bytes"]  # what the homes hold, less alignment gaps
     assert disk["repeats"] == len(samples["tier_s"]) == 2 and disk["tier_cpu_s_per_gb"] == disk["tier_cpu_s_per_gb"]

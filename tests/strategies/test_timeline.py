@@ -182,7 +182,7 @@ def test_every_block_is_copied_in_every_forward(blocks, depth):
 
 def test_the_run_picture_names_the_time_outside_the_loop_the_blocks_and_the_resident_memory():
     """``offload-core run --timeline``'s picture: the time before the denoising loop is shaded and
-    named (no streamed block computes there), runs of blocks too narrow to name one by one carry
+    named in the legend (no streamed block computes there), runs of blocks too narrow to name one by one carry
     their range, and the memory lane has the all-resident reference beside the sampled line."""
     pytest.importorskip("matplotlib")
     import re
@@ -200,7 +200,10 @@ def test_the_run_picture_names_the_time_outside_the_loop_the_blocks_and_the_resi
         assert result.measured.loop_start_ms > 0 and len(shaded) == 1
         x0 = shaded[0].get_x()
         assert (x0, x0 + shaded[0].get_width()) == (0.0, pytest.approx(result.measured.loop_start_ms))
-        assert any(t.startswith("prompt encoding") for t in texts), texts
+        # named in the legend; in the lane too where the label fits, which on a loaded machine, whose
+        # denoising loop slows more than the encoding, it may not
+        legend = [t.get_text() for t in lanes.get_legend().get_texts()]
+        assert "prompt encoding" in legend, legend
         runs = block_runs(result.timeline.spans())
         assert ("single_transformer_blocks.0-15" in [r[2] for r in runs]) and len(runs) == 2 * result.report["steps"]
         assert any(re.fullmatch(r"(\w+\.)?\d+-\d+", t) for t in texts), texts
