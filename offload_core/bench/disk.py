@@ -8,7 +8,7 @@ read in every forward. Each repetition runs, in an order that rotates from one r
 next, a buffered sequential read of the checkpoint files (one request at a time through the page
 cache, as context), the disk-bound forward, the in-RAM forward, and the tier measured alone
 between two of the drive's own reads (:func:`direct_read`: ``O_DIRECT``, several requests in
-flight, the figure a drive is quoted at). Every read and disk-bound forward starts with the
+flight, the figure a drive is quoted at; and :func:`reader_read`, the tier's reader alone). Every read and disk-bound forward starts with the
 files' pages evicted (``POSIX_FADV_DONTNEED``: exact for clean pages of files no one maps, which
 these are; the whole page cache, which every other process on the machine uses, is never
 dropped).
