@@ -1,34 +1,34 @@
 """Disk-tier benchmark: how fast blocks on disk reach the device, against the drive itself.
 
-A Wan transformer checkpoint (random bf16 weights, see :func:`.hostmem.write_checkpoint`) is
-loaded twice with ``offload_core.from_pretrained`` on the fake backend: once with every weight
-in RAM (the compute figure: a forward that reads nothing from disk) and once with a
-``host_memory`` budget of a tenth of the model, so that nearly every block lives on disk and is
-read in every forward. Each repetition runs, in an order that rotates from one repetition to the
-next, a buffered sequential read of the checkpoint files (one request at a time through the page
-cache, as context), the disk-bound forward, the in-RAM forward, and the tier measured alone
-between two of the drive's own reads (:func:`direct_read`: ``O_DIRECT``, several requests in
-flight, the figure a drive is quoted at; and :func:`reader_read`, the tier's reader alone). Every read and disk-bound forward starts with the
-files' pages evicted (``POSIX_FADV_DONTNEED``: exact for clean pages of files no one maps, which
-these are; the whole page cache, which every other process on the machine uses, is never
+A Wan transformer checkpoint (random bf16 weights, see :func:`.hostmem.write_checkpoint`) is loaded
+twice with ``offload_core.from_pretrained`` on the fake backend: once with every weight in RAM (the
+compute figure: a forward that reads nothing from disk) and once with a ``host_memory`` budget of a
+tenth of the model, so that nearly every block lives on disk and is read in every forward. Each
+repetition runs, in an order that rotates from one repetition to the next, a buffered sequential
+read of the checkpoint files (one request at a time through the page cache, as context), the
+disk-bound forward, the in-RAM forward, and the tier measured alone between two of the drive's own
+reads (:func:`direct_read`: ``O_DIRECT``, several requests in flight, the figure a drive is quoted
+at; and :func:`reader_read`, the tier's reader alone). Every read and disk-bound forward starts
+with the files' pages evicted (``POSIX_FADV_DONTNEED``: exact for clean pages of files no one maps,
+which these are; the whole page cache, which every other process on the machine uses, is never
 dropped).
 
 The tier alone is the disk-bound forward with every block's compute skipped
 (:func:`compute_skipped`), which loads, binds and waits for each block as a forward does. On a
 device the blocks compute there; on the fake backend they take the host's CPU, which on a small
 busy machine the reads then wait for. The drive is read just before and just after it, and its
-figure is the two reads' together: a virtual disk's speed drifts with what else runs, and a
-drive read minutes away from the tier's would judge the tier at another speed.
+figure is the two reads' together: a virtual disk's speed drifts with what else runs, and a drive
+read minutes away from the tier's would judge the tier at another speed.
 
-Figures, each a median over the repetitions with its spread: the tier's throughput alone (the
-bytes ``handle.stats()`` counts in ``disk_read_bytes`` over that forward's seconds) over the
-drive's around it (each of its two reads the fastest of :func:`drive_patterns` and
-:func:`reader_read`; NaN, which the table calls unreliable, for ``--quick``'s few MB; above 1 by
-more than its spread, the drive's figure is too weak a baseline), the whole forward's time over its ideal, max(in-RAM forward, bytes read / the
-drive's speed) (below 1 by more than its spread: the same), and the CPU time the tier spends per
-GB read (the process's CPU time in the disk-bound forward above the in-RAM forward's, over the
-bytes read), with the share of those bytes a reader copied into place from its scratch buffer
-(``tier_scratch_share``: the rest the drive wrote straight into the bounce buffers).
+Figures, each a median over the repetitions with its spread: the tier's throughput alone (the bytes
+``handle.stats()`` counts in ``disk_read_bytes`` over that forward's seconds) over the drive's
+around it (each of its two reads the fastest of :func:`drive_patterns` and :func:`reader_read`;
+NaN, which the table calls unreliable, for ``--quick``'s few MB; above 1 by more than its spread,
+the drive's figure is too weak a baseline), the whole forward's time over its ideal, max(in-RAM
+forward, bytes read / the drive's speed) (below 1 by more than its spread: the same), and the CPU
+time the tier spends per GB read (the process's CPU time in the disk-bound forward above the in-RAM
+forward's, over the bytes read), with the share of those bytes a reader copied into place from its
+scratch buffer (``tier_scratch_share``: the rest the drive wrote straight into the bounce buffers).
 """
 
 from __future__ import annotations
