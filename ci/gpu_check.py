@@ -392,7 +392,7 @@ def check_near_capacity(run: Run, check: Check) -> None:
     so that room for about three groups stays free: prefetching must never push a forward into
     an out-of-memory error."""
     from offload_core.strategies.model_level import ModelLevelOffload
-    from offload_core.transaction import Transaction
+    from offload_core.common.transaction import Transaction
 
     backend, probe = run.probe.capacity()
     device = backend.device()

@@ -2,7 +2,7 @@
 
 Each mutant below removes (or weakens) one synchronisation statement (an event record or wait, a
 ``wait_stream``, a stream or event synchronize) or one piece of slot / ready bookkeeping, in
-``offload_core/strategies/`` or ``offload_core/pipelines.py``, runs the focused tests named
+``offload_core/strategies/`` or ``offload_core/discovery/pipelines.py``, runs the focused tests named
 beside it on the fake backend (chaos mode and the race sanitizer on), and expects them to fail.
 The list is written out here on purpose: a new synchronisation statement without a mutant makes
 this script fail ("not covered"), so adding one is visible in review.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY_FILES = sorted((ROOT / "offload_core" / "strategies").glob("*.py")) + [
-    ROOT / "offload_core" / "pipelines.py", ROOT / "offload_core" / "hostmem" / "staging.py",
+    ROOT / "offload_core" / "discovery" / "pipelines.py", ROOT / "offload_core" / "hostmem" / "staging.py",
 ]
 #: statements that order work or hand memory over; each must be the target of a mutant
 SYNC = re.compile(r"\.(wait|record|synchronize)\b|wait_stream\(|release_all\(\)$")

@@ -25,41 +25,41 @@ _EXPORTS = {
     "Event": ".device.backend",
     "Stream": ".device.backend",
     "Waitable": ".device.backend",
-    "OffloadConfig": ".config",
+    "OffloadConfig": ".common.config",
     "register_blocks": ".discovery",
-    "AlreadyEnabledError": ".errors",
-    "BackendNotFoundError": ".errors",
-    "BlockDiscoveryError": ".errors",
-    "CheckpointError": ".errors",
-    "DistributedOffloadError": ".errors",
-    "OffloadConfigError": ".errors",
-    "OffloadedModelError": ".errors",
-    "RepackError": ".errors",
-    "UnsupportedTensorError": ".errors",
+    "AlreadyEnabledError": ".base.errors",
+    "BackendNotFoundError": ".base.errors",
+    "BlockDiscoveryError": ".base.errors",
+    "CheckpointError": ".base.errors",
+    "DistributedOffloadError": ".base.errors",
+    "OffloadConfigError": ".base.errors",
+    "OffloadedModelError": ".base.errors",
+    "RepackError": ".base.errors",
+    "UnsupportedTensorError": ".base.errors",
     "OffloadHandle": ".handle",
     "hookimpl": ".device.hookspecs",
     "BackendInfo": ".device.plugins",
     "get_backend": ".device.plugins",
     "list_backends": ".device.plugins",
-    "from_pretrained": ".pretrained",
+    "from_pretrained": ".pretrained.load",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what IDEs and type checkers see
     from .api import enable_offload
-    from .config import OffloadConfig
+    from .common.config import OffloadConfig
     from .device.accelerator import AcceleratorBackend
     from .device.backend import Capability, DeviceBackend, Event, Stream, Waitable
     from .device.hookspecs import hookimpl
     from .device.plugins import BackendInfo, get_backend, list_backends
     from .discovery import register_blocks
-    from .errors import (
+    from .base.errors import (
         AlreadyEnabledError, BackendNotFoundError, BlockDiscoveryError, CheckpointError, DistributedOffloadError,
         OffloadConfigError, OffloadedModelError, RepackError, UnsupportedTensorError,
     )
     from .handle import OffloadHandle
-    from .pretrained import from_pretrained
+    from .pretrained.load import from_pretrained
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

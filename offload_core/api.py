@@ -7,12 +7,12 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 
-from .config import OffloadConfig
+from .common.config import OffloadConfig
 from .device.backend import DeviceBackend
-from .enable import enable
-from .errors import OffloadConfigError
+from .enabling.enable import enable
+from .base.errors import OffloadConfigError
 from .handle import OffloadHandle
-from .pipelines import inventory
+from .discovery.pipelines import inventory
 
 if TYPE_CHECKING:
     import torch

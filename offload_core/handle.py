@@ -11,11 +11,11 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from . import changes
+from .common import changes
 from .device.backend import Capability, DeviceBackend
 from .hostmem.machine import Trimmer, size_text as _size
-from .locks import locked
-from .timeline import Timeline
+from .base.locks import locked
+from .common.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class OffloadHandle:
     @contextlib.contextmanager
     def trace(self) -> Iterator[Timeline]:
         """Record what the strategies do inside the block (per-block compute, copies, waits,
-        misses) into a :class:`~offload_core.timeline.Timeline`, closed on exit so that its spans
+        misses) into a :class:`~offload_core.common.timeline.Timeline`, closed on exit so that its spans
         can be read. One trace at a time; without one, recording costs nothing."""
         if any(part.timeline is not None for part in self.parts):
             raise RuntimeError("a trace is already recording on this handle")

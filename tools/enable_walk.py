@@ -28,23 +28,28 @@ from typing import NamedTuple
 
 #: the layer diagram of docs/design.md, top (0) to bottom: a module may call into its own layer
 #: and the ones below. Matched by longest prefix. backend/accelerator/hookspecs are the import
-#: paths plugins written for 0.1 use (re-exports of device/); ownership/foreign (changes/
-#: other_hooks) and plugins/dist/memory_accounting (now in device/) are older names, so that an
-#: older tree can be walked with the same table.
+#: paths plugins written for 0.1 use (re-exports of device/). The flat names below the folders
+#: (enable, handle, pipelines, errors, ...; ownership/foreign, plugins/dist/memory_accounting)
+#: are where older trees kept those modules, so that an older commit can be walked with the
+#: same table.
 LAYERS = {
-    "api": 0, "pretrained": 0, "pretrained_transformers": 0, "model_folder": 0,
-    "enable": 1, "fitting": 1,
-    "handle": 2, "installs": 2,
-    "pipelines": 3, "other_hooks": 3, "casting": 3, "foreign": 3,
+    "api": 0, "pretrained": 0,
+    "enabling": 1,
+    "handle": 2,
+    "interop": 3,
     "strategies": 4,
     "discovery": 5, "hostmem": 5, "weights": 5, "planning": 5,
+    "common": 6,
+    "device": 7, "base": 7, "backend": 7, "accelerator": 7, "hookspecs": 7,
+    # older trees
+    "pretrained_transformers": 0, "model_folder": 0, "enable": 1, "fitting": 1, "installs": 2,
+    "pipelines": 3, "other_hooks": 3, "casting": 3, "foreign": 3,
     "changes": 6, "ownership": 6, "config": 6, "timeline": 6, "labels": 6, "overlap": 6, "transaction": 6,
-    "device": 7, "errors": 7, "locks": 7, "backend": 7, "accelerator": 7, "hookspecs": 7,
-    "plugins": 7, "dist": 7, "memory_accounting": 7,
+    "errors": 7, "locks": 7, "plugins": 7, "dist": 7, "memory_accounting": 7,
 }
 START = ("api", "enable_offload", "target")
 #: the module that reads what a target is (a pipeline or not, its components and their kinds)
-FACTS = "pipelines"
+FACTS = "discovery.pipelines"
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"
 
 
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     for caller_module, caller, callee_module, callee in climbs:
         print(f"climb: {caller_module}.{caller} -> {callee_module}.{callee}")
     for callee in sorted(asks):
-        if callee.startswith(f"{FACTS}.") and callee.count(".") == 1:
+        if callee.startswith(f"{FACTS}.") and "." not in callee[len(FACTS) + 1:]:
             print(f"{callee} asked from {', '.join(sorted(asks[callee]))}")
     total = sum(len(v) for v in stays.values())
     print(f"{total} stays in {len(stays)} modules, {len(climbs)} climbs")

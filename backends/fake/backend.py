@@ -15,11 +15,11 @@ from typing import Any, Sequence
 
 import torch
 
-from offload_core.config import check_value, count
+from offload_core.common.config import check_value, count
 from offload_core.device import collectives
 from offload_core.device.backend import Capability, DeviceBackend
 from offload_core.device.memory_accounting import HostRegistrations, as_shape, power_of_two_ceil
-from offload_core.locks import locked
+from offload_core.base.locks import locked
 from offload_core.testing.capabilities import SimulatorCapability
 
 from .memory import FakeOutOfMemoryError, Pool

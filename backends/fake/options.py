@@ -10,8 +10,8 @@ import math
 import os
 from typing import Any, Callable, TypeVar
 
-from offload_core.config import check_value, count
-from offload_core.errors import OffloadConfigError
+from offload_core.common.config import check_value, count
+from offload_core.base.errors import OffloadConfigError
 
 
 T = TypeVar("T")

@@ -50,8 +50,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
-from offload_core.labels import describe
-from offload_core.locks import locked
+from offload_core.common.labels import describe
+from offload_core.base.locks import locked
 
 from offload_core.weights.binding import BIND_HOOKS
 

@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import Callable
 
-from offload_core.locks import locked
+from offload_core.base.locks import locked
 
 from .sanitizer import suspended, watching
 from .trace import StreamTrace, now_ns

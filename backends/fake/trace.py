@@ -28,7 +28,7 @@ class Span:
 
 class StreamTrace:
     """What the fake device's streams ran, as the device itself would see it (what the strategies
-    meant by it is :class:`offload_core.timeline.Timeline`, which they record themselves).
+    meant by it is :class:`offload_core.common.timeline.Timeline`, which they record themselves).
 
     Bounded list of spans, appended to from every stream's thread. ``max_spans`` keeps long
     runs from growing memory. Appends are plain tuples (list.append is atomic), because they sit on

@@ -162,7 +162,7 @@ def _built_model(folder: str):
     from torch import nn
     from diffusers import WanTransformer3DModel
 
-    from ..pretrained import build_on_meta
+    from ..pretrained.load import build_on_meta
     from ..weights.unit import SOURCE_ATTRIBUTE
 
     model = build_on_meta(WanTransformer3DModel, folder, torch.bfloat16)

@@ -45,7 +45,7 @@ def budget_type(of: str | None) -> Callable[[str], str]:
     def parse(text: str) -> str:
         import argparse
 
-        from ..config import parse_budget
+        from ..common.config import parse_budget
 
         try:
             parse_budget(text, of=of)

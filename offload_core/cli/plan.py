@@ -140,8 +140,8 @@ def _components(args: argparse.Namespace, bandwidth: float):
     """The plan inputs of the pipeline the flags name (copies at ``bandwidth`` bytes per second):
     its components, model-level swap groups, phases (with where they come from and the steps of a
     call) and the call's shape."""
-    from ..fitting import pipeline_plan_inputs
-    from ..pipelines import pipeline_modules
+    from ..planning.fitting import pipeline_plan_inputs
+    from ..discovery.pipelines import pipeline_modules
     from ..planning.phases import REAL_CLASSES
 
     if args.model is None and (args.pipeline or DEFAULT_TINY).startswith("real:"):
@@ -166,7 +166,7 @@ def _components(args: argparse.Namespace, bandwidth: float):
     measured = dict(copy_bandwidth=bandwidth,
                     block_compute_s=args.block_compute_ms / 1e3 if args.block_compute_ms else None)
     if args.activation_memory is not None:
-        from ..config import size
+        from ..common.config import size
 
         measured.update(activation_bytes=size(args.activation_memory), activation_from="given")
     return dataclasses.replace(inputs, components=[c.with_measurements(**measured) for c in inputs.components])
@@ -178,9 +178,9 @@ def _store_narrow(pipe: Any, modules: list, dtype_name: str) -> None:
     their weights as stored."""
     import torch
 
-    from ..casting import cast_for_storage
-    from ..errors import OffloadConfigError
-    from ..pipelines import pipeline_inventory
+    from ..interop.casting import cast_for_storage
+    from ..base.errors import OffloadConfigError
+    from ..discovery.pipelines import pipeline_inventory
 
     kinds = pipeline_inventory(pipe, modules).kinds
     try:
@@ -263,7 +263,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown pipeline {args.pipeline!r}; known: {', '.join(pipeline_names())}")
     if args.prefetch_depth < 1:
         raise UsageError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
-    from ..errors import OffloadConfigError
+    from ..base.errors import OffloadConfigError
     from ..planning import Rates, device_bytes, make_plan
 
     free, total = device_memory(args.backend)

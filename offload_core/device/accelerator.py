@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from ..errors import BackendUnavailableError
+from ..base.errors import BackendUnavailableError
 from . import collectives
 from .backend import Capability, DeviceBackend, Event, Stream
 from .memory_accounting import AllocationTracker, HostRegistrations, as_shape, power_of_two_ceil

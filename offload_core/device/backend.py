@@ -35,7 +35,7 @@ class Capability:
     COLLECTIVES = "collectives"
     #: ``new_event(timing=True)`` gives an event with ``elapsed_time(end)``: the milliseconds
     #: between the points two recorded events mark on the device (``torch.Event(enable_timing=True)``);
-    #: :class:`offload_core.timeline.Timeline` then times spans on the device, not on the host
+    #: :class:`offload_core.common.timeline.Timeline` then times spans on the device, not on the host
     TIMING = "timing"
     #: ``register_host`` / ``unregister_host`` page-lock existing page-aligned host memory at its
     #: exact size (``cudaHostRegister``). Offload-core then pins homes and the bounce ring that

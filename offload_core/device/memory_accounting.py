@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..locks import locked
+from ..base.locks import locked
 
 __all__ = ["AllocationTracker", "HostRegistrations", "as_shape", "power_of_two_ceil"]
 
@@ -204,7 +204,7 @@ class HostRegistrations:
 
     The ranges are one snapshot, replaced whole by each change (one assignment: no interrupt
     leaves it half changed, and readers need no lock); changes are made one at a time, under a
-    lock taken through :func:`~offload_core.locks.locked`. A registered block's finalizer
+    lock taken through :func:`~offload_core.base.locks.locked`. A registered block's finalizer
     unregisters it wherever a garbage collection runs, also inside ``add`` on the same thread,
     hence a re-entrant lock: the nested change is made on the snapshot it finds.
     """

@@ -27,8 +27,8 @@ from typing import Any
 
 import pluggy
 
-from ..errors import BackendNotFoundError, OffloadConfigError
-from ..locks import locked
+from ..base.errors import BackendNotFoundError, OffloadConfigError
+from ..base.locks import locked
 from . import hookspecs
 from .backend import DeviceBackend
 

@@ -20,7 +20,7 @@ import logging
 from typing import Iterable
 
 from torch import nn
-from ..errors import BlockDiscoveryError
+from ..base.errors import BlockDiscoveryError
 
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Iterator
 
-from ..locks import locked
+from ..base.locks import locked
 
 #: the most checkpoint and spill file descriptors open at once (more only while that many reads
 #: hold theirs: one per reading thread)

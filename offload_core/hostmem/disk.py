@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import CheckpointError
+from ..base.errors import CheckpointError
 from ..weights.slices import ALIGN, DIRECT_MIN_BYTES, FileSlice
 from . import direct
 from .descriptors import DESCRIPTORS

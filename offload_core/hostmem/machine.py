@@ -11,7 +11,7 @@ on cgroup v2 (``memory.max``, ``memory.current``) and v1 (``memory.limit_in_byte
 anything (``inactive_file`` of ``memory.stat``), as container runtimes count it.
 
 What the user may write for ``pinned_memory=`` / ``host_memory=`` is parsed with the other options
-(:class:`offload_core.config.Budget`); a fraction of RAM is turned into bytes here, when a
+(:class:`offload_core.common.config.Budget`); a fraction of RAM is turned into bytes here, when a
 placement is decided, against the RAM of the machine that runs it.
 
 Tests point every read at a fake tree: :envvar:`OFFLOAD_CORE_SYSTEM_ROOT` (or ``root=``) names a

@@ -36,10 +36,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..config import OffloadConfig
+from ..common.config import OffloadConfig
 from ..device.backend import Capability
 
-from ..errors import OffloadConfigError
+from ..base.errors import OffloadConfigError
 from .slabs import SlabAllocator, aligned
 from .machine import auto_pinned_budget, physical_memory, size_text as _size
 from ..weights.slices import FileSlice

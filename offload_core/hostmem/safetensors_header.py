@@ -8,7 +8,7 @@ UTF-8 JSON object (no ``NaN``, no name given twice, no unpaired surrogate escape
 offsets ``begin <= end`` whose span is exactly the shape's bytes; and the tensors, in offset
 order, covering the data section exactly (each begins where the previous one ends, the last ends
 at the end of the file), so that no tensor points into the header or past the end, and no two
-share bytes. Each violation is a :class:`~offload_core.errors.CheckpointError` naming the file and
+share bytes. Each violation is a :class:`~offload_core.base.errors.CheckpointError` naming the file and
 the tensor.
 
 The header is read through one descriptor and ``os.pread``, never ``mmap``.
@@ -23,7 +23,7 @@ import struct
 
 import torch
 
-from ..errors import CheckpointError
+from ..base.errors import CheckpointError
 
 #: the largest header accepted, as the safetensors library's ``MAX_HEADER_SIZE``
 MAX_HEADER_BYTES = 100_000_000

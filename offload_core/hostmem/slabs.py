@@ -43,7 +43,7 @@ from typing import Iterable
 import torch
 
 from ..device.backend import Capability
-from ..locks import locked
+from ..base.locks import locked
 from ..weights.unit import ALIGN_BYTES
 from .registered import RegisteredMemory, page_round
 

@@ -35,7 +35,7 @@ import weakref
 from typing import Callable, Sequence
 
 import torch
-from ..errors import StagingError
+from ..base.errors import StagingError
 from ..weights.slices import ALIGN
 
 

@@ -8,8 +8,8 @@ planner never touches a tensor.
 from __future__ import annotations
 
 import dataclasses
-from ..config import parse_budget
-from ..errors import OffloadConfigError
+from ..common.config import parse_budget
+from ..base.errors import OffloadConfigError
 
 KINDS = ("dit", "text_encoder", "vae", "other")
 
@@ -101,7 +101,7 @@ def device_bytes(value: object, total: int | None = None) -> int:
     """``device_memory`` in bytes: bytes (an int), a size string ("16GiB", "12 GB"), or a
     fraction of ``total`` (the device's memory, ``backend.mem_get_info()[1]``): a float, or a
     string with a decimal point, in (0, 1]. Read by the one size parser of every option
-    (``offload_core.config.parse_budget``; the table in docs/index.md)."""
+    (``offload_core.common.config.parse_budget``; the table in docs/index.md)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         raise OffloadConfigError("device_memory= needs a budget: bytes, a size such as '16GiB', or a fraction "
                                  "of the device's memory such as 0.9")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..config import parse_budget
+from ..common.config import parse_budget
 from .components import Component
 from .plan import RESIDENT, STAGED, SWAPPED, ComponentPlan
 

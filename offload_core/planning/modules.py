@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 from torch import nn
 
 from ..discovery import find_blocks
-from ..errors import BlockDiscoveryError, UnsupportedTensorError
+from ..base.errors import BlockDiscoveryError, UnsupportedTensorError
 from ..weights import WeightUnit, split_units
 from ..weights.owners import collect_tensors
 from .activations import estimate, latent_factors
@@ -79,11 +79,11 @@ def components_from_modules(modules: Sequence[tuple[str, nn.Module]], kinds: Map
                             blocks: Iterable[str] | None = None, shape: CallShape | None = None,
                             guidance_batch: int = 1) -> list[Component]:
     """The components of a pipeline's ``(name, module)`` pairs, in that order, each of its kind in
-    ``kinds`` ("dit", "text_encoder", "vae", "other": ``offload_core.pipelines.component_kind``);
+    ``kinds`` ("dit", "text_encoder", "vae", "other": ``discovery.pipelines.component_kind``);
     ``blocks`` overrides the DiTs' block discovery, as ``enable_offload(blocks=...)`` does. With a
     call ``shape`` (and ``guidance_batch``: the batch guidance adds to each DiT forward), each
     component's activation headroom is estimated from its config (:mod:`.activations`). This
-    module does not import ``offload_core.pipelines``, so the enable path can call it."""
+    module does not import ``offload_core.discovery.pipelines``, so the enable path can call it."""
     vae = next((module for name, module in modules if kinds[name] == "vae"), None)
     factors = latent_factors(vae)
     components = []

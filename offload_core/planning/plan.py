@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from ..config import STRATEGIES
+from ..common.config import STRATEGIES
 from .peaks import group_peak, phase_peak
 
 #: what a component does under the plan

@@ -10,7 +10,7 @@ Selection, with no strategy given (the coarsest that fits, since coarser moves f
 
 A strategy given explicitly is kept (the flags' priority rule is the caller's); the budget then
 only sizes it, and a budget it cannot meet is an error. An impossible budget is an
-:class:`~offload_core.errors.OffloadConfigError` naming the smallest budget that works.
+:class:`~offload_core.base.errors.OffloadConfigError` naming the smallest budget that works.
 
 Given the phases of a call (:mod:`.phases`), layerwise plans the run, not the pipeline: each phase
 gets the device. A streamed component that *parks* holds nothing on the device while another phase
@@ -28,8 +28,8 @@ import dataclasses
 import itertools
 from typing import Mapping, Sequence
 
-from ..config import FLAGGED, STRATEGIES
-from ..errors import OffloadConfigError
+from ..common.config import FLAGGED, STRATEGIES
+from ..base.errors import OffloadConfigError
 from .components import Component, device_bytes
 from .hosttiers import host_tiers
 from .phases import Phase
@@ -505,7 +505,7 @@ def _host_budget(host_memory: object) -> tuple[int | None, str | None]:
     """The RAM the host tiers were planned for, and where that figure comes from."""
     if host_memory is None:
         return None, None
-    from ..config import parse_budget
+    from ..common.config import parse_budget
     from ..hostmem.machine import physical_memory
 
     parsed = parse_budget(host_memory)

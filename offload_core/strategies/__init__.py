@@ -6,7 +6,7 @@ from typing import Sequence
 
 from torch import nn
 
-from ..config import OffloadConfig
+from ..common.config import OffloadConfig
 from ..device.backend import DeviceBackend
 from .distributed import distributed_part
 from .layerwise import LayerwiseOffload

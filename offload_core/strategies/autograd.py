@@ -41,8 +41,8 @@ import torch
 from torch._C import _autograd
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import OffloadedModelError
-from ..locks import locked
+from ..base.errors import OffloadedModelError
+from ..base.locks import locked
 from ..weights.binding import CAST_COPIES
 from ..weights.layout import storage_key
 

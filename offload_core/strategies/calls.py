@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ExportError
+from ..base.errors import ExportError
 from .common import to_device
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class CallWrapper:
 
     def _run(self, work: Callable, enter: Callable, after: Callable[[bool], None] | None, args: tuple,
              kwargs: dict) -> Any:
-        # ``work`` holding the lock, the with statement on one line (offload_core.locks): no
+        # ``work`` holding the lock, the with statement on one line (offload_core.base.locks): no
         # interrupt leaves the handle's lock held. Under Dynamo this frame and ``work``'s are
         # skipped (``work`` is then the disabled wrapper), and the frames they call are compiled.
         with self._lock: return work(enter, after, args, kwargs)  # noqa: E701

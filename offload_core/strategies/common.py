@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from ..config import OffloadConfig
+from ..common.config import OffloadConfig
 from ..hostmem.machine import Trimmer
 from ..hostmem.placement import Tier, place_homes
-from ..labels import Label, label
-from ..transaction import Transaction
+from ..common.labels import Label, label
+from ..common.transaction import Transaction
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def _issue(placement, transfers, stream) -> None:
 
 @torch.inference_mode(False)  # a load inside the user's inference_mode: later copies write them outside it
 def allocate_device(backend, numel: dict[torch.dtype, int], name: Label) -> dict[torch.dtype, torch.Tensor]:
-    """One flat device buffer per dtype, named ``name`` in error reports (:mod:`offload_core.labels`)."""
+    """One flat device buffer per dtype, named ``name`` in error reports
+    (:mod:`offload_core.common.labels`)."""
     buffers = {dtype: backend.empty_device(n, dtype) for dtype, n in numel.items()}
     for buffer in buffers.values():
         label(buffer, name)

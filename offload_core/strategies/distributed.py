@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device.backend import DeviceBackend
-from ..errors import DistributedOffloadError
+from ..base.errors import DistributedOffloadError
 from .gather import ShardedGather
 from .homes import RankHomePolicy, ShardHomePolicy
 from .layerwise import LayerwiseOffload

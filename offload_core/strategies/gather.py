@@ -43,9 +43,9 @@ import logging
 
 import torch
 
-from ..errors import DistributedOffloadError
+from ..base.errors import DistributedOffloadError
 from ..hostmem.placement import Tier
-from ..labels import label
+from ..common.labels import label
 from ..planning.planner import GATHER_GATHERED_BYTES, GATHER_SENT_BYTES
 from ..weights import nbytes_of
 from .common import allocate_device

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from ..errors import OffloadedModelError
+from ..base.errors import OffloadedModelError
 from ..weights.binding import Binding
 from .common import allocate_device, copy_unit
 from .part import adopt_foreign, write_back

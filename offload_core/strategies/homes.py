@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import DistributedOffloadError, OffloadedModelError
+from ..base.errors import DistributedOffloadError, OffloadedModelError
 from ..hostmem.placement import ONCE, STREAM, HostUnit
 from ..weights.placeholders import placeholders
 from .common import pack_units

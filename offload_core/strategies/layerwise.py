@@ -73,8 +73,8 @@ import torch
 from torch import nn
 
 from ..device.backend import DeviceBackend
-from ..locks import locked
-from ..transaction import Transaction
+from ..base.locks import locked
+from ..common.transaction import Transaction
 from ..weights import nbytes_of, split_units
 from ..weights.binding import Binding, Home
 from ..hostmem.placement import SWITCH, HostUnit

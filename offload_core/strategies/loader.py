@@ -15,7 +15,7 @@ import functools
 import logging
 import weakref
 
-from ..timeline import UNTRACED
+from ..common.timeline import UNTRACED
 from ..weights.binding import Homes
 from .ring import LoadRecord, SlotRing, kept_views
 

@@ -33,10 +33,10 @@ from torch import nn
 
 from ..device.backend import DeviceBackend, Event
 from ..hostmem.placement import SWAP, HostUnit
-from ..locks import locked
+from ..base.locks import locked
 from ..planning.peaks import PREFETCH_RESERVE as RESERVE_FRACTION  # of the device, kept free of prefetched weights
-from ..timeline import UNTRACED
-from ..transaction import Transaction
+from ..common.timeline import UNTRACED
+from ..common.transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.binding import Binding, Home
 from ..weights.owners import collect_tensors

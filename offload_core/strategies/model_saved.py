@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from ..locks import locked
+from ..base.locks import locked
 from .autograd import DeviceCopy, at_backward_end
 from .model_groups import Component
 from .part import Part

@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from .. import changes
-from ..errors import OffloadedModelError, RepackError
-from ..transaction import Transaction
+from ..common import changes
+from ..base.errors import OffloadedModelError, RepackError
+from ..common.transaction import Transaction
 from ..weights.layout import same_layout
 from .calls import CallWrapper
 from .common import Counters

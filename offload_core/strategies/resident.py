@@ -13,8 +13,8 @@ from torch import nn
 
 from ..device.backend import DeviceBackend
 from ..hostmem.placement import ONCE, HostUnit
-from ..locks import locked
-from ..transaction import Transaction
+from ..base.locks import locked
+from ..common.transaction import Transaction
 from ..weights import WeightUnit
 from ..weights.owners import collect_tensors
 from .common import allocate_device, copy_unit, default_placement, pack_units, unpack_units

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..errors import OffloadedModelError
+from ..base.errors import OffloadedModelError
 from ..weights import nbytes_of
 from ..weights.binding import Binding
 from .common import allocate_device

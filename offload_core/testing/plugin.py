@@ -61,7 +61,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _info(name: str):
-    from offload_core.errors import BackendNotFoundError
+    from offload_core.base.errors import BackendNotFoundError
     from offload_core.device.plugins import registry
 
     try:
@@ -147,7 +147,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     name = config.getoption("backend")
     if name is None:
         return []
-    from offload_core.errors import BackendNotFoundError
+    from offload_core.base.errors import BackendNotFoundError
     from offload_core.device.plugins import registry
 
     info = _info(name)

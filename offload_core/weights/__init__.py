@@ -1,6 +1,6 @@
 """Packing groups of tensors into flat per-dtype host buffers, and splitting a model into units."""
 
-from ..errors import UnsupportedTensorError
+from ..base.errors import UnsupportedTensorError
 from .split import split_units
 from .layout import nbytes_of
 from .unit import WeightUnit

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..errors import UnsupportedTensorError
+from ..base.errors import UnsupportedTensorError
 from .subclass import assign_param, like
 
 #: attribute of a meta tensor naming where its values are (an object with ``read(start, count, out)``)

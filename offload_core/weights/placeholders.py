@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..errors import OffloadedModelError
+from ..base.errors import OffloadedModelError
 
 _REFUSAL = (
     "has no home in RAM (its home on disk, or a shard on each rank): a write into its tensors outside "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import Unstreamable
+from ..base.errors import Unstreamable
 from .placeholders import PlaceholderParameter, PlaceholderTensor, shows_placeholder
 
 

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..errors import Unstreamable, UnsupportedTensorError
+from ..base.errors import Unstreamable, UnsupportedTensorError
 from .layout import ALIGN_BYTES, Composite, Entry, Kept, Region, extent, nbytes_of, region_tensor, storage_key
 from .owners import SOURCE_ATTRIBUTE, Owner, check_supported
 from .placeholders import parameter

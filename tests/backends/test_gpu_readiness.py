@@ -22,7 +22,7 @@ from torch import nn
 import offload_core
 from offload_core.hostmem import staging
 from offload_core.hostmem.placement import Placement
-from offload_core.transaction import Transaction
+from offload_core.common.transaction import Transaction
 from offload_core.strategies.model_level import RESERVE_FRACTION, ModelLevelOffload
 from offload_core.weights.unit import ALIGN_BYTES
 

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import offload_core
-from offload_core.labels import label
+from offload_core.common.labels import label
 from offload_core.testing import SimulatorCapability
 from offload_core_fake import StreamRaceError
 

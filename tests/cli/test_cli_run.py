@@ -26,7 +26,7 @@ from offload_core.cli.run.arguments import DEFAULT_PIPELINE, DEMO_STEPS, MAX_STE
 from offload_core.cli.run.command import run_pipeline
 from offload_core.cli.run.report import render
 from offload_core.device.plugins import ENV_BACKEND, registry
-from offload_core.overlap import copy_overlap
+from offload_core.common.overlap import copy_overlap
 from offload_core.tiny import PIPELINES, build_pipeline
 from tools import cli_samples as sample
 
@@ -277,7 +277,7 @@ def test_prefetches_for_a_step_that_never_comes_are_counted_apart():
 
 def test_unused_prefetches_are_found_in_a_timeline():
     from offload_core.cli.run.report import unused_prefetches
-    from offload_core.timeline import Span
+    from offload_core.common.timeline import Span
 
     class Recorded:
         def spans(self):
@@ -747,7 +747,7 @@ def test_the_call_runs_with_the_loaded_objects_frozen_out_of_collections(monkeyp
 def test_a_first_model_level_call_counts_copies_beside_idle_compute_as_not_hidden():
     """The first group's copy runs before anything computes: it hides behind nothing, though
     compute never waited for it. The figure is the copy time under compute spans, less waits."""
-    from offload_core.overlap import difference, intersect, length, union
+    from offload_core.common.overlap import difference, intersect, length, union
 
     result = run_pipeline(parse("--pipeline", "flux2", "--strategy", "model", "--json"), backend=chaos_backend())
     try:

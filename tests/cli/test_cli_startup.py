@@ -69,4 +69,4 @@ def test_the_package_still_exports_its_names_when_used():
          "sorted(set(offload_core.__all__) - set(dir(offload_core))))"],
         capture_output=True, text=True, timeout=120,
     )
-    assert done.stdout.split() == ["offload_core.api", "offload_core.config", "[]"], done.stderr
+    assert done.stdout.split() == ["offload_core.api", "offload_core.common.config", "[]"], done.stderr

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.errors import OffloadedModelError
+from offload_core.base.errors import OffloadedModelError
 from offload_core.tiny import build_pipeline
 
 from contract_models import ENABLE_OPTIONS

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import offload_core
-from offload_core.casting import casting_hooks
-from offload_core.fitting import pipeline_plan_inputs
-from offload_core.pipelines import pipeline_modules
+from offload_core.interop.casting import casting_hooks
+from offload_core.planning.fitting import pipeline_plan_inputs
+from offload_core.discovery.pipelines import pipeline_modules
 from offload_core.planning import make_plan
 from offload_core.strategies.part import Part
 from offload_core.tiny import build_pipeline

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.pipelines import component_kind, pipeline_modules
+from offload_core.discovery.pipelines import component_kind, pipeline_modules
 from offload_core.strategies.layerwise import LayerwiseOffload
 from offload_core.strategies.model_level import ModelLevelOffload
 from sweep import SWEEP, build_sweep_pipeline
@@ -89,7 +89,7 @@ def test_a_device_budget_gives_each_phase_the_device_and_equals_no_offload(tiny)
     """Every sweep pipeline under a budget a third of the way from layerwise offload's smallest to
     all its weights (its smallest, where streaming a tiny model takes more than all of it): the plan has phases covering every component (known, or the generic rule),
     the call is exact within the budget, and the phases it really had are stated afterwards."""
-    from offload_core.fitting import pipeline_plan_inputs
+    from offload_core.planning.fitting import pipeline_plan_inputs
     from offload_core.planning import make_plan
 
     inputs = pipeline_plan_inputs(tiny.pipe, pipeline_modules(tiny.pipe), cls_name=type(tiny.pipe).__name__)

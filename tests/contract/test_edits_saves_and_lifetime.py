@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import offload_core
-from offload_core.errors import OffloadedModelError
+from offload_core.base.errors import OffloadedModelError
 from offload_core.tiny import build_pipeline
 
 from contract_models import D, ENABLE_OPTIONS, assert_offloaded, assert_same, build, run

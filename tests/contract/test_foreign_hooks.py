@@ -1,5 +1,5 @@
 """Other libraries' placement-managing hooks attached to a model after ``enable_offload``
-(docs/design.md, row 16; offload_core/other_hooks.py): diffusers' functional
+(docs/design.md, row 16; offload_core/interop/other_hooks.py): diffusers' functional
 ``apply_group_offloading``, its model method, accelerate's ``cpu_offload`` and
 ``add_hook_to_module`` are refused as they attach, with an ``OffloadConfigError`` naming the hook
 and ``handle.disable()``, before any weight changes: the model's tensors are the same objects with
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.errors import OffloadConfigError
+from offload_core.base.errors import OffloadConfigError
 
 from contract_models import ENABLE_OPTIONS
 from denoisers import build_transformer
@@ -120,7 +120,7 @@ def test_a_library_imported_after_enable_is_guarded_as_it_is_imported():
         import sys
         import torch
         import offload_core
-        from offload_core.errors import OffloadConfigError
+        from offload_core.base.errors import OffloadConfigError
         from stacks import StackSpec, build_stack
 
         model = build_stack(StackSpec(d=8))

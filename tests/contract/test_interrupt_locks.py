@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import offload_core
-from offload_core import labels
+from offload_core.common import labels
 from offload_core.device.memory_accounting import AllocationTracker, HostRegistrations, power_of_two_ceil
 from offload_core.hostmem.slabs import SlabAllocator
 

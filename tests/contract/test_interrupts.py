@@ -41,7 +41,8 @@ OPERATIONS = ["enable", "forward", "backward", "disable"]
 PER_FILE = int(os.environ.get("OFFLOAD_CORE_INTERRUPTS_PER_FILE", "8"))  # in the files of PATH
 PER_OTHER_FILE = 2  # in the rest of the library the path runs through (weights, placement)
 #: the strategies, the handle, and the bookkeeping that locks and finalizers guard
-PATH = ("strategies/", "handle.py", "changes.py", "enable.py", "labels.py", "slabs.py", "memory_accounting.py")
+PATH = ("strategies/", "handle.py", "common/changes.py", "enabling/enable.py", "common/labels.py", "slabs.py",
+        "memory_accounting.py")
 ALL = os.environ.get("OFFLOAD_CORE_ALL_INTERRUPTS") == "1"
 DEADLINE = float(os.environ.get("OFFLOAD_CORE_INTERRUPT_DEADLINE", "60"))
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))

@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 import offload_core
-from offload_core.errors import OffloadedModelError, RepackError
+from offload_core.base.errors import OffloadedModelError, RepackError
 
 from contract_models import ENABLE_OPTIONS
 from helpers import chaos_backend

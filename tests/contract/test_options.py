@@ -15,7 +15,7 @@ import torch
 
 import offload_core
 from offload_core import OffloadConfig, OffloadConfigError
-from offload_core.config import count, option
+from offload_core.common.config import count, option
 from offload_core_fake import FakeBackend
 
 from helpers import assert_same_state, chaos_backend, snapshot
@@ -189,7 +189,7 @@ def test_from_pretrained_takes_enable_offloads_options_from_its_signature():
     to) has enable_offload's, with their defaults and annotations, between its own parameters."""
     import inspect
 
-    from offload_core.pretrained import from_pretrained
+    from offload_core.pretrained.load import from_pretrained
 
     options = [p for p in inspect.signature(offload_core.enable_offload).parameters.values()
                if p.kind is p.KEYWORD_ONLY]

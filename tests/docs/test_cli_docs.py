@@ -29,7 +29,7 @@ def test_the_sample_outputs_are_up_to_date():
 def slow_clock(monkeypatch):
     """Every clock the run reads (the command's, the timeline's, the fake's) runs 40 times fast,
     so that each step of the demo takes well over a second, as on a very loaded machine."""
-    import offload_core.timeline
+    import offload_core.common.timeline
     import offload_core_fake.streams
     import offload_core_fake.trace
 
@@ -41,7 +41,7 @@ def slow_clock(monkeypatch):
 
     monkeypatch.setattr(time, "perf_counter", lambda: slow_ns() / 1e9)
     monkeypatch.setattr(time, "perf_counter_ns", slow_ns)
-    for module in (offload_core.timeline, offload_core_fake.trace, offload_core_fake.streams):
+    for module in (offload_core.common.timeline, offload_core_fake.trace, offload_core_fake.streams):
         if getattr(module, "now_ns", None) is counter_ns:
             monkeypatch.setattr(module, "now_ns", slow_ns)
     del counter

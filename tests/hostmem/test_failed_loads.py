@@ -21,7 +21,7 @@ import torch
 
 import offload_core
 from offload_core import CheckpointError
-from offload_core.errors import StagingError
+from offload_core.base.errors import StagingError
 from offload_core.weights import slices
 
 from checkpoints import WEIGHTS, read_header, save, tiny_wan

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import offload_core
 from offload_core_fake import StreamRaceError
 from offload_core.discovery import find_blocks
-from offload_core.config import parse_budget
+from offload_core.common.config import parse_budget
 from offload_core.hostmem import placement, staging
 from offload_core.hostmem.disk import FileSlice
 from offload_core.strategies.layerwise import LayerwiseOffload

@@ -197,7 +197,7 @@ def test_a_slab_over_a_pinned_cap_falls_back_to_the_request_alone():
 
 
 def test_host_homes_sharing_a_slab_keep_their_own_names_in_reports():
-    from offload_core.labels import describe
+    from offload_core.common.labels import describe
 
     model = Stack(blocks=4)
     handle = offload_core.enable_offload(model, enable_layerwise_offload=True, backend=pow2_backend())

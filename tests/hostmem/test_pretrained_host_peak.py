@@ -52,7 +52,7 @@ def measure(folder: str, out: str) -> dict:
     from transformers import T5TokenizerFast, UMT5EncoderModel  # noqa: F401
 
     import offload_core
-    import offload_core.pretrained_transformers  # noqa: F401
+    import offload_core.pretrained.encoders  # noqa: F401
     from offload_core.bench.hostmem import Peak, rss
     from offload_core.hostmem.machine import return_free_memory
     from offload_core.tiny import TinyPipeline, build_pipeline

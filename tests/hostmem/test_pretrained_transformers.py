@@ -79,7 +79,7 @@ def test_an_encoder_streams_from_its_own_checkpoint_and_equals_transformers_load
     cls = saved(name, tmp_path)
     reference = cls.from_pretrained(tmp_path)
     expected = forward(reference, inputs_for(reference))
-    from offload_core.pretrained_transformers import load_from_checkpoint
+    from offload_core.pretrained.encoders import load_from_checkpoint
 
     built = load_from_checkpoint(cls, str(tmp_path), None)
     tensors = built.state_dict(keep_vars=True)
@@ -133,7 +133,7 @@ def test_a_sharded_checkpoint_and_an_old_key_layout_are_read_as_transformers_rea
 def test_a_tie_whose_two_tensors_are_both_saved_is_tied_when_they_are_equal(tmp_path):
     """T5's ``encoder.embed_tokens`` is tied to ``shared``: a checkpoint holding both (equal)
     loads tied, as transformers loads it; with different values they stay apart."""
-    from offload_core.pretrained_transformers import load_from_checkpoint
+    from offload_core.pretrained.encoders import load_from_checkpoint
 
     cls = saved("t5", tmp_path)
     path = tmp_path / "model.safetensors"
@@ -171,11 +171,11 @@ def _as_pickle(folder) -> None:
                                          (_as_pickle, "its weights are not safetensors")],
                          ids=["missing-weight", "pickle"])
 def test_what_the_rules_do_not_cover_is_read_by_transformers_with_a_log_line(change, why, tmp_path, caplog):
-    from offload_core.pretrained_transformers import load_from_checkpoint
+    from offload_core.pretrained.encoders import load_from_checkpoint
 
     cls = saved("umt5", tmp_path)
     change(tmp_path)
-    with caplog.at_level(logging.INFO, logger="offload_core.pretrained_transformers"):
+    with caplog.at_level(logging.INFO, logger="offload_core.pretrained.encoders"):
         model = load_from_checkpoint(cls, str(tmp_path), None)
     assert why in caplog.text and "transformers reads its checkpoint" in caplog.text
     assert attached(model) == 0 and not any(t.is_meta for t in model.state_dict().values())
@@ -189,7 +189,7 @@ def test_transformers_own_reading_is_back_in_place_after_a_load(tmp_path):
     """Only the model of the call is read as slices: a later plain load reads tensors."""
     from transformers import PreTrainedModel
 
-    from offload_core import pretrained_transformers as pt
+    from offload_core.pretrained import encoders as pt
 
     cls = saved("llama", tmp_path)
     original = PreTrainedModel.__dict__["_load_pretrained_model"]
@@ -293,8 +293,8 @@ def test_a_transformers_whose_loading_internals_differ_loads_the_model_itself(tm
     cls = saved("t5", tmp_path)
     reference = cls.from_pretrained(tmp_path)
     expected = forward(reference, inputs_for(reference))
-    monkeypatch.setitem(sys.modules, "offload_core.pretrained_transformers", None)  # its import raises
-    with caplog.at_level(logging.INFO, logger="offload_core.pretrained"):
+    monkeypatch.setitem(sys.modules, "offload_core.pretrained.encoders", None)  # its import raises
+    with caplog.at_level(logging.INFO, logger="offload_core.pretrained.load"):
         handle = offload_core.from_pretrained(tmp_path, enable_layerwise_offload=True, backend=chaos_backend())
     assert any("loading internals" in r.getMessage() for r in caplog.records)
     model = handle.target

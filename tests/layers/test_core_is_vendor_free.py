@@ -90,7 +90,8 @@ def test_the_scans_see_the_core_and_what_they_look_for():
     """Guard against a vacuous pass: the scans find the core's modules, and each kind of
     knowledge of the fake is caught in a sample."""
     names = {p.relative_to(CORE).as_posix() for p in _core_files()}
-    assert {"device/backend.py", "device/plugins.py", "device/hookspecs.py", "strategies/part.py", "config.py"} <= names
+    assert {"device/backend.py", "device/plugins.py", "device/hookspecs.py", "strategies/part.py",
+            "common/config.py"} <= names
     assert not any(name.startswith("testing/") for name in names)
     assert VENDOR.search("x = torch.cuda.Stream()") and VENDOR.search("import torch_npu")
     samples = {

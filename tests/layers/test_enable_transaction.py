@@ -1,8 +1,8 @@
-"""The enable transaction (offload_core/enable.py) is one path for a module and a pipeline alike:
-a failure at its very last step (an install half put on the target) leaves either target exactly
-as it was, unregistered, so that it can be enabled again. And the path flows downward: a static
-walk of where ``enable_offload``'s target goes (tools/enable_walk.py) climbs back up to a higher
-layer at most four times, and reads each fact of a pipeline once."""
+"""The enable transaction (offload_core/enabling/enable.py) is one path for a module and a
+pipeline alike: a failure at its very last step (an install half put on the target) leaves either
+target exactly as it was, unregistered, so that it can be enabled again. And the path flows
+downward: a static walk of where ``enable_offload``'s target goes (tools/enable_walk.py) climbs
+back up to a higher layer at most four times, and reads each fact of a pipeline once."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 import offload_core
 from offload_core.handle import HANDLE_ATTRIBUTE
-from offload_core.installs import Mark
+from offload_core.enabling.installs import Mark
 from offload_core.tiny import build_pipeline
 
 from contract_models import ENABLE_OPTIONS, build
@@ -69,7 +69,7 @@ def test_a_failure_at_the_last_step_of_enable_leaves_the_target_as_it_was(kind, 
 
 def test_the_enable_path_climbs_at_most_four_times():
     stays, climbs, _ = enable_walk.walk(enable_walk.Package(enable_walk.ROOT))
-    assert "enable" in stays and "handle" in stays, "the walk no longer follows the target through enable"
+    assert "enabling.enable" in stays and "handle" in stays, "the walk no longer follows the target through enable"
     assert len(climbs) <= 4, climbs
 
 
@@ -79,8 +79,8 @@ def test_each_pipeline_fact_is_read_once():
     from two places (the inventory's own methods read what it holds)."""
     asks = enable_walk.walk(enable_walk.Package(enable_walk.ROOT)).asks
     reads = {callee: sites for callee, sites in asks.items()
-             if callee.startswith("pipelines.") and not callee.startswith("pipelines.Inventory.")}
-    assert {"pipelines.is_pipeline", "pipelines.pipeline_modules"} <= reads.keys()
+             if callee.startswith("discovery.pipelines.") and not callee.startswith("discovery.pipelines.Inventory.")}
+    assert {"discovery.pipelines.is_pipeline", "discovery.pipelines.pipeline_modules"} <= reads.keys()
     assert {callee: sites for callee, sites in reads.items() if len(sites) > 1} == {}
 
 

@@ -1,7 +1,7 @@
 """The package's modules import one another without a cycle (module-level, deferred and
 ``TYPE_CHECKING`` imports alike: a type named from a module is knowledge of it, and a circle
 through annotations is still two modules that cannot be read apart): each layer can be read,
-tested and changed below the ones that use it. Exceptions live in ``offload_core/errors.py``,
+tested and changed below the ones that use it. Exceptions live in ``offload_core/base/errors.py``,
 which imports nothing of the library, so raising one never needs a layer above."""
 
 from __future__ import annotations
@@ -53,4 +53,4 @@ def test_the_detector_sees_a_cycle():
 
 def test_errors_imports_nothing_of_the_library():
     known = modules()
-    assert imports("offload_core.errors", known["offload_core.errors"], known) == set()
+    assert imports("offload_core.base.errors", known["offload_core.base.errors"], known) == set()

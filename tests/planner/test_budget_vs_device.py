@@ -67,7 +67,7 @@ def test_a_device_that_fills_during_enable_is_an_error_naming_the_budget(monkeyp
     """Another user of the device takes 2 MiB after the plan was made: the allocator fails, and
     the error says which budget and peak the device could not hold; the pipeline is as it was,
     and enables once the memory is back."""
-    from offload_core import enable as enable_module
+    from offload_core.enabling import enable as enable_module
 
     tiny = build_pipeline("flux2-deep")
     reference = pipeline_reference(tiny)

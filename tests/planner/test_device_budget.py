@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.fitting import pipeline_plan_inputs
-from offload_core.pipelines import pipeline_modules
+from offload_core.planning.fitting import pipeline_plan_inputs
+from offload_core.discovery.pipelines import pipeline_modules
 from offload_core.planning import make_plan
 from offload_core.tiny import build_pipeline
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import offload_core
-from offload_core.transaction import Transaction
+from offload_core.common.transaction import Transaction
 from offload_core.strategies.model_level import RESERVE_FRACTION, ModelLevelOffload
 
 K = 64  # a KxK float32 Linear without bias: 16 KiB

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.errors import OffloadConfigError
+from offload_core.base.errors import OffloadConfigError
 from offload_core.planning import Component, choose_resident, device_bytes, make_plan, simulate
 from offload_core.planning.modules import component_from_module
 from offload_core.planning.timing import spread
@@ -282,7 +282,7 @@ def test_growing_budgets_never_exceed_the_budget_and_never_copy_more():
     """FLUX.2-dev at its real size (double blocks larger than single ones), forced layerwise from its
     smallest budget up to everything resident: the peak stays within each budget, and the DiT's
     bytes per forward fall (never rise) to zero."""
-    from offload_core.pipelines import component_kind
+    from offload_core.discovery.pipelines import component_kind
     from offload_core.planning.modules import components_from_modules
     from offload_core.planning.realsize import build_modules
 

@@ -1,4 +1,4 @@
-"""``offload_core.overlap``: copy time hidden behind compute, on hand-made timelines whose answer
+"""``offload_core.common.overlap``: copy time hidden behind compute, on hand-made timelines whose answer
 can be worked out on paper (times in nanoseconds). A copy is hidden only where a compute span ran
 beside it and neither compute nor the host waited."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from offload_core.overlap import Overlap, copy_overlap, difference, intersect, length, union
-from offload_core.timeline import Instant, Span
+from offload_core.common.overlap import Overlap, copy_overlap, difference, intersect, length, union
+from offload_core.common.timeline import Instant, Span
 
 
 def copy(start, end, lane="copy"):

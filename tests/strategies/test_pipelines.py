@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import offload_core
-from offload_core.pipelines import component_kind, pipeline_modules
+from offload_core.discovery.pipelines import component_kind, pipeline_modules
 
 from helpers import chaos_backend, exact_accounting, pipeline_reference
 

@@ -105,7 +105,7 @@ def test_a_second_enable_on_one_backend_fills_its_buffers_after_the_first_runs_c
 def test_resident_modules_fill_their_buffers_after_earlier_compute():
     """Resident components of a pipeline are copied in once, into buffers that may reuse memory
     compute read just before: the same ordering, for the part that has no host sync before it."""
-    from offload_core.transaction import Transaction
+    from offload_core.common.transaction import Transaction
     from offload_core.strategies.resident import ResidentModules
 
     backend = chaos_backend()

@@ -13,10 +13,10 @@ from torch import nn
 
 import offload_core
 from offload_core import Capability
-from offload_core.overlap import timeline_overlap
+from offload_core.common.overlap import timeline_overlap
 from offload_core.strategies.model_level import ModelLevelOffload
-from offload_core.transaction import Transaction
-from offload_core.timeline import Timeline
+from offload_core.common.transaction import Transaction
+from offload_core.common.timeline import Timeline
 from offload_core_fake import FakeBackend
 
 from helpers import chaos_backend

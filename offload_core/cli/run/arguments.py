@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...config import FLAGGED
+from ...common.config import FLAGGED
 from ..common import UsageError, available_backend, budget_type, check_writable
 
 if TYPE_CHECKING:

@@ -32,10 +32,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ...config import STRATEGIES
+from ...common.config import STRATEGIES
 from ...device.backend import DeviceBackend
-from ...errors import OffloadConfigError
-from ...timeline import Timeline
+from ...base.errors import OffloadConfigError
+from ...common.timeline import Timeline
 from ..common import UsageError, Writer, columns, write_all
 from . import arguments, loading, outputs, ranks
 from .clock import Collections, MemorySampler, StepClock, settled_collector
@@ -297,7 +297,7 @@ def _enable(pipe: Any, args: argparse.Namespace, backend: DeviceBackend | None):
     if args.host_memory is not None:
         options["host_memory"] = args.host_memory
     elif args.model is not None:  # read from its checkpoint as from_pretrained reads it
-        from ...pretrained import host_limit
+        from ...pretrained.load import host_limit
 
         options["host_memory"] = host_limit(args.strategy)
     if args.strategy is not None:  # else the device budget picks it

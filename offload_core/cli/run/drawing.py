@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...timeline import Timeline
+from ...common.timeline import Timeline
 from .report import Measured
 
 COLOURS = {"compute": "#4c72b0", "copy": "#55a868", "wait": "#c44e52"}

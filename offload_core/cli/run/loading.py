@@ -136,7 +136,7 @@ def _build_tiny(args: argparse.Namespace) -> Target:
 def _load_model(args: argparse.Namespace, offloaded: bool) -> Target:
     from diffusers import DiffusionPipeline
 
-    from ...pretrained import checkpoint_dtype, load
+    from ...pretrained.load import checkpoint_dtype, load
 
     logger.info("loading %s", args.model)
     try:

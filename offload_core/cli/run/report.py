@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ...overlap import timeline_overlap
-from ...timeline import Timeline
+from ...common.overlap import timeline_overlap
+from ...common.timeline import Timeline
 from ..common import columns
 from .outputs import frames_of
 from .steady import UNRELIABLE, Steady, step_overlaps, unreliable_reasons, waited_share

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 from ...bench import BASELINE, UNRELIABLE, status
 from ...bench.timing import ratio
-from ...overlap import Overlap, copy_overlap
-from ...timeline import Timeline
+from ...common.overlap import Overlap, copy_overlap
+from ...common.timeline import Timeline
 
 #: steps whose shares of copy time compute waited for span more than this (0..1) disagree too much
 WIDE_WAITED = 0.10

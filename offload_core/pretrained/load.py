@@ -20,11 +20,11 @@ quantization config, where diffusers' quantizer decides; a model diffusers loads
 a weight on the meta device is refused too.
 
 Nothing from the folder is trusted before it is checked: every safetensors header (see
-:mod:`.hostmem.safetensors_header`), every path the folder names (:mod:`.model_folder`), every
-class a config names; each refusal is a :class:`~offload_core.errors.CheckpointError` raised
+:mod:`offload_core.hostmem.safetensors_header`), every path the folder names (:mod:`.folder`), every
+class a config names; each refusal is a :class:`~offload_core.base.errors.CheckpointError` raised
 before anything is built or enabled.
 ``transformers`` models follow transformers' rules by running its own ``from_pretrained`` with
-only the reading of the checkpoint replaced (:mod:`.pretrained_transformers`).
+only the reading of the checkpoint replaced (:mod:`.encoders`).
 """
 
 from __future__ import annotations
@@ -40,20 +40,20 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .api import enable_offload, given_options, resolve_config
-from .config import OffloadConfig
-from .device.backend import DeviceBackend
-from .enable import enable
-from .errors import CheckpointError, OffloadConfigError
-from .handle import OffloadHandle
-from .hostmem.machine import auto_host_budget
-from .model_folder import ModelFolder
-from .pipelines import inventory
-from .hostmem.disk import read_index
-from .hostmem.safetensors_header import read_header
-from .weights.checkpoint import attach_slices
-from .weights.owners import SOURCE_ATTRIBUTE
-from .weights.slices import FileSlice
+from ..api import enable_offload, given_options, resolve_config
+from ..common.config import OffloadConfig
+from ..device.backend import DeviceBackend
+from ..enabling.enable import enable
+from ..base.errors import CheckpointError, OffloadConfigError
+from ..handle import OffloadHandle
+from ..hostmem.machine import auto_host_budget
+from .folder import ModelFolder
+from ..discovery.pipelines import inventory
+from ..hostmem.disk import read_index
+from ..hostmem.safetensors_header import read_header
+from ..weights.checkpoint import attach_slices
+from ..weights.owners import SOURCE_ATTRIBUTE
+from ..weights.slices import FileSlice
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _build(library: str, class_name: object, folder: ModelFolder, dtype: torch.d
            named_by: str) -> nn.Module | None:
     """A pipeline component built with its checkpoint tensors attached as file slices (a
     transformers model that the rules do not cover is read by transformers, see
-    :mod:`.pretrained_transformers`), or None for what diffusers loads itself (a scheduler, a
+    :mod:`.encoders`), or None for what diffusers loads itself (a scheduler, a
     tokenizer: any class of the library with a ``from_pretrained``, which diffusers calls)."""
     module = importlib.import_module(library)
     cls = _named_class(module, class_name, object, named_by, f"a {library} class that loads with from_pretrained")
@@ -258,7 +258,7 @@ def _check_loaded(model: nn.Module, folder: str) -> nn.Module:
 
 def _load_transformers(cls: type, folder: ModelFolder, dtype: torch.dtype | None) -> nn.Module:
     """A transformers model with its checkpoint tensors attached as file slices, or, under a
-    transformers whose loading internals :mod:`.pretrained_transformers` does not know (it reads
+    transformers whose loading internals :mod:`.encoders` does not know (it reads
     them from transformers 5's ``core_model_loading``), loaded by transformers as usual. Its
     config, shard index and safetensors headers are checked first, before transformers reads
     any of them."""
@@ -267,7 +267,7 @@ def _load_transformers(cls: type, folder: ModelFolder, dtype: torch.dtype | None
     for path in found[0] if found is not None else ():
         read_header(path)
     try:
-        from .pretrained_transformers import load_from_checkpoint
+        from .encoders import load_from_checkpoint
     except (ImportError, KeyError) as exc:
         logger.info("%s: this transformers' loading internals are not the ones offload-core stands in for (%r); "
                     "transformers reads the checkpoint into memory", folder.path, exc)

@@ -1,5 +1,5 @@
 """``transformers`` models of a local folder built on the meta device, each checkpoint tensor
-attached as its file slice (as :mod:`offload_core.pretrained` does for diffusers models), so that
+attached as its file slice (as :mod:`offload_core.pretrained.load` does for diffusers models), so that
 a text encoder's blocks are read straight into their homes or stay in its checkpoint.
 
 The result must equal transformers' own ``from_pretrained``, whose rules change between versions
@@ -37,10 +37,10 @@ from transformers.core_model_loading import (
 from transformers.integrations import is_deepspeed_zero3_enabled, is_fsdp_enabled
 from transformers.utils.loading_report import LoadStateDictInfo
 
-from .hostmem.disk import read_index
-from .locks import locked
-from .weights.checkpoint import attach_slices
-from .weights.slices import FileSlice
+from ..hostmem.disk import read_index
+from ..base.locks import locked
+from ..weights.checkpoint import attach_slices
+from ..weights.slices import FileSlice
 
 logger = logging.getLogger(__name__)
 

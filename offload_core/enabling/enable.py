@@ -3,12 +3,13 @@ pipeline alike.
 
 In order: refuse a target that is offloaded already (or shares a module or parameter with one) or
 whose weights another library's hooks manage; choose the parts (one path: a module is a pipeline
-of one component, laid out by :mod:`.pipelines` as a pipeline's are); place their homes (where
-they live); enable each part; put the installs on the target (a pipeline's subclass, the handle mark
-with diffusers' weight-hook methods refused); hand all of it to the handle in one call
-(:meth:`OffloadHandle.open`); record what the handle owns (:mod:`.changes`). Any error on the way
-rolls every step back and leaves the target as it was. A distributed enable (where ranks exist)
-runs inside the distributed agreement, so that a rank that fails makes every rank roll back.
+of one component, laid out by :mod:`offload_core.discovery.pipelines` as a pipeline's are); place
+their homes (where they live); enable each part; put the installs on the target (a pipeline's
+subclass, the handle mark with diffusers' weight-hook methods refused); hand all of it to the
+handle in one call (:meth:`OffloadHandle.open`); record what the handle owns
+(:mod:`offload_core.common.changes`). Any error on the way rolls every step back and leaves the
+target as it was. A distributed enable (where ranks exist) runs inside the distributed agreement,
+so that a rank that fails makes every rank roll back.
 """
 
 from __future__ import annotations
@@ -20,24 +21,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import changes
-from .casting import CastingHooks, cast_for_storage, check_casting
-from .config import OffloadConfig
-from .device.backend import DeviceBackend
-from .device.plugins import get_backend
-from .errors import AlreadyEnabledError, OffloadConfigError
-from .fitting import Fit, describe_parts, fit, out_of_memory
-from .handle import HANDLE_ATTRIBUTE, OffloadHandle
-from .hostmem.placement import place_homes
+from ..common import changes
+from ..interop.casting import CastingHooks, cast_for_storage, check_casting
+from ..common.config import OffloadConfig
+from ..device.backend import DeviceBackend
+from ..device.plugins import get_backend
+from ..base.errors import AlreadyEnabledError, OffloadConfigError
+from ..planning.fitting import Fit, describe_parts, fit, out_of_memory
+from ..handle import HANDLE_ATTRIBUTE, OffloadHandle
+from ..hostmem.placement import place_homes
 from .installs import Mark, PipelineClass
-from .other_hooks import weight_hooks
-from .pipelines import Inventory, layerwise_layout
-from .strategies import streaming_part
-from .transaction import Transaction
-from .strategies.distributed import agreement
-from .strategies.model_level import ModelLevelOffload
-from .strategies.phases import phase_switch
-from .strategies.resident import ResidentModules
+from ..interop.other_hooks import weight_hooks
+from ..discovery.pipelines import Inventory, layerwise_layout
+from ..strategies import streaming_part
+from ..common.transaction import Transaction
+from ..strategies.distributed import agreement
+from ..strategies.model_level import ModelLevelOffload
+from ..strategies.phases import phase_switch
+from ..strategies.resident import ResidentModules
 
 
 def enable(target: Inventory, config: OffloadConfig) -> OffloadHandle:
@@ -128,7 +129,7 @@ def _refuse_taken(target: Any, roots: list[nn.Module]) -> None:
     """A target that already has a handle, contains or is contained in an offloaded model, or whose
     weights another library's hooks move: two owners of the same weights would fight over them.
     diffusers' caches and other hooks that leave the weights alone run on top of offload
-    (:mod:`.other_hooks`)."""
+    (:mod:`offload_core.interop.other_hooks`)."""
     existing = getattr(target, HANDLE_ATTRIBUTE, None)
     if existing is not None:
         raise AlreadyEnabledError(

@@ -19,10 +19,10 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from .config import OffloadConfig
-from .discovery import find_blocks
-from .discovery.blocks import no_blocks_hint
-from .errors import BlockDiscoveryError, OffloadConfigError
+from ..common.config import OffloadConfig
+from . import find_blocks
+from .blocks import no_blocks_hint
+from ..base.errors import BlockDiscoveryError, OffloadConfigError
 
 logger = logging.getLogger(__name__)
 

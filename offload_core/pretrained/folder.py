@@ -4,7 +4,7 @@ the folder.
 A downloaded folder is not to be trusted with paths: a shard index may name ``../x``, an absolute
 path or a symbolic link out of the folder, and a pipeline's ``model_index.json`` names its
 component subfolders. Every path read from the folder (a shard, an index, a config, a component
-subfolder) is refused with a :class:`~offload_core.errors.CheckpointError` when it is absolute,
+subfolder) is refused with a :class:`~offload_core.base.errors.CheckpointError` when it is absolute,
 has a ``..`` component, or resolves (symbolic links followed, the folder's own path resolved too)
 outside the folder. One place is allowed besides: the ``blobs`` folder of a Hugging Face hub cache
 entry, when the folder is one of its ``snapshots`` (every file there is a link into ``blobs``).
@@ -16,7 +16,7 @@ import json
 import os
 import re
 
-from .errors import CheckpointError
+from ..base.errors import CheckpointError
 
 
 class ModelFolder:

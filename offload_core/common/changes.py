@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from .errors import AlreadyEnabledError, OffloadedModelError
-from .locks import locked
+from ..base.errors import AlreadyEnabledError, OffloadedModelError
+from ..base.locks import locked
 
 logger = logging.getLogger(__name__)
 

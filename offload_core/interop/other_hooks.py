@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
-from . import changes
+from ..common import changes
 from .casting import CASTING_HOOK, check_hook, take_over
-from .errors import OffloadConfigError
-from .locks import locked
+from ..base.errors import OffloadConfigError
+from ..base.locks import locked
 
 _GROUP = "diffusers' group offloading (it moves the weights between devices)"
 

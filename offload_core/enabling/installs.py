@@ -17,13 +17,13 @@ from typing import Any
 
 from torch import nn
 
-from .errors import OffloadConfigError, OffloadedModelError
-from .handle import HANDLE_ATTRIBUTE, OffloadHandle
-from .locks import locked
-from .other_hooks import guard_registrations
-from .pipelines import pipeline_modules
-from .strategies.model_level import ModelLevelOffload
-from .strategies.part import CopyGuard
+from ..base.errors import OffloadConfigError, OffloadedModelError
+from ..handle import HANDLE_ATTRIBUTE, OffloadHandle
+from ..base.locks import locked
+from ..interop.other_hooks import guard_registrations
+from ..discovery.pipelines import pipeline_modules
+from ..strategies.model_level import ModelLevelOffload
+from ..strategies.part import CopyGuard
 
 
 class Mark:

@@ -4,7 +4,7 @@ Offloading is free only when every weight copy runs while the device is busy com
 compute has to stop and wait for a copy, the transfer is on the critical path, and a copy that
 runs while the device has nothing to compute (a model-level group loaded while the host encodes
 the prompt) hides behind nothing either. The strategies record both sides of that race in a
-:class:`~offload_core.timeline.Timeline`: ``copy`` spans (the transfers loading a block or group,
+:class:`~offload_core.common.timeline.Timeline`: ``copy`` spans (the transfers loading a block or group,
 on the copy lanes), ``compute`` spans (a block, or a model-level group while it is active) and
 ``wait`` spans (the compute stream held until a copy was done), plus host waits (instants with a
 duration: the host blocked on device work). Only those kinds are relied on, so the figure means
@@ -120,7 +120,7 @@ def copy_overlap(spans: Iterable[Span], instants: Iterable[Instant] = ()) -> Ove
 
 
 def timeline_overlap(timeline) -> Overlap | None:
-    """:func:`copy_overlap` of a closed :class:`~offload_core.timeline.Timeline`; None when its
+    """:func:`copy_overlap` of a closed :class:`~offload_core.common.timeline.Timeline`; None when its
     times are host times (the backend offers no device timing), which say when copies were issued,
     not when they ran."""
     if not timeline.device_timed:

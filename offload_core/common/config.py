@@ -17,7 +17,7 @@ import os
 import re
 import warnings
 from typing import Any, Callable, Sequence, TypeVar
-from .errors import OffloadConfigError
+from ..base.errors import OffloadConfigError
 
 
 T = TypeVar("T")
@@ -100,7 +100,7 @@ def names(choices: Sequence[str] | None = None) -> Callable[[Any], tuple[str, ..
 
 
 def _backend(value: Any) -> Any:
-    from .device.backend import DeviceBackend
+    from ..device.backend import DeviceBackend
 
     if value is None or isinstance(value, (str, DeviceBackend)):
         return value

@@ -21,15 +21,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .config import STRATEGIES, OffloadConfig
-from .device.backend import DeviceBackend
-from .errors import OffloadConfigError
-from .pipelines import Inventory, pipeline_inventory
-from .planning import Plan, describe, make_plan
-from .planning.components import CallShape
-from .planning.phases import OBSERVED, guidance_batch, observed, pipeline_phases
-from .planning.plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
-from .planning.modules import component_from_split, components_from_modules
+from ..common.config import STRATEGIES, OffloadConfig
+from ..device.backend import DeviceBackend
+from ..base.errors import OffloadConfigError
+from ..discovery.pipelines import Inventory, pipeline_inventory
+from . import Plan, describe, make_plan
+from .components import CallShape
+from .phases import OBSERVED, guidance_batch, observed, pipeline_phases
+from .plan import RESIDENT, STAGED, STREAMED, SWAPPED, size
+from .modules import component_from_split, components_from_modules
 
 logger = logging.getLogger(__name__)
 

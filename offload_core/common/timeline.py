@@ -31,7 +31,7 @@ import os
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from .device.backend import Capability, DeviceBackend, Stream
+from ..device.backend import Capability, DeviceBackend, Stream
 
 COMPUTE_LANE = "compute"
 COPY_LANE = "copy"

@@ -35,10 +35,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from . import changes
-from .errors import OffloadConfigError, OffloadedModelError
-from .strategies.distributed import agreement
-from .weights.binding import CAST_COPIES
+from ..common import changes
+from ..base.errors import OffloadConfigError, OffloadedModelError
+from ..strategies.distributed import agreement
+from ..weights.binding import CAST_COPIES
 
 #: the name diffusers registers its casting hook under (``HookRegistry.hooks``)
 CASTING_HOOK = "layerwise_casting"
