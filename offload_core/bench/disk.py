@@ -8,7 +8,7 @@ repetition runs, in an order that rotates from one repetition to the next, a buf
 read of the checkpoint files (one request at a time through the page cache, as context), the
 disk-bound forward, the in-RAM forward, and the tier measured alone between two of the drive's own
 reads (:func:`direct_read`: ``O_DIRECT``, several requests in flight, the figure a drive is quoted
-at; and :func:`reader_read`, the tier's reader alone). Every read and disk-bound forward starts
+at; and :func:`reader_read`, the tier's reader alone, its requests as the tier makes them). Every read and disk-bound forward starts
 with the files' pages evicted (``POSIX_FADV_DONTNEED``: exact for clean pages of files no one maps,
 which these are; the whole page cache, which every other process on the machine uses, is never
 dropped).
@@ -58,13 +58,10 @@ DIRECT_REQUEST_BYTES = 4 * 2**20
 
 
 def drive_patterns() -> list[tuple[int, int]]:
-    """The (requests in flight, request bytes) the benchmark reads the drive with, its figure the
-    fastest each time: a virtual disk's best depth and request size differ from a physical drive's,
-    and the first is the tier's own (``hostmem.direct``), so that the drive is never judged below
-    what the tier's requests get from it."""
-    from ..hostmem import direct
-
-    return [(direct.READERS, direct.PIECE_BYTES), (DIRECT_THREADS, DIRECT_REQUEST_BYTES), (16, 8 * 2**20)]
+    """The (requests in flight, request bytes) the benchmark reads the drive with beside the tier's
+    own reader (:func:`reader_read`), its figure the fastest each time: a virtual disk's best depth
+    and request size differ from a physical drive's."""
+    return [(DIRECT_THREADS, DIRECT_REQUEST_BYTES), (16, 8 * 2**20)]
 
 
 def _checkpoint_files(folder: str) -> list[str]:
@@ -167,14 +164,19 @@ def reader_read(files: list[str]) -> tuple[int, float]:
     from ..hostmem import direct, staging
 
     ahead, chunk = staging.BOUNCE_BUFFERS, staging.BOUNCE_CHUNK_BYTES
-    buffers = [mmap.mmap(-1, chunk) for _ in range(ahead)]
-    views = [(ctypes.c_char * chunk).from_buffer(b) for b in buffers]
-    fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
-    chunks = [(fds[path], offset, min(chunk, size - offset))
-              for path in files for size in [os.path.getsize(path)] for offset in range(0, size, chunk)]
+    buffers: list[mmap.mmap] = []
+    views: list = []
+    fds: dict[str, int] = {}
     pending: collections.deque = collections.deque()
-    start = time.perf_counter()
     try:
+        for _ in range(ahead):
+            buffers.append(mmap.mmap(-1, chunk))
+            views.append((ctypes.c_char * chunk).from_buffer(buffers[-1]))
+        for path in files:
+            fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        chunks = [(fds[path], offset, min(chunk, size - offset))
+                  for path in files for size in [os.path.getsize(path)] for offset in range(0, size, chunk)]
+        start = time.perf_counter()
         for k, (fd, offset, nbytes) in enumerate(chunks):
             if len(pending) == ahead:
                 pending.popleft()()
@@ -188,7 +190,7 @@ def reader_read(files: list[str]) -> tuple[int, float]:
                 landed()
         for fd in fds.values():
             os.close(fd)
-        del views
+        views.clear()  # the mappings close only once nothing exports them
         for buffer in buffers:
             buffer.close()
     return sum(n for _, _, n in chunks), seconds
