@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from offload_core.common.overlap import union
+
 #: the CUDA runtime call each backend operation makes on the CUDA backend
 RUNTIME_NAMES = {
     "copy_async": "cudaMemcpyAsync",
@@ -117,16 +119,6 @@ class Calls:
 
 
 # -- traces ------------------------------------------------------------------------------------------
-
-
-def union(intervals: list[Interval]) -> list[Interval]:
-    merged: list[list[float]] = []
-    for start, end in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
 
 
 def covered(spans: list[Interval], by: list[Interval]) -> float:
