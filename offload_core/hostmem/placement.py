@@ -404,13 +404,16 @@ class Placement:
     def issue(self, transfers, stream) -> None:
         """Queue ``transfers`` on ``stream`` (on the stager thread when anything is staged or
         pageable)."""
+        staged = []
         for dst, src in transfers:
             if not isinstance(src, torch.Tensor):
-                self.ring.stage(dst, src, stream, getattr(src, "residue", None))
+                staged.append((dst, src, getattr(src, "residue", None)))
             elif self._pin_memory:  # then every direct source is a pinned home
                 self.backend.copy_async(dst, src, stream)
             else:
                 self._blocking_copy(dst, src, stream)
+        if staged:
+            self.ring.stage(staged, stream)
 
     def _blocking_copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """A copy from pageable memory (a home, or a pageable bounce buffer), waited for here on

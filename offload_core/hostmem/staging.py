@@ -113,23 +113,24 @@ class BounceRing:
         in RAM) without a residue, or in a ring that does not start its chunks on a page."""
         return residue if residue and self.paged else 0
 
-    def stage(self, dst: torch.Tensor, read: Reader, stream, residue: int | None = None) -> None:
-        """Queue on ``stream`` the copy of ``read``'s elements into ``dst`` (flat, on the device),
-        one bounce buffer at a time; the first chunk starts ``shift(residue)`` bytes into its
-        buffer and holds that much less, the others fill theirs. A reader that can queue its
-        reads (``read.submit``: a unit on disk) has a chunk's reads queued in every buffer whose
-        last copy has run, so that the drive has the next chunks to read while one is copied;
-        each chunk is copied once its reads have landed, in order."""
-        dtype = dst.dtype
-        total = dst.numel()
-        shift = self.shift(residue)
-        submit = getattr(read, "submit", None)
-        ahead = len(self.buffers) if submit is not None else 1
-        pending: collections.deque = collections.deque()  # (buffer, start, count, bounce, bytes read, landed)
-        start = 0
+    def stage(self, transfers: Sequence[tuple[torch.Tensor, Reader, int | None]], stream) -> None:
+        """Queue on ``stream`` the copy of each transfer's ``read`` elements into its ``dst``
+        (flat, on the device), one bounce buffer at a time; a transfer's first chunk starts
+        ``shift(residue)`` bytes into its buffer and holds that much less, the others fill theirs.
+        The chunks of all the transfers (a block's dtypes) are one sequence: a reader that can
+        queue its reads (``read.submit``: a unit on disk) has a chunk's reads queued in every
+        buffer whose last copy has run, the next transfer's too, so that the drive has the next
+        chunks to read while one is copied and a block's small dtypes cost no round trip of their
+        own; each chunk is copied once its reads have landed, in order."""
+        pending: collections.deque = collections.deque()  # (buffer, dst, bounce, bytes read, landed)
         try:
-            while start < total or pending:
-                if start < total and len(pending) < ahead:
+            for dst, read, residue in transfers:
+                submit = getattr(read, "submit", None)
+                ahead = len(self.buffers) if submit is not None else 1
+                dtype, total, shift, start = dst.dtype, dst.numel(), self.shift(residue), 0
+                while start < total:
+                    while len(pending) >= ahead:
+                        self._copy(pending.popleft(), stream)
                     count = min((self.chunk_bytes - shift) // dtype.itemsize, total - start)
                     k = self._next
                     self._next = (k + 1) % len(self.buffers)
@@ -139,26 +140,30 @@ class BounceRing:
                     began = time.perf_counter()
                     from_disk, landed = submit(start, count, bounce) if submit else (read(start, count, bounce), None)
                     self.disk_read_seconds += (time.perf_counter() - began) if from_disk else 0.0
-                    pending.append((k, start, count, bounce, from_disk, landed))
+                    pending.append((k, dst[start : start + count], bounce, from_disk, landed))
                     start += count
                     shift = 0
-                    continue
-                k, first, count, bounce, from_disk, landed = pending.popleft()
-                if landed is not None:
-                    began = time.perf_counter()
-                    landed()
-                    self.disk_read_seconds += (time.perf_counter() - began) if from_disk else 0.0
-                self.disk_read_bytes += from_disk or 0
-                self.copy(dst[first : first + count], bounce, stream)
-                self.read_done[k].record(stream)
-                self._used[k] = True
-                self.staged_bytes += count * dtype.itemsize
+            while pending:
+                self._copy(pending.popleft(), stream)
         except BaseException:
             for *_, landed in pending:  # no read may still write a buffer the next load fills
                 if landed is not None:
                     with contextlib.suppress(BaseException):
                         landed()
             raise
+
+    def _copy(self, chunk, stream) -> None:
+        """Once its reads have landed, queue the copy of one pending chunk from its buffer."""
+        k, dst, bounce, from_disk, landed = chunk
+        if landed is not None:
+            began = time.perf_counter()
+            landed()
+            self.disk_read_seconds += (time.perf_counter() - began) if from_disk else 0.0
+        self.disk_read_bytes += from_disk or 0
+        self.copy(dst, bounce, stream)
+        self.read_done[k].record(stream)
+        self._used[k] = True
+        self.staged_bytes += bounce.nbytes
 
 
 class ReadAhead:

@@ -245,6 +245,40 @@ def test_the_ring_keeps_the_next_chunks_reads_in_flight_while_one_is_copied(chec
     assert most[0] == buffers > 1 and outstanding[0] == 0
 
 
+def test_a_blocks_dtypes_are_read_as_one_sequence(checkpoint, kib_chunks, monkeypatch):
+    """A block whose weights come in two dtypes (bf16, and the float32 modules diffusers keeps in
+    float32): the next dtype's first reads are queued while the last ones of the dtype before are
+    still in flight, so the small dtype costs no round trip to the drive of its own; exact."""
+    from diffusers import WanTransformer3DModel
+
+    folder, inputs, _ = checkpoint
+    inputs = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    reference = forward(WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16), inputs)
+    handle = on_disk(folder, torch_dtype=torch.bfloat16)
+    submit, lock = disk.DiskImage.submit, threading.Lock()
+    in_flight: list[torch.dtype] = []
+    together = [0]
+
+    def counted(image, dtype, *args):
+        read, landed = submit(image, dtype, *args)
+        with lock:
+            in_flight.append(dtype)
+            together[0] = max(together[0], len(set(in_flight)))
+
+        def waited():
+            landed()
+            with lock:
+                in_flight.remove(dtype)
+
+        return read, waited
+
+    monkeypatch.setattr(disk.DiskImage, "submit", counted)
+    assert {len(record.image.segments) for record in handle.parts[0].records} == {2}  # bf16 and float32
+    assert torch.equal(forward(handle.target, inputs), reference)
+    handle.disable()
+    assert together[0] == 2 and in_flight == []
+
+
 def test_a_direct_read_lands_every_byte_whatever_its_alignment(tmp_path, monkeypatch):
     """Pieces at odd offsets and lengths, larger than a reader's scratch, several in flight:
     byte for byte what a plain read gives; a file shorter than a job needs fails clearly."""
