@@ -118,8 +118,8 @@ HEADLINES = [
     Headline("  same / its bound, budget + one block + 1 GB", "host_memory", "disk_over_bound", 1.0),
     Headline("enable time / plain copy of the same bytes", "host_memory", "enable_over_memcpy", 1.3, floor=0.0),
     Headline("from_pretrained load, seconds per GB", "host_memory", "load_s_per_gb", None),
-    Headline("disk tier alone (block compute skipped): bytes read per second / the drive read just before and "
-             "after (O_DIRECT, 8 or 16 reads in flight), cold cache (at least)", "disk", "tier_over_raw", 0.8, at_least=True, ceiling=1.0),
+    Headline("disk tier alone (block compute skipped): bytes read per second / the faster of the drive's reads "
+             "just before and after (O_DIRECT, 8 or 16 reads in flight), cold cache (at least)", "disk", "tier_over_raw", 0.8, at_least=True, ceiling=1.0),
     Headline("disk-bound forward / max(in-RAM forward, bytes read / the drive's speed)", "disk",
              "forward_over_ideal", 1.10, floor=1.0),
     Headline("  disk tier's CPU time per GB read (the process's, above the in-RAM forward's), s", "disk",
