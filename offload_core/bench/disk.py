@@ -8,10 +8,10 @@ repetition runs, in an order that rotates from one repetition to the next, a buf
 read of the checkpoint files (one request at a time through the page cache, as context), the
 disk-bound forward, the in-RAM forward, and the tier measured alone between two of the drive's own
 reads (:func:`direct_read`: ``O_DIRECT``, several requests in flight, the figure a drive is quoted
-at; and :func:`reader_read`, the tier's reader alone, its requests as the tier makes them). Every read and disk-bound forward starts
-with the files' pages evicted (``POSIX_FADV_DONTNEED``: exact for clean pages of files no one maps,
-which these are; the whole page cache, which every other process on the machine uses, is never
-dropped).
+at; and :func:`reader_read`, the tier's reader alone, its requests as the tier makes them). Every
+read and disk-bound forward starts with the files' pages evicted (``POSIX_FADV_DONTNEED``: exact
+for clean pages of files no one maps, which these are; the whole page cache, which every other
+process on the machine uses, is never dropped).
 
 The tier alone is the disk-bound forward with every block's compute skipped
 (:func:`compute_skipped`), which loads, binds and waits for each block as a forward does. On a
@@ -23,9 +23,9 @@ around the tier is the strictest baseline at hand.
 
 Figures, each a median over the repetitions with its spread: the tier's throughput alone (the bytes
 ``handle.stats()`` counts in ``disk_read_bytes`` over that forward's seconds) over the drive's
-around it (each of its two reads the fastest of :func:`drive_patterns` and :func:`reader_read`;
-NaN, which the table calls unreliable, for ``--quick``'s few MB; above 1 by more than its spread,
-the drive's figure is too weak a baseline), the whole forward's time over its ideal, max(in-RAM
+around it (the faster of its two reads, each the fastest of :func:`drive_patterns` and
+:func:`reader_read`; NaN, which the table calls unreliable, for ``--quick``'s few MB; above 1 by
+more than its spread, the drive's figure is too weak a baseline), the whole forward's time over its ideal, max(in-RAM
 forward, bytes read / the drive's speed) (below 1 by more than its spread: the same), and the CPU
 time the tier spends per GB read (the process's CPU time in the disk-bound forward above the in-RAM
 forward's, over the bytes read), with the share of those bytes a reader copied into place from its

@@ -252,7 +252,8 @@ def test_a_blocks_dtypes_are_read_as_one_sequence(checkpoint, kib_chunks, monkey
     from diffusers import WanTransformer3DModel
 
     folder, inputs, _ = checkpoint
-    inputs = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    inputs = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+              for k, v in inputs.items()}
     reference = forward(WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16), inputs)
     handle = on_disk(folder, torch_dtype=torch.bfloat16)
     submit, lock = disk.DiskImage.submit, threading.Lock()
