@@ -1,7 +1,8 @@
 """The layer diagram of docs/design.md is the package's top level: every module and folder it
 names exists and has the layer the diagram gives it in the table the layer tests use
 (``LAYERS`` in tools/enable_walk.py), and nothing at the top of ``offload_core/`` is missing
-from it, so a module added at the top, or moved without the diagram, fails here."""
+from it, so a module added at the top, or moved without the diagram, fails here; and every
+folder of the package is one the wheel holds."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def test_the_diagram_reader_sees_entries_and_layers():
     text = "## Layers\n\n```\nlayer 0  api.py    x\n         pretrained/  y\n                 z.py, not an entry\n" \
            "layer 7  device/   w\n         backend.py, hookspecs.py: v\n\nin offload_core/, beside the library:\n```\n"
     assert diagram(text) == {"api": 0, "pretrained": 0, "device": 7, "backend": 7, "hookspecs": 7}
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names the packages a wheel holds one by one: a folder of the library missing
+    there imports in a checkout (and in this suite) but not where the wheel is installed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    package = ROOT / "offload_core"
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in package.rglob("__init__.py")}
+    assert folders <= listed, sorted(folders - listed)
