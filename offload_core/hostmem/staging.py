@@ -129,6 +129,8 @@ class BounceRing:
                 ahead = len(self.buffers) if submit is not None else 1
                 dtype, total, shift, start = dst.dtype, dst.numel(), self.shift(residue), 0
                 while start < total:
+                    if _EXITING.is_set():  # a big load would outlast the exit hook's join
+                        raise StagingError("the interpreter is exiting: the load was stopped")
                     while len(pending) >= ahead:
                         self._copy(pending.popleft(), stream)
                     count = min((self.chunk_bytes - shift) // dtype.itemsize, total - start)
@@ -309,7 +311,8 @@ def _work(tasks: queue.SimpleQueue, on_start: Callable[[], None] | None) -> None
             if failed is None:
                 task()
         except BaseException as exc:  # noqa: BLE001 - reported to the waiting thread
-            logger.exception("the stager failed while issuing a load")
+            if not _EXITING.is_set():
+                logger.exception("the stager failed while issuing a load")
             failed = exc
         ticket.error = failed
         ticket._done.set()
@@ -318,8 +321,9 @@ def _work(tasks: queue.SimpleQueue, on_start: Callable[[], None] | None) -> None
 
 def _stop_stagers() -> None:
     """Let stager threads leave torch code while the interpreter is still whole (a daemon thread
-    returning from a torch call during finalisation aborts the process): each finishes the task
-    in progress and drops the rest, as a process exit drops a device's queued work."""
+    returning from a torch call during finalisation aborts the process): each stops the load in
+    progress at its next chunk (a group of gigabytes from disk would outlast the join) and drops
+    the rest, as a process exit drops a device's queued work."""
     _EXITING.set()
     for stager in list(_STAGERS):
         stager._queue.put(None)
