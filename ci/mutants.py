@@ -242,19 +242,23 @@ def run(m: Mutant, timeout: float) -> tuple[str, str, float]:
         cmd = [sys.executable, "-m", "pytest", "--backend=fake", "-x", "-q", "-p", "no:randomly", "--tb=line",
                "-W", "ignore", *m.tests]
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+            # faulthandler: a process that dies of a signal shows every thread's stack
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         except subprocess.TimeoutExpired:
             return "killed", "timed out (a hang counts as detected)", time.monotonic() - start
     finally:
         path.write_text(original)
     seconds = time.monotonic() - start
+    failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
     if proc.returncode == 1:
-        failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
         return "killed", failed[0] if failed else "tests failed", seconds
     if proc.returncode == 0:
         return "SURVIVED", "all named tests passed", seconds
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"]
-    return "ERROR", f"pytest exit {proc.returncode}: {tail[0]}", seconds
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    if proc.returncode < 0 and failed:  # a test failed, then the broken code took the process down
+        return "killed", f"{failed[0]} (then pytest died of signal {-proc.returncode}: {tail[-1]})", seconds
+    return "ERROR", f"pytest exit {proc.returncode}:\n    " + "\n    ".join(tail[-40:] or ["?"]), seconds
 
 
 def main(argv: list[str] | None = None) -> int:
