@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..hostmem import hugepages
 from .hostmem import GB, QUICK, WAN_1_3B, _inputs, write_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def sequential_read(files: list[str]) -> tuple[int, float]:
 
 def direct_method(threads: int = DIRECT_THREADS, request: int = DIRECT_REQUEST_BYTES) -> str:
     return (f"O_DIRECT, {threads} threads each with one {request // 2**20} MiB os.preadv in flight into a "
-            "page-aligned buffer (io_uring has no binding in Python's standard library)")
+            "page-aligned buffer on huge pages (io_uring has no binding in Python's standard library)")
 
 
 def direct_read(files: list[str], threads: int = DIRECT_THREADS, request: int = DIRECT_REQUEST_BYTES
@@ -118,8 +119,8 @@ def direct_read(files: list[str], threads: int = DIRECT_THREADS, request: int = 
     pending = iter(pieces)
 
     def reader() -> None:
-        buffer = mmap.mmap(-1, request)  # anonymous: page-aligned, as O_DIRECT needs
-        view = memoryview(buffer)
+        buffer, start = hugepages.mapping(request)  # aligned, as O_DIRECT needs, on huge pages as the tier's
+        view = memoryview(buffer)[start : start + request]
         try:
             while True:
                 with lock:
@@ -171,8 +172,9 @@ def reader_read(files: list[str]) -> tuple[int, float]:
     pending: collections.deque = collections.deque()
     try:
         for _ in range(ahead):
-            buffers.append(mmap.mmap(-1, chunk))
-            views.append((ctypes.c_char * chunk).from_buffer(buffers[-1]))
+            buffer, start = hugepages.mapping(chunk)
+            buffers.append(buffer)
+            views.append((ctypes.c_char * chunk).from_buffer(buffer, start))
         for path in files:
             fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
         chunks = [(fds[path], offset, min(chunk, size - offset))

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from ..weights.slices import ALIGN, pread_exact
+from . import hugepages
 from .descriptors import DescriptorCache
 
 #: the most one request reads (and each reader's scratch buffer, less the alignment slack)
@@ -140,18 +141,20 @@ def _through_scratch(fd: int, offset: int, address: int, nbytes: int) -> None:
     global scratch_bytes
     begin = offset - offset % ALIGN
     end = -(-(offset + nbytes) // ALIGN) * ALIGN
-    scratch, base = _scratch_buffer()
-    with memoryview(scratch)[: end - begin] as view:
+    scratch, start, base = _scratch_buffer()
+    with memoryview(scratch)[start : start + end - begin] as view:
         pread_exact(fd, view, begin, offset + nbytes - begin, tensor_offset=offset)
     ctypes.memmove(address, base + offset - begin, nbytes)  # a foreign call: the GIL is released
     with _count_lock:
         scratch_bytes += nbytes
 
 
-def _scratch_buffer() -> tuple[mmap.mmap, int]:
-    """This thread's aligned scratch buffer (an anonymous mapping: page-aligned) and its address;
-    made anew where :data:`PIECE_BYTES` has grown since this thread made it."""
-    if getattr(_scratch, "buffer", None) is None or len(_scratch.buffer[0]) < PIECE_BYTES + 2 * ALIGN:
-        buffer = mmap.mmap(-1, PIECE_BYTES + 2 * ALIGN)
-        _scratch.buffer = (buffer, ctypes.addressof(ctypes.c_char.from_buffer(buffer)))
+def _scratch_buffer() -> tuple[mmap.mmap, int, int]:
+    """This thread's scratch buffer: an anonymous mapping, where the buffer starts in it (on a
+    huge page: :mod:`.hugepages`) and that start's address; made anew where :data:`PIECE_BYTES`
+    has grown since this thread made it."""
+    size = PIECE_BYTES + 2 * ALIGN
+    if getattr(_scratch, "buffer", None) is None or len(_scratch.buffer[0]) - _scratch.buffer[1] < size:
+        buffer, start = hugepages.mapping(size)
+        _scratch.buffer = (buffer, start, ctypes.addressof(ctypes.c_char.from_buffer(buffer)) + start)
     return _scratch.buffer

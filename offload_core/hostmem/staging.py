@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 from ..base.errors import StagingError
 from ..weights.slices import ALIGN
+from . import hugepages
 
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class BounceRing:
         self.chunk_bytes = chunk_bytes
         self.paged = paged and page_chunks(chunk_bytes)
         self.buffers = [allocate(ring_buffer_bytes(chunk_bytes, self.paged), torch.uint8) for _ in range(count)]
+        for buffer in self.buffers:  # before the first write: disk reads land here (see .hugepages)
+            hugepages.advise(buffer.data_ptr(), buffer.nbytes)
         if self.paged:
             self.buffers = [b[-b.data_ptr() % ALIGN :][:chunk_bytes] for b in self.buffers]
         self.read_done = [backend.new_event() for _ in range(count)]
