@@ -4,10 +4,10 @@ A read with ``O_DIRECT`` goes to the drive as one request only when its destinat
 pages fit in the queue's scatter-gather list (``/sys/block/*/queue/max_segments``: 254 on the
 development machine's virtio disk, often fewer on NVMe). A 2 MiB read into memory scattered in
 4 KiB pages needs up to 512 segments and is split into several requests, and how scattered a
-fresh buffer is depends on what the allocator and the kernel did before: the same reads ran at
-0.95 to 2.6 GB/s into four sets of ``torch.empty`` buffers, each set at its own speed every time,
-and at 4.0 to 4.4 GB/s into every set of buffers backed by huge pages (docs/benchmarks.md). A
-2 MiB huge page is one segment.
+fresh buffer is depends on what the allocator and the kernel did before: on the development
+machine the same reads ran at 0.95 to 4.1 GB/s into sets of ``torch.empty`` buffers, each set
+at its own speed every time, and at 3.7 to 4.4 GB/s into every set backed by huge pages
+(docs/benchmarks.md, the disk tier's note 2). A 2 MiB huge page is one segment.
 
 Linux backs an anonymous range with transparent huge pages when it is advised to
 (``MADV_HUGEPAGE``, honoured in THP's default ``madvise`` mode) before its pages are first
