@@ -12,7 +12,7 @@ followed. Each function reached is a *stay*; a call from a module to one in a hi
     python tools/enable_walk.py                 # this checkout's offload_core/
     python tools/enable_walk.py --root DIR      # another copy of the package (an older commit)
 
-It prints the stays per module, every climb, and the call sites of each function of ``FACTS``
+It prints the stays per module, every climb, and the call sites of each function of a ``FACTS`` module
 that reads the target (a fact asked again instead of handed down shows as two sites);
 ``--max-climbs N`` makes it exit 1 above N.
 """
@@ -48,8 +48,9 @@ LAYERS = {
     "errors": 7, "locks": 7, "plugins": 7, "dist": 7, "memory_accounting": 7,
 }
 START = ("api", "enable_offload", "target")
-#: the module that reads what a target is (a pipeline or not, its components and their kinds)
-FACTS = "discovery.pipelines"
+#: the module that reads what a target is (a pipeline or not, its components and their kinds):
+#: its path now, and the flat one of trees before the layer folders (for ``--root`` on those)
+FACTS = ("discovery.pipelines", "pipelines")
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "offload_core"
 
 
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for caller_module, caller, callee_module, callee in climbs:
         print(f"climb: {caller_module}.{caller} -> {callee_module}.{callee}")
     for callee in sorted(asks):
-        if callee.startswith(f"{FACTS}.") and "." not in callee[len(FACTS) + 1:]:
+        if callee.rpartition(".")[0] in FACTS:
             print(f"{callee} asked from {', '.join(sorted(asks[callee]))}")
     total = sum(len(v) for v in stays.values())
     print(f"{total} stays in {len(stays)} modules, {len(climbs)} climbs")
