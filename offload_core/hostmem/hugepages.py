@@ -11,14 +11,18 @@ at its own speed every time, and at 3.7 to 4.4 GB/s into every set backed by hug
 
 Linux backs an anonymous range with transparent huge pages when it is advised to
 (``MADV_HUGEPAGE``, honoured in THP's default ``madvise`` mode) before its pages are first
-touched. Where there is no such advice (another OS, THP off), or for memory a driver has already
-pinned, the advice changes nothing and is not an error: the reads are as fast as before.
+touched. Where there is no such advice (another OS, THP off), or for memory already touched
+(an allocator's recycled block, memory a driver has pinned), the advice changes nothing and is not
+an error: the reads are as fast as before. So the buffers the library makes for this are
+mappings of their own (:func:`mapping`, :func:`empty`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+
+import torch
 
 #: the size of a transparent huge page on the architectures we run on (x86-64, aarch64 with 4 KiB pages)
 HUGE_PAGE_BYTES = 2 * 2**20
@@ -52,3 +56,11 @@ def mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     offset = -address % HUGE_PAGE_BYTES
     advise(address + offset, nbytes)
     return buffer, offset
+
+
+def empty(nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor of ``nbytes`` on memory of its own from a huge-page boundary on (see
+    :func:`mapping`): unlike ``torch.empty``, whose allocator may hand back memory already
+    touched, where the advice comes too late. The tensor keeps the mapping alive."""
+    buffer, start = mapping(nbytes)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=start)

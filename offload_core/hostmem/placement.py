@@ -40,6 +40,7 @@ from ..common.config import OffloadConfig
 from ..device.backend import Capability
 
 from ..base.errors import OffloadConfigError
+from . import hugepages
 from .slabs import SlabAllocator, aligned
 from .machine import auto_pinned_budget, physical_memory, size_text as _size
 from ..weights.slices import FileSlice
@@ -282,7 +283,7 @@ class Placement:
                                "copy from them is waited for", exc)
         if self._copied is None:
             self._copied = self.backend.new_event()
-        return BounceRing(self.backend, _pageable, self._chunk_bytes, copy=self._blocking_copy, paged=self._paged)
+        return BounceRing(self.backend, _ring_buffer, self._chunk_bytes, copy=self._blocking_copy, paged=self._paged)
 
     @property
     def staging(self) -> bool:
@@ -474,3 +475,8 @@ class ImageReader:
 
 def _pageable(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(n, dtype=dtype)
+
+
+def _ring_buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pageable bounce buffer: on huge pages, since disk reads land in it (:mod:`.hugepages`)."""
+    return hugepages.empty(n * dtype.itemsize).view(dtype)

@@ -6,6 +6,7 @@ which of a range's bytes huge pages back."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import re
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import offload_core
-from offload_core.hostmem import direct, hugepages
+from offload_core.hostmem import direct, hugepages, placement
 from offload_core.hostmem.staging import BounceRing
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -45,13 +46,22 @@ def test_an_advised_mapping_is_backed_by_huge_pages_once_written():
     assert huge_bytes(address, 8 * 2**20) >= 8 * 2**20
 
 
-def test_the_bounce_rings_buffers_are_on_huge_pages():
+def fresh(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Memory no one has touched yet, as a driver's fresh pinned allocation may be."""
+    mapping = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype)
+
+
+# memory it is given: all but the partial huge pages at each buffer's two ends; its own (the
+# pageable ring's buffers, which torch's allocator may hand back already touched): all of it
+@pytest.mark.parametrize("allocate, lost", [(fresh, 2 * hugepages.HUGE_PAGE_BYTES), (placement._ring_buffer, 0)],
+                         ids=["fresh memory it is given", "its own pageable buffers"])
+def test_the_bounce_rings_buffers_are_on_huge_pages(allocate, lost):
     backend = offload_core.get_backend("fake", chaos=False, sanitize=False)
-    ring = BounceRing(backend, lambda n, dtype: torch.empty(n, dtype=dtype), 8 * 2**20)
+    ring = BounceRing(backend, allocate, 8 * 2**20)
     for buffer in ring.buffers:
         buffer.fill_(1)
-        # all but the partial huge pages at the buffer's two ends
-        assert huge_bytes(buffer.data_ptr(), buffer.nbytes) >= buffer.nbytes - 2 * hugepages.HUGE_PAGE_BYTES
+        assert huge_bytes(buffer.data_ptr(), buffer.nbytes) >= buffer.nbytes - lost
 
 
 def test_a_readers_scratch_buffer_is_on_huge_pages():
