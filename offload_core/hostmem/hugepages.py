@@ -36,14 +36,13 @@ if _madvise is not None:
     _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def advise(address: int, nbytes: int) -> int:
-    """Ask for huge pages on the whole huge pages within ``nbytes`` at ``address``; returns the
-    bytes the kernel took the advice for (0 where it cannot, or refused)."""
+def advise(address: int, nbytes: int) -> None:
+    """Ask for huge pages on the whole huge pages within ``nbytes`` at ``address`` (a refusal is
+    not an error: the memory stays as it was)."""
     begin = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if _madvise is None or end <= begin:
-        return 0
-    return end - begin if _madvise(begin, end - begin, _MADV_HUGEPAGE) == 0 else 0
+    if _madvise is not None and end > begin:
+        _madvise(begin, end - begin, _MADV_HUGEPAGE)
 
 
 def mapping(nbytes: int) -> tuple[mmap.mmap, int]:
